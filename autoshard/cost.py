@@ -1,0 +1,93 @@
+"""Cost model: alpha-beta collectives per mesh axis (ring formulas) and compute from FLOPs over peak.
+
+Hardware profiles are data. The default is 8-GPU nodes with NVLink inside a node and a slower network
+between nodes: the innermost mesh axes whose sizes multiply to at most 8 are intra-node, the rest
+inter-node (DESIGN: axis order is slow -> fast).
+
+Byte conventions (also what the runtime counts): all_reduce/reduce_scatter/all_to_all carry the
+rank's input tensor, all_gather the gathered output.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .placement import Partial, Placement, Replicate, Shard
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective link: per-message latency (s) and bandwidth (bytes/s)."""
+
+    alpha: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """A machine as numbers; `axis_links` overrides the node rule per mesh axis when given."""
+
+    name: str = "8xGPU-NVLink-nodes"
+    peak_flops: float = 3.0e14
+    memory_bandwidth: float = 2.0e12
+    memory_bytes: float = 80e9
+    devices_per_node: int = 8
+    intra_node: Link = Link(5e-6, 2.0e11)
+    inter_node: Link = Link(2e-5, 2.5e10)
+    axis_links: tuple = field(default=())
+
+    def link(self, mesh_shape, axis: int) -> Link:
+        if self.axis_links:
+            return self.axis_links[axis]
+        inner = math.prod(mesh_shape[axis:])
+        return self.intra_node if inner <= self.devices_per_node else self.inter_node
+
+
+DEFAULT_PROFILE = HardwareProfile()
+
+
+def all_reduce_time(nbytes: float, k: int, link: Link) -> float:
+    return 0.0 if k == 1 else 2 * (k - 1) / k * nbytes / link.bandwidth + 2 * (k - 1) * link.alpha
+
+
+def all_gather_time(out_bytes: float, k: int, link: Link) -> float:
+    return 0.0 if k == 1 else (k - 1) / k * out_bytes / link.bandwidth + (k - 1) * link.alpha
+
+
+reduce_scatter_time = all_gather_time
+
+
+def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
+    return 0.0 if k == 1 else (k - 1) / k * local_bytes / link.bandwidth + (k - 1) * link.alpha
+
+
+def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link: Link) -> float:
+    """Forward + backward time of turning `src` into `dst` on one axis; `nbytes`: whole on this axis."""
+    if src == dst or k == 1:
+        return 0.0
+    if isinstance(dst, Partial):
+        return INF  # making a partial sum out of a full tensor is never needed
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return all_reduce_time(nbytes, k, link)
+        return reduce_scatter_time(nbytes, k, link) + all_gather_time(nbytes, k, link)
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return all_gather_time(nbytes, k, link)
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return all_gather_time(nbytes, k, link)  # free forward chunk, gathered gradient
+    return 2 * all_to_all_time(nbytes / k, k, link)
+
+
+def conversion_bytes(src: Placement, dst: Placement, nbytes: float, k: int) -> tuple[float, float]:
+    """(forward, backward) bytes moved by the conversion, in the runtime's counting convention."""
+    if src == dst or k == 1:
+        return 0.0, 0.0
+    if isinstance(src, Partial):
+        return (nbytes, 0.0) if isinstance(dst, Replicate) else (nbytes, nbytes)
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return nbytes, 0.0
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return 0.0, nbytes
+    return nbytes / k, nbytes / k

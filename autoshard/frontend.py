@@ -1,0 +1,129 @@
+"""torch.export front end: model + example inputs (+ loss) -> one ATen-level fx graph of a training step.
+
+The traced program is `loss, *outputs = step(*inputs)` with parameters, buffers and user inputs as
+placeholders (export's lifted form). Shapes come from FakeTensors, so a model whose weights live on
+the meta device is traced without allocating them. Tied parameters become one placeholder whose
+other names are kept as aliases.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from . import meta
+from .errors import ExportError, UserInputError
+
+
+class _TrainStep(torch.nn.Module):
+    """Wraps the user's model so the loss is part of the traced (and sharded) program."""
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        outputs = self.model(*inputs)
+        if self.loss_fn is None:
+            return default_loss(outputs), outputs
+        return self.loss_fn(outputs, *inputs), outputs
+
+
+def default_loss(outputs):
+    """The sum of every floating output's mean (DESIGN: the loss when the factory gives none)."""
+    leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise UserInputError("the model returns no floating-point tensor to build a loss from; pass loss_fn")
+    total = leaves[0].mean()
+    for leaf in leaves[1:]:
+        total = total + leaf.mean()
+    return total
+
+
+@dataclass
+class Traced:
+    """What the front end found: the graph and where its placeholders come from."""
+
+    gm: fx.GraphModule
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    input_names: list[str] = field(default_factory=list)
+    output_spec: object = None  # pytree spec of the model's outputs
+
+
+def trace(model, example_inputs, loss_fn=None) -> Traced:
+    """Export `loss_fn(model(*inputs), *inputs)` (or the default loss) at ATen level."""
+    if not isinstance(model, torch.nn.Module):
+        raise UserInputError(f"model must be a torch.nn.Module (or fx.GraphModule), got {type(model).__name__}")
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    for i, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor):
+            raise UserInputError(f"example input {i} is a {type(value).__name__}; autoshard shards tensor inputs "
+                                 "only. Bind other arguments into the model (e.g. functools.partial or attributes).")
+    step = _TrainStep(model, loss_fn)
+    try:
+        exported = torch.export.export(step, tuple(example_inputs), strict=False)
+    except Exception as exc:  # re-raised with what to do; the original stays chained
+        raise ExportError.from_exception(exc) from exc
+    return _lift(exported, model, len(example_inputs))
+
+
+def _lift(exported, model, n_inputs) -> Traced:
+    gm = exported.graph_module
+    sig = exported.graph_signature
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    to_param = {k: meta._strip_root(v) for k, v in sig.inputs_to_parameters.items()}
+    to_buffer = {k: meta._strip_root(v) for k, v in sig.inputs_to_buffers.items()}
+    to_const = dict(sig.inputs_to_lifted_tensor_constants)
+    named_params = dict(model.named_parameters(remove_duplicate=False))
+    named_buffers = dict(model.named_buffers(remove_duplicate=False))
+
+    canonical_by_id: dict[int, fx.Node] = {}
+    params, buffers, aliases, input_names = {}, {}, {}, []
+    for node in placeholders:
+        if node.name in to_param or node.name in to_buffer:
+            is_param = node.name in to_param
+            fqn = to_param[node.name] if is_param else to_buffer[node.name]
+            tensor = named_params[fqn] if is_param else named_buffers.get(fqn, exported.constants.get(fqn))
+            first = canonical_by_id.get(id(tensor)) if tensor is not None else None
+            if first is not None:  # tied: reuse the first placeholder
+                node.replace_all_uses_with(first)
+                aliases.setdefault(first.meta[meta.PATH], []).append(fqn)
+                gm.graph.erase_node(node)
+                continue
+            if tensor is not None:
+                canonical_by_id[id(tensor)] = node
+            node.meta[meta.KIND] = "param" if is_param else "buffer"
+            node.meta[meta.PATH] = fqn
+            (params if is_param else buffers)[fqn] = tensor
+        elif node.name in to_const:
+            fqn = to_const[node.name]
+            node.meta[meta.KIND] = "buffer"
+            node.meta[meta.PATH] = fqn
+            buffers[fqn] = exported.constants[fqn]
+        else:
+            node.meta[meta.KIND] = "input"
+            node.meta[meta.PATH] = f"input:{len(input_names)}"
+            input_names.append(node.name)
+    if len(input_names) != n_inputs:
+        raise ExportError(f"export kept {len(input_names)} of {n_inputs} inputs (a non-tensor or unused input?); "
+                          "pass only the tensors the model's forward uses")
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta[meta.KIND] = "op"
+            node.meta[meta.PATH] = meta.module_path(node)
+        elif node.op == "output":
+            node.meta[meta.KIND] = "output"
+    for fqn, names in aliases.items():
+        for node in placeholders:
+            if node.meta.get(meta.PATH) == fqn:
+                node.meta[meta.ALIASES] = list(names)
+    gm.graph.lint()
+    gm.recompile()
+    out_spec = exported.call_spec.out_spec.child(1) if exported.call_spec.out_spec else None
+    return Traced(gm, params, buffers, aliases, input_names, out_spec)

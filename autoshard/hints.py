@@ -1,0 +1,156 @@
+"""Sharding hints: the JSON/dict format of DESIGN.md, parsed and checked against the traced graph.
+
+Keys: a parameter-path glob (`layers.*.attn.q.weight`), a module-path glob with `:output`
+(`layers.*.mlp:output`), or `input:<i>`. Values map axis names to `"S(d)"`, `"R"` or `"P"`.
+A module glob with `:shard` takes MindSpore-style split counts for the module's one op:
+`{"in_strategy": [[2, 1], [4, 1]]}`. Unmentioned axes are free.
+
+>>> hints = Hints.parse({"layers.*.mlp.fc1.weight": {"tp": "S(0)"}, "input:0": {"dp": "S(0)"}})
+>>> hints.entries[0].target_kind
+'param'
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import HintError
+from .placement import Partial, Placement, Shard, parse_placement
+
+MAX_HINT_FILE_BYTES = 4 << 20
+_KEY_RE = re.compile(r"^(?P<target>[A-Za-z0-9_.*?\[\]\-]+)(?::(?P<suffix>output|stage|shard))?$")
+
+
+@dataclass(frozen=True)
+class HintEntry:
+    """One key of the hint file: what it targets and the placements or split counts it asks for."""
+
+    key: str
+    target_kind: str  # "param" | "output" | "input" | "shard" | "stage"
+    pattern: str
+    placements: dict = field(default_factory=dict)  # axis name -> Placement
+    split_counts: tuple = ()
+
+
+@dataclass
+class Hints:
+    """Parsed hints, still in user terms (axis names, globs); `annotate` resolves them on a graph."""
+
+    entries: list[HintEntry] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path) -> "Hints":
+        """Read a hint file: JSON only (never code), at most 4 MiB."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise HintError(f"cannot read hint file {str(path)!r}: {exc.strerror}") from exc
+        if len(raw) > MAX_HINT_FILE_BYTES:
+            raise HintError(f"hint file {str(path)!r} is {len(raw)} bytes; the limit is {MAX_HINT_FILE_BYTES}")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise HintError(f"hint file {str(path)!r} is not valid JSON: {exc}") from exc
+        return cls.parse(data, source=str(path))
+
+    @classmethod
+    def parse(cls, data, source: str = "hints") -> "Hints":
+        if data is None:
+            return cls()
+        if isinstance(data, Hints):
+            return data
+        if not isinstance(data, dict):
+            raise HintError(f"{source} must be a JSON object mapping keys to {{axis: placement}}, "
+                            f"got {type(data).__name__}")
+        entries = [_parse_entry(key, value, source) for key, value in data.items()]
+        return cls(entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def axis_names(self) -> set[str]:
+        return {axis for e in self.entries for axis in e.placements}
+
+    def to_json(self) -> dict:
+        out = {}
+        for e in self.entries:
+            if e.target_kind == "shard":
+                out[e.key] = {"in_strategy": [list(c) for c in e.split_counts]}
+            else:
+                out[e.key] = {axis: repr(p) for axis, p in e.placements.items()}
+        return out
+
+
+def _parse_entry(key, value, source) -> HintEntry:
+    if not isinstance(key, str):
+        raise HintError(f"{source}: key {key!r} is not a string")
+    if key.startswith("input:"):
+        index = key[len("input:"):]
+        if not index.isdigit():
+            raise HintError(f"{source}: key {key!r}: write input:<index>, e.g. 'input:0'")
+        return HintEntry(key, "input", index, _placements(key, value, source))
+    match = _KEY_RE.match(key)
+    if match is None:
+        raise HintError(f"{source}: key {key!r} is not a parameter glob, '<module glob>:output', "
+                        "'<module glob>:shard' or 'input:<i>'")
+    suffix = match.group("suffix")
+    if suffix == "shard":
+        if not isinstance(value, dict) or "in_strategy" not in value:
+            raise HintError(f"{source}: {key!r} needs {{\"in_strategy\": [[split counts per dim] per input]}}")
+        counts = value["in_strategy"]
+        if (not isinstance(counts, list) or not all(isinstance(c, list) for c in counts)
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for c in counts for n in c)):
+            raise HintError(f"{source}: {key!r}: in_strategy must be a list of lists of positive split counts, "
+                            f"e.g. [[2, 1], [4, 1]]; got {counts!r}")
+        return HintEntry(key, "shard", match.group("target"), {}, tuple(tuple(c) for c in counts))
+    if suffix == "stage":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HintError(f"{source}: {key!r} maps to a pipeline stage number (int >= 0), got {value!r}")
+        return HintEntry(key, "stage", match.group("target"), {}, (value,))
+    kind = "output" if suffix == "output" else "param"
+    return HintEntry(key, kind, match.group("target"), _placements(key, value, source))
+
+
+def _placements(key, value, source) -> dict:
+    if not isinstance(value, dict) or not value:
+        raise HintError(f"{source}: {key!r} must map axis names to placements, e.g. {{\"tp\": \"S(0)\"}}; "
+                        f"got {value!r}")
+    out = {}
+    for axis, text in value.items():
+        try:
+            out[axis] = parse_placement(text, f"{source} key {key!r} axis {axis!r}")
+        except ValueError as exc:
+            raise HintError(str(exc)) from None
+    return out
+
+
+def match_paths(pattern: str, paths) -> list[str]:
+    """Paths matching a glob, where `*` also matches a single path component."""
+    return [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+
+
+def unknown_target_error(entry: HintEntry, known, what: str) -> HintError:
+    close = difflib.get_close_matches(entry.pattern, list(known), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return HintError(f"hint {entry.key!r} matches no {what} of the model.{hint} "
+                     f"Check the path against model.named_{'parameters' if what == 'parameter' else 'modules'}().")
+
+
+def check_placement_for(key: str, kind: str, axis: str, placement: Placement, shape) -> Placement:
+    """A hint's placement must name an existing dim; inputs and parameters cannot be partial."""
+    what = {"param": "parameter", "input": "input", "output": "module output"}.get(kind, "tensor")
+    if isinstance(placement, Partial) and kind in ("param", "input"):
+        raise HintError(f"hint {key!r} on axis {axis!r}: a {what} cannot be partial ('P'); use 'R' or 'S(d)'")
+    if isinstance(placement, Shard):
+        ndim = len(shape)
+        dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < ndim:
+            raise HintError(f"hint {key!r} on axis {axis!r}: {placement!r} names dim {placement.dim} but the "
+                            f"{what} has {ndim} dims (shape {tuple(shape)})")
+        return Shard(dim)
+    return placement

@@ -1,0 +1,41 @@
+"""The `node.meta["autoshard.*"]` keys every pass reads and writes, in one place.
+
+kind         "param" | "buffer" | "input" | "op" | "output"   (frontend)
+path         parameter/buffer FQN, "input:<i>", or the module path of an op (frontend)
+aliases      other FQNs of a tied parameter (frontend)
+hint         {axis index: Placement} fixed by the user (annotate)
+candidates   [per axis: [AxisStrategy]] feasible choices (strategies)
+choice       [per axis: AxisStrategy] the chosen strategy (solve)
+spec         Spec of the node's output(s) (solve)
+in_specs     [Spec] required of each tensor input position (solve)
+grad_partial [tuple of axes] per tensor input position where the gradient comes back partial (solve)
+grad_reduce  axes on which a parameter's gradient is reduced after backward (insert_comm)
+comm         for inserted collectives: {"op", "axis", ...} (insert_comm)
+"""
+KIND = "autoshard.kind"
+PATH = "autoshard.path"
+ALIASES = "autoshard.aliases"
+HINT = "autoshard.hint"
+CANDIDATES = "autoshard.candidates"
+CHOICE = "autoshard.choice"
+SPEC = "autoshard.spec"
+IN_SPECS = "autoshard.in_specs"
+GRAD_PARTIAL = "autoshard.grad_partial"
+GRAD_REDUCE = "autoshard.grad_reduce"
+COMM = "autoshard.comm"
+
+
+def module_path(node) -> str:
+    """Innermost module path of a node from export's nn_module_stack ('' at top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _strip_root(path)
+
+
+def _strip_root(path: str) -> str:
+    """Export names the model inside our train-step wrapper 'model'; users never see that prefix."""
+    if path == "model":
+        return ""
+    return path[len("model."):] if path.startswith("model.") else path

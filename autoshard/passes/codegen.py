@@ -1,0 +1,88 @@
+"""codegen: one fx.GraphModule per rank, holding only that rank's parameter shards.
+
+Reads the graph after insert_comm (`autoshard.spec` everywhere, collectives as call nodes) and the
+model's tensors. Writes nothing into the shared graph: `build_rank_module(state, rank)` returns a new
+GraphModule where parameters and buffers are `get_attr`s of local shards (copied from the model's
+weights), shape arguments of view/expand-like ops are the local shapes, `autoshard.constrain` calls
+are dropped, and collectives stay visible call nodes naming their mesh axis.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import meta
+from ..placement import local_shape, shard_tensor
+from ..strategies.base import REGISTRY
+
+
+def codegen(state) -> None:
+    """Checks that every rank's module can be built (local shapes divide); modules are built lazily."""
+    for node in state.gm.graph.nodes:
+        if meta.SPEC in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
+            try:
+                local_shape(node.meta["val"].shape, node.meta[meta.SPEC], state.mesh.shape)
+            except ValueError as exc:
+                raise ValueError(f"node {node.name!r} ({node.meta.get(meta.PATH)}): {exc}") from None
+
+
+codegen.name = "codegen"
+
+
+def attr_names(state) -> dict[str, str]:
+    """Parameter/buffer FQN -> attribute name on the rank module (unique, deterministic)."""
+    names, used = {}, set()
+    for node in state.gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get(meta.KIND) in ("param", "buffer"):
+            base = node.meta[meta.PATH].replace(".", "_")
+            name, i = base, 1
+            while name in used:
+                name, i = f"{base}_{i}", i + 1
+            used.add(name)
+            names[node.meta[meta.PATH]] = name
+    return names
+
+
+def build_rank_module(state, rank: int) -> fx.GraphModule:
+    mesh = state.mesh
+    coord = mesh.coord(rank)
+    traced = state.traced
+    root = torch.nn.Module()
+    names = attr_names(state)
+    graph = fx.Graph()
+    env: dict = {}
+    constrain = getattr(getattr(torch.ops, "autoshard", None), "constrain", None)
+    for node in state.gm.graph.nodes:
+        kind = node.meta.get(meta.KIND)
+        if node.op == "placeholder" and kind in ("param", "buffer"):
+            fqn = node.meta[meta.PATH]
+            source = traced.params[fqn] if kind == "param" else traced.buffers[fqn]
+            local = shard_tensor(source.detach(), node.meta[meta.SPEC], coord, mesh.shape).clone()
+            if kind == "param":
+                root.register_parameter(names[fqn], torch.nn.Parameter(local, requires_grad=source.requires_grad))
+            else:
+                root.register_buffer(names[fqn], local)
+            new = graph.get_attr(names[fqn])
+        elif node.op == "call_function" and constrain is not None and node.target is constrain.default:
+            env[node] = env[node.args[0]]
+            continue
+        else:
+            new = graph.node_copy(node, lambda n: env[n])
+            if node.op == "call_function":
+                _localize_args(new, node, mesh)
+        new.meta = dict(node.meta)
+        env[node] = new
+    gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}")
+    gm.meta["autoshard.rank"] = rank
+    return gm
+
+
+def _localize_args(new: fx.Node, node: fx.Node, mesh) -> None:
+    """Ops whose arguments spell the output shape get the rank's local shape."""
+    rule = REGISTRY.lookup(node.target)
+    if rule is None or rule.shape_arg is None or meta.SPEC not in node.meta:
+        return
+    shape = list(local_shape(node.meta["val"].shape, node.meta[meta.SPEC], mesh.shape))
+    args = list(new.args)
+    args[rule.shape_arg] = shape
+    new.args = tuple(args)

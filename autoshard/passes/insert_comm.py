@@ -1,0 +1,110 @@
+"""insert_comm: put the collectives on every edge whose producer and consumer placements differ.
+
+Reads `autoshard.spec`, `autoshard.in_specs`, `autoshard.grad_partial` (from solve). Writes
+collective nodes calling `autoshard.runtime.collectives.*` (meta `autoshard.kind` = "comm",
+`autoshard.comm` = {"op", "axis", ...}, `autoshard.spec` = the spec after the step) and
+`state.grad_reduce` (parameter FQN -> mesh axis names its gradient is reduced on after backward).
+
+Duality rule: a replicated input of an op that splits its work on an axis gets a partial gradient
+there. For activations a `grad_all_reduce` node (identity forward, all-reduce backward) restores
+the replicated gradient; one node per (producer, spec) serves every consumer, so q/k/v projections of
+one input cost one backward all-reduce. A parameter whose every use is direct and partial on an axis
+is instead reduced after backward by the bucketed grad sync. Invariant: every edge's producer spec
+equals its consumer's required spec, and every gradient arrives in its dual placement.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import meta
+from ..placement import Spec
+from ..redistribute import plan_redistribute
+from ..runtime.collectives import COLLECTIVES
+from ..strategies import tensor_inputs
+from ..strategies.base import is_tensor_value
+
+
+def insert_comm(state) -> None:
+    graph = state.gm.graph
+    names = state.mesh.names
+    uses: dict = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or meta.IN_SPECS not in node.meta:
+            continue
+        for pos, producer in enumerate(tensor_inputs(node)):
+            want = node.meta[meta.IN_SPECS][pos]
+            partial = node.meta[meta.GRAD_PARTIAL][pos]
+            uses.setdefault(producer, []).append((node, pos, want, partial))
+    cache: dict = {}
+    state.grad_reduce = {}
+    for producer, producer_uses in uses.items():
+        src = producer.meta[meta.SPEC]
+        deferred = _deferred_axes(producer, src, producer_uses)
+        if deferred:
+            state.grad_reduce[producer.meta[meta.PATH]] = tuple(names[a] for a in deferred)
+        for node, pos, want, partial in producer_uses:
+            in_graph_partial = tuple(a for a in partial if a not in deferred)
+            key = (producer, want, in_graph_partial)
+            if key not in cache:
+                cache[key] = _build_chain(graph, producer, src, want, in_graph_partial, names, node)
+            new_input = cache[key]
+            if new_input is not producer:
+                _replace_input(node, pos, producer, new_input)
+
+
+insert_comm.name = "insert_comm"
+
+
+def _deferred_axes(producer, src, producer_uses) -> tuple[int, ...]:
+    """Axes where a parameter's gradient is reduced after backward: every use direct and partial there."""
+    if producer.op != "placeholder" or producer.meta.get(meta.KIND) != "param":
+        return ()
+    if any(want != src for _, _, want, _ in producer_uses):
+        return ()
+    axes = set(producer_uses[0][3])
+    for _, _, _, partial in producer_uses[1:]:
+        axes &= set(partial)
+    return tuple(sorted(axes))
+
+
+def _build_chain(graph, producer, src: Spec, want: Spec, partial_axes, names, consumer):
+    value, spec = producer, src
+    anchor = consumer
+    for step in plan_redistribute(src, want):
+        spec = step.apply(spec)
+        args = [value, names[step.axis]]
+        if step.op == "all_to_all":
+            args += [step.dim, step.to_dim]
+        elif step.dim is not None:
+            args.append(step.dim)
+        value = _comm_node(graph, anchor, step.op, args, spec, producer, consumer)
+    for axis in partial_axes:
+        value = _comm_node(graph, anchor, "grad_all_reduce", [value, names[axis]], spec, producer, consumer)
+    return value
+
+
+def _comm_node(graph, anchor, op, args, spec, producer, consumer):
+    with graph.inserting_before(anchor):
+        node = graph.call_function(COLLECTIVES[op], tuple(args))
+    node.meta["val"] = producer.meta["val"]
+    node.meta[meta.KIND] = "comm"
+    node.meta[meta.SPEC] = spec
+    node.meta[meta.PATH] = consumer.meta.get(meta.PATH, "")
+    node.meta[meta.COMM] = {"op": op, "axis": args[1], "args": list(args[2:])}
+    if "nn_module_stack" in consumer.meta:
+        node.meta["nn_module_stack"] = consumer.meta["nn_module_stack"]
+    return node
+
+
+def _replace_input(node, pos, producer, new_input):
+    """Swap the `pos`-th tensor input (counting repeats, as `tensor_inputs` does) from `producer`."""
+    seen = [0]
+
+    def swap(arg):
+        if not is_tensor_value(arg):
+            return arg
+        index = seen[0]
+        seen[0] += 1
+        return new_input if index == pos and arg is producer else arg
+    node.args = fx.node.map_arg(node.args, swap)
+    node.kwargs = fx.node.map_arg(node.kwargs, swap)

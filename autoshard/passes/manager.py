@@ -1,0 +1,69 @@
+"""The pass manager: runs named passes in order, times them, keeps each pass's graph text, verifies.
+
+A pass is a callable `pass_(state) -> None` with a `name`; it reads and writes
+`node.meta["autoshard.*"]` of `state.gm` (and `state` fields the docstring names). In tests and debug
+runs `verify_state` checks the invariants between passes and names the node, placement and axis.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.fx as fx
+
+from ..mesh import Mesh
+
+
+@dataclass
+class CompileState:
+    """What the passes share: the graph, the mesh, the user's hints and options."""
+
+    gm: fx.GraphModule
+    mesh: Mesh
+    traced: object
+    hints: object = None
+    options: dict = field(default_factory=dict)
+    grad_reduce: dict = field(default_factory=dict)  # param FQN -> axes its gradient is reduced on
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One pass's record: name, seconds, and the annotated graph it left."""
+
+    name: str
+    seconds: float
+    graph_text: str
+
+    def __repr__(self) -> str:
+        return f"# after {self.name} ({self.seconds * 1e3:.0f} ms)\n{self.graph_text}"
+
+
+class History(list):
+    """`prog.history`: printable list of HistoryEntry."""
+
+    def __repr__(self) -> str:
+        return "\n\n".join(repr(e) for e in self)
+
+    def summary(self) -> str:
+        return "\n".join(f"{e.name:<14} {e.seconds * 1e3:8.1f} ms" for e in self)
+
+
+def run_passes(state: CompileState, passes: list[Callable], verify: bool = False,
+               describe: Callable | None = None) -> History:
+    """Run `passes` on `state`; return their history. `describe(state)` renders the graph text."""
+    from .verifier import verify_state
+    history = History()
+    for pass_ in passes:
+        start = time.perf_counter()
+        pass_(state)
+        seconds = time.perf_counter() - start
+        text = describe(state) if describe is not None else state.gm.graph.python_code("self").src
+        history.append(HistoryEntry(pass_name(pass_), seconds, text))
+        if verify:
+            verify_state(state, after=pass_name(pass_))
+    return history
+
+
+def pass_name(pass_) -> str:
+    return getattr(pass_, "name", getattr(pass_, "__name__", type(pass_).__name__))

@@ -1,0 +1,184 @@
+"""normalize: rewrite ops into forms whose sharding is local and exact.
+
+Reads the traced graph; writes a graph where
+- a bias is added after linear/conv/addmm (so a partial matmul never adds its bias k times);
+- `mean` is `sum / count` with the global count (a mean over a shard is not a partial mean);
+- cross-entropy is `log_softmax` + `nll_loss(sum) / number of counted targets`;
+- higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off).
+Invariant: the graph computes the same values; every node has a FakeTensor `val`.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import meta
+from .graph_utils import new_node, refresh_vals, val_of
+
+aten = torch.ops.aten
+
+
+def normalize(state) -> None:
+    gm = state.gm
+    changed = _inline_grad_regions(gm)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        rewrite = _REWRITES.get(node.target)
+        if rewrite is not None and rewrite(gm.graph, node):
+            changed = True
+    if changed:
+        gm.graph.lint()
+        refresh_vals(gm)
+
+
+normalize.name = "normalize"
+
+
+def _replace(node: fx.Node, new: fx.Node) -> bool:
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)
+    return True
+
+
+def _split_bias(bias_index: int, bias_view_dims=0):
+    """op(x, w, b, ...) -> op(x, w, None, ...) + b (viewed to broadcast over trailing spatial dims)."""
+    def rewrite(graph, node):
+        args = list(node.args)
+        if len(args) <= bias_index or args[bias_index] is None:
+            return False
+        bias = args[bias_index]
+        args[bias_index] = None
+        if node.target is aten.linear.default:
+            args = args[:2]
+        with graph.inserting_before(node):
+            core = new_node(graph, node.target, args, node.kwargs, like=node)
+            if bias_view_dims:
+                ndim = len(val_of(node).shape)
+                bias = new_node(graph, aten.view.default, [bias, [-1] + [1] * (ndim - 2)], like=node)
+            out = new_node(graph, aten.add.Tensor, [core, bias], like=node)
+        return _replace(node, out)
+    return rewrite
+
+
+def _addmm(graph, node):
+    bias, a, b = node.args[:3]
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return False
+    mm = aten.mm.default if node.target is aten.addmm.default else aten.bmm.default
+    with graph.inserting_before(node):
+        out = new_node(graph, aten.add.Tensor, [new_node(graph, mm, [a, b], like=node), bias], like=node)
+    return _replace(node, out)
+
+
+def _mean(graph, node):
+    x = node.args[0]
+    shape = val_of(x).shape
+    if node.target is aten.mean.default:
+        dims, keepdim = list(range(len(shape))), False
+    else:
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] not in (None, []) else list(range(len(shape)))
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = [dims] if isinstance(dims, int) else dims
+    count = math.prod(shape[d] for d in dims)
+    dtype = node.kwargs.get("dtype")
+    with graph.inserting_before(node):
+        total = new_node(graph, aten.sum.dim_IntList, [x, list(dims), keepdim], {"dtype": dtype} if dtype else {},
+                         like=node)
+        out = new_node(graph, aten.div.Tensor, [total, float(count)], like=node)
+    return _replace(node, out)
+
+
+def _cross_entropy(graph, node):
+    x, target = node.args[:2]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    if smoothing or not val_of(target).dtype in (torch.int64, torch.int32):
+        return False
+    dtype = val_of(node).dtype
+    with graph.inserting_before(node):
+        logp = new_node(graph, aten.log_softmax.int, [x, 1], like=node)
+        nll = new_node(graph, aten.nll_loss_nd.default, [logp, target, weight, reduction, ignore], like=node)
+    _replace(node, nll)
+    _nll_mean(graph, nll, dtype)
+    return True
+
+
+def _nll_mean(graph, node, dtype=None):
+    """nll_loss(mean) -> nll_loss(sum) / count of targets not ignored (the global count)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, target, weight, reduction, ignore = args[:5]
+    reduction = node.kwargs.get("reduction", 1) if reduction is None else reduction
+    ignore = node.kwargs.get("ignore_index", -100) if ignore is None else ignore
+    if reduction != 1 or weight is not None or node.kwargs.get("weight") is not None:
+        return False
+    dtype = dtype or val_of(node).dtype
+    with graph.inserting_before(node):
+        total = new_node(graph, node.target, [x, target, None, 2, ignore], like=node)
+        counted = new_node(graph, aten.ne.Scalar, [target, ignore], like=node)
+        count = new_node(graph, aten.sum.default, [counted], {"dtype": dtype}, like=node)
+        out = new_node(graph, aten.div.Tensor, [total, count], like=node)
+    return _replace(node, out)
+
+
+def _unflatten(graph, node):
+    """unflatten's size list is global; a view with the output shape gets localized like any view."""
+    with graph.inserting_before(node):
+        out = new_node(graph, aten.view.default, [node.args[0], list(val_of(node).shape)], like=node)
+    return _replace(node, out)
+
+
+def _inline_grad_regions(gm: fx.GraphModule) -> bool:
+    """Inline `wrap_with_set_grad_enabled(flag, submod, *args)`; detach results made without grad."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or hop is None or node.target is not hop:
+            continue
+        enabled, sub_node, *args = node.args
+        sub = getattr(gm, sub_node.target)
+        env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], args))
+        results = None
+        with gm.graph.inserting_before(node):
+            for inner in sub.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    results = fx.node.map_arg(inner.args[0], lambda n: env[n])
+                    continue
+                copied = gm.graph.node_copy(inner, lambda n: env[n])
+                copied.meta[meta.KIND] = "op"
+                copied.meta[meta.PATH] = node.meta.get(meta.PATH, meta.module_path(inner))
+                env[inner] = copied
+            if not enabled:
+                results = [new_node(gm.graph, aten.detach.default, [r], like=node) for r in results]
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(sub_node)
+        delattr(gm, sub_node.target)
+        changed = True
+    return changed
+
+
+_REWRITES = {
+    aten.linear.default: _split_bias(2),
+    aten.conv1d.default: _split_bias(2, bias_view_dims=1),
+    aten.conv2d.default: _split_bias(2, bias_view_dims=1),
+    aten.conv3d.default: _split_bias(2, bias_view_dims=1),
+    aten.addmm.default: _addmm,
+    aten.baddbmm.default: _addmm,
+    aten.mean.dim: _mean,
+    aten.mean.default: _mean,
+    aten.cross_entropy_loss.default: _cross_entropy,
+    aten.nll_loss_nd.default: _nll_mean,
+    aten.nll_loss.default: _nll_mean,
+    aten.unflatten.int: _unflatten,
+}

@@ -1,0 +1,56 @@
+"""strategies: list every node's feasible sharding candidates on each mesh axis.
+
+Reads: node vals, `autoshard.kind`, the compile mode (auto / semi-auto). Writes
+`autoshard.candidates` = [per axis: [AxisStrategy]] on every placeholder and op node.
+Invariant: every list holds at least the all-replicated candidate (always correct).
+Placeholders choose an output placement only: R or S(d) (never P). In semi-auto mode (any hint
+given) a parameter or buffer without a hint on an axis stays replicated there, as in MindSpore.
+"""
+from __future__ import annotations
+
+import warnings
+
+from .. import meta
+from ..placement import R, Shard
+from ..strategies import AxisStrategy, candidates_for, tensor_inputs
+from ..strategies.base import is_tensor_value, output_shapes
+
+
+def strategies(state) -> None:
+    mesh = state.mesh
+    semi_auto = bool(state.hints)
+    unknown: dict[str, list[str]] = {}
+    for node in state.gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[meta.CANDIDATES] = [_placeholder_candidates(node, axis, k, semi_auto)
+                                          for axis, k in enumerate(mesh.shape)]
+        elif node.op == "call_function" and is_tensor_value(node):
+            in_shapes = [_first_shape(n) for n in tensor_inputs(node)]
+            outs = output_shapes(node)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                node.meta[meta.CANDIDATES] = [candidates_for(node, in_shapes, outs, k) for k in mesh.shape]
+            if caught:
+                unknown.setdefault(str(node.target), []).append(node.name)
+    for op, names in unknown.items():
+        warnings.warn(f"autoshard: no sharding rule for {op} (nodes {', '.join(names[:5])}"
+                      f"{' ...' if len(names) > 5 else ''}); they run replicated on every rank. Register a rule "
+                      "in autoshard/strategies to shard them.", stacklevel=2)
+
+
+strategies.name = "strategies"
+
+
+def _first_shape(node):
+    shapes = output_shapes(node)
+    return shapes[0] if shapes else ()
+
+
+def _placeholder_candidates(node, axis: int, axis_size: int, semi_auto: bool) -> list[AxisStrategy]:
+    found = [AxisStrategy((), R)]
+    hinted = node.meta.get(meta.HINT, {}).get(axis)
+    if semi_auto:  # unhinted placeholders stay replicated
+        return found + ([AxisStrategy((), hinted)] if hinted is not None and hinted != R else [])
+    shape = _first_shape(node)
+    found += [AxisStrategy((), Shard(d)) for d, size in enumerate(shape) if size % axis_size == 0 and size >= axis_size]
+    return found

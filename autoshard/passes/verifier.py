@@ -1,0 +1,44 @@
+"""Invariant checks run between passes in tests and debug mode; errors name node, placement and axis."""
+from __future__ import annotations
+
+import torch
+
+from .. import meta
+from ..placement import Partial, Shard
+from ..strategies import tensor_inputs
+
+
+class VerifierError(AssertionError):
+    """A pass left the graph in a state that breaks an invariant (an autoshard bug)."""
+
+
+def verify_state(state, after: str) -> None:
+    graph = state.gm.graph
+    graph.lint()
+    names = state.mesh.names
+    for node in graph.nodes:
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta:
+            raise VerifierError(f"after {after}: node {node.name!r} has no FakeTensor 'val'")
+        cands = node.meta.get(meta.CANDIDATES)
+        if cands is not None:
+            for axis, found in enumerate(cands):
+                if not found:
+                    raise VerifierError(f"after {after}: node {node.name!r} has no candidate on axis {names[axis]!r}")
+        spec = node.meta.get(meta.SPEC)
+        if spec is None:
+            continue
+        if node.op == "placeholder" and any(isinstance(p, Partial) for p in spec):
+            raise VerifierError(f"after {after}: placeholder {node.name!r} is partial ({spec!r})")
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for axis, p in enumerate(spec):
+                if isinstance(p, Shard) and not 0 <= p.dim < val.dim():
+                    raise VerifierError(f"after {after}: node {node.name!r} placement {p!r} on axis "
+                                        f"{names[axis]!r} names a dim of a {val.dim()}-d tensor")
+        if after in ("insert_comm", "codegen") and node.op == "call_function" and meta.IN_SPECS in node.meta:
+            for pos, producer in enumerate(tensor_inputs(node)):
+                want = node.meta[meta.IN_SPECS][pos]
+                have = producer.meta.get(meta.SPEC)
+                if have != want:
+                    raise VerifierError(f"after {after}: node {node.name!r} input {pos} ({producer.name!r}) is "
+                                        f"{have!r} but the op's strategy needs {want!r}")

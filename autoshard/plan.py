@@ -1,0 +1,162 @@
+"""Plan: what the compiler decided, as a table for people and as deterministic JSON for tools.
+
+Every tensor's placement per mesh axis, every collective with its axis and bytes, the parameters whose
+gradients are reduced after backward, and the predicted communication per mesh axis. The JSON is
+byte-identical for the same inputs (sorted keys, no addresses, no hash order); its sha256 is the
+plan fingerprint that ranks compare before their first collective.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import meta
+from .mesh import Mesh
+from .placement import Shard, Spec, describe_type, dtype_name
+
+PLAN_VERSION = 1
+_COMM_BYTES_ON_INPUT = {"all_reduce", "reduce_scatter", "all_to_all", "grad_all_reduce"}
+
+
+@dataclass
+class PlanRow:
+    """One node of the plan."""
+
+    name: str
+    op: str
+    path: str
+    kind: str
+    type: str
+    spec: str
+    strategy: str = ""
+    collective: str = ""
+    axis: str = ""
+    bytes_fwd: int = 0
+    bytes_bwd: int = 0
+
+
+@dataclass
+class Plan:
+    mesh: Mesh
+    rows: list[PlanRow]
+    grad_reduce: dict = field(default_factory=dict)
+    hints: dict = field(default_factory=dict)
+    predicted: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_state(cls, state) -> "Plan":
+        mesh = state.mesh
+        rows, per_axis = [], {name: {"fwd": 0, "bwd": 0, "sync": 0} for name in mesh.names}
+        for node in state.gm.graph.nodes:
+            if meta.SPEC not in node.meta:
+                continue
+            val = node.meta.get("val")
+            spec = node.meta[meta.SPEC]
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+            dtype = dtype_name(val.dtype) if isinstance(val, torch.Tensor) else "tuple"
+            row = PlanRow(node.name, _op_name(node), node.meta.get(meta.PATH, ""), node.meta.get(meta.KIND, ""),
+                          describe_type(shape, spec, mesh.names, dtype), repr(spec))
+            choice = node.meta.get(meta.CHOICE)
+            if choice and node.op == "call_function":
+                row.strategy = " | ".join(repr(c) for c in choice)
+            comm = node.meta.get(meta.COMM)
+            if comm:
+                row.collective, row.axis = comm["op"], comm["axis"]
+                row.bytes_fwd, row.bytes_bwd = _comm_bytes(node, comm, mesh)
+                per_axis[comm["axis"]]["fwd"] += row.bytes_fwd
+                per_axis[comm["axis"]]["bwd"] += row.bytes_bwd
+            rows.append(row)
+        for node in state.gm.graph.nodes:
+            axes = state.grad_reduce.get(node.meta.get(meta.PATH)) if node.op == "placeholder" else None
+            for axis in axes or ():
+                per_axis[axis]["sync"] += _local_bytes(node.meta["val"], node.meta[meta.SPEC], mesh)
+        hints = state.hints.to_json() if hasattr(state.hints, "to_json") else {}
+        predicted = {"comm_bytes_per_step": per_axis}
+        return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, predicted)
+
+    def to_json(self) -> dict:
+        return {"version": PLAN_VERSION, "mesh": self.mesh.to_json(), "hints": self.hints,
+                "nodes": [r.__dict__ for r in self.rows],
+                "grad_reduce": {k: list(v) for k, v in self.grad_reduce.items()},
+                "predicted": self.predicted}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.dumps().encode()).hexdigest()[:16]
+
+    def collectives(self) -> list[PlanRow]:
+        return [r for r in self.rows if r.collective]
+
+    def filter(self, glob: str) -> list[PlanRow]:
+        """Rows whose module path matches a glob (`layers.0.*`) or equals it."""
+        return [r for r in self.rows if fnmatch.fnmatchcase(r.path, glob) or r.path == glob
+                or r.path.startswith(glob + ".")]
+
+    def table(self, rows=None) -> str:
+        rows = self.rows if rows is None else rows
+        head = ("node", "op", "module", "type", "collective", "fwd B", "bwd B")
+        body = [(r.name, r.op, r.path, r.type, f"{r.collective}@{r.axis}" if r.collective else "",
+                 str(r.bytes_fwd or ""), str(r.bytes_bwd or "")) for r in rows]
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        counts: dict = {}
+        for r in self.collectives():
+            counts.setdefault(r.axis, {}).setdefault(r.collective, 0)
+            counts[r.axis][r.collective] += 1
+        lines = [f"Plan on {self.mesh!r}: {len(self.rows)} nodes, {len(self.collectives())} collectives, "
+                 f"fingerprint {self.fingerprint}"]
+        for axis in self.mesh.names:
+            b = self.predicted["comm_bytes_per_step"][axis]
+            ops = ", ".join(f"{n} {k}" for k, n in sorted(counts.get(axis, {}).items())) or "none"
+            lines.append(f"  axis {axis}: {ops}; bytes/step fwd {b['fwd']}, bwd {b['bwd']}, grad sync {b['sync']}")
+        if self.grad_reduce:
+            lines.append(f"  gradients reduced after backward: {len(self.grad_reduce)} parameters "
+                         f"(on {sorted({a for v in self.grad_reduce.values() for a in v})})")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary() + "\n\n" + self.table()
+
+
+def _op_name(node) -> str:
+    if node.op == "placeholder":
+        return node.meta.get(meta.KIND, "input")
+    comm = node.meta.get(meta.COMM)
+    if comm:
+        return comm["op"]
+    return str(node.target).replace("aten.", "")
+
+
+def _local_bytes(val, spec: Spec, mesh: Mesh) -> int:
+    split = math.prod(mesh.shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
+    return val.numel() * val.element_size() // split
+
+
+def _comm_bytes(node, comm, mesh) -> tuple[int, int]:
+    """Per-rank bytes of one collective node, in the runtime's counting convention."""
+    src_spec = node.args[0].meta[meta.SPEC]
+    dst_spec = node.meta[meta.SPEC]
+    val = node.meta["val"]
+    op = comm["op"]
+    if op == "all_reduce":
+        return _local_bytes(val, src_spec, mesh), 0
+    if op == "grad_all_reduce":
+        return 0, _local_bytes(val, src_spec, mesh)
+    if op == "all_gather":
+        return _local_bytes(val, dst_spec, mesh), 0
+    if op == "chunk":
+        return 0, _local_bytes(val, src_spec, mesh)
+    if op == "reduce_scatter":
+        return _local_bytes(val, src_spec, mesh), _local_bytes(val, src_spec, mesh)
+    return _local_bytes(val, src_spec, mesh), _local_bytes(val, dst_spec, mesh)

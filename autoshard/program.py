@@ -1,0 +1,141 @@
+"""Program: the compiled result — plan, per-rank modules, history, simulator — and `parallelize`.
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp()
+>>> prog = autoshard.parallelize(model, mesh=(2,), axis_names=("dp",), example_inputs=inputs,
+...                              loss_fn=loss_fn, hints={"input:0": {"dp": "S(0)"}})
+>>> prog.plan.grad_reduce["layers.0.weight"]
+('dp',)
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from . import meta
+from .errors import UserInputError
+from .frontend import trace
+from .mesh import Mesh
+from .passes.annotate import annotate
+from .passes.codegen import attr_names, build_rank_module, codegen
+from .passes.insert_comm import insert_comm
+from .passes.manager import CompileState, History, run_passes
+from .passes.normalize import normalize
+from .passes.solve import solve
+from .passes.strategies import strategies
+from .placement import describe_type, unshard_tensors
+from .plan import Plan
+from .runtime.communicator import ThreadCommunicator, ThreadHub
+from .runtime.rank_module import RankModule
+
+PASSES = [normalize, annotate, strategies, solve, insert_comm, codegen]
+
+
+def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
+                profile=None) -> "Program":
+    """Plan `model` on `mesh` and return the Program (no process group needed to plan).
+
+    `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
+    *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
+    """
+    mesh = Mesh.of(mesh, axis_names)
+    if hints is not None and not isinstance(hints, dict):
+        from .hints import Hints
+        hints = Hints.load(hints)
+    traced = trace(model, example_inputs, loss_fn)
+    options = {"profile": profile} if profile is not None else {}
+    state = CompileState(traced.gm, mesh, traced, hints, options)
+    history = run_passes(state, PASSES, verify=debug, describe=describe_graph)
+    return Program(state, history)
+
+
+def describe_graph(state) -> str:
+    """The graph's code with sharding-annotated types on every line that has a spec."""
+    lines = []
+    for node in state.gm.graph.nodes:
+        spec = node.meta.get(meta.SPEC)
+        val = node.meta.get("val")
+        if node.op == "output":
+            lines.append(f"return {node.args[0]}")
+            continue
+        typ = describe_type(tuple(val.shape), spec, state.mesh.names, val.dtype) if isinstance(val, torch.Tensor) \
+            else ""
+        call = node.format_node() or node.name
+        call = call.split(" = ", 1)[1] if " = " in call else call
+        lines.append(f"{node.name}: {typ} = {call}" if typ else f"{node.name} = {call}")
+    return "\n".join(lines)
+
+
+class Program:
+    """Plan + per-rank modules + runtime helpers for one model on one mesh."""
+
+    def __init__(self, state: CompileState, history: History):
+        self.state = state
+        self.mesh = state.mesh
+        self.traced = state.traced
+        self.history = history
+        self.grad_reduce = state.grad_reduce
+        self.attr_names = attr_names(state)
+        self.output_spec = self.traced.output_spec
+        inputs = [n for n in state.gm.graph.nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
+        self.input_specs = [n.meta[meta.SPEC] for n in inputs]
+        self._output_specs = [getattr(a, "meta", {}).get(meta.SPEC) for a in
+                              next(n for n in state.gm.graph.nodes if n.op == "output").args[0]]
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        return Plan.from_state(self.state)
+
+    def __repr__(self) -> str:
+        return f"Program({self.mesh!r}, fingerprint={self.plan.fingerprint})\n{self.plan.summary()}"
+
+    @functools.lru_cache(maxsize=None)
+    def graph(self, rank: int) -> torch.fx.GraphModule:
+        """Rank `rank`'s GraphModule: local parameter shards, local shapes, visible collectives."""
+        if not 0 <= rank < self.mesh.size:
+            raise UserInputError(f"rank {rank} is outside the mesh {self.mesh!r} (ranks 0..{self.mesh.size - 1})")
+        return build_rank_module(self.state, rank)
+
+    def module(self, rank: int, comm) -> RankModule:
+        """A fresh trainable module for `rank` talking through `comm` (its own parameter copies)."""
+        return RankModule(build_rank_module(self.state, rank), comm, self)
+
+    def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
+        """The global tensor from every rank's block (sums partial axes)."""
+        return unshard_tensors({self.mesh.coord(r): b for r, b in blocks_by_rank.items()}, spec, self.mesh.shape)
+
+    @property
+    def output_specs(self):
+        """Specs of (loss, *flat outputs) as the rank modules return them."""
+        return self._output_specs
+
+    def canonical_param(self, fqn: str) -> str:
+        """The FQN a tied parameter is held under (its first name in the traced graph)."""
+        for first, others in self.traced.aliases.items():
+            if fqn in others:
+                return first
+        return fqn
+
+    def param_spec(self, fqn: str):
+        for node in self.state.gm.graph.nodes:
+            if node.op == "placeholder" and node.meta.get(meta.PATH) == fqn:
+                return node.meta[meta.SPEC]
+        raise KeyError(fqn)
+
+    def simulate(self, *inputs, timeout_s: float = 60.0):
+        """Run all ranks in this process (threads); return the global (loss, outputs) like the model."""
+        from .runtime.simulator import run_ranks
+        import torch.utils._pytree as pytree
+
+        def step(module):
+            loss, outputs = module(*module.local_inputs(*inputs))
+            return [loss.detach(), *[o.detach() for o in pytree.tree_leaves(outputs)]]
+
+        results = run_ranks(self, step, timeout_s=timeout_s)
+        flat = [self.assemble({r: results[r][i] for r in results}, spec)
+                for i, spec in enumerate(self._output_specs)]
+        outputs = pytree.tree_unflatten(flat[1:], self.output_spec) if self.output_spec is not None else flat[1:]
+        return flat[0], outputs

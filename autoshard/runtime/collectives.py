@@ -1,0 +1,165 @@
+"""The collectives per-rank graphs call, as autograd functions whose backward is the dual one.
+
+Placement duality (DESIGN): a gradient's placement is the dual of its tensor's forward placement,
+S(d) <-> S(d), P <-> R, R <-> R. So each forward redistribution has a fixed backward:
+
+  forward                   backward
+  all_reduce     P -> R     identity        (Megatron's g)
+  grad_all_reduce R -> R    all_reduce      (Megatron's f: the consumer splits its work, so the
+                                             gradient of its replicated input comes back partial)
+  all_gather     S -> R     chunk
+  chunk          R -> S     all_gather
+  reduce_scatter P -> S     all_gather
+  all_to_all     S(d)->S(e) all_to_all S(e)->S(d)
+
+The functions find the calling rank's communicator via `use_communicator` (set by the rank module
+around its forward) and keep it in the autograd context for the backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from .communicator import Communicator
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def use_communicator(comm: Communicator):
+    previous = getattr(_LOCAL, "comm", None)
+    _LOCAL.comm = comm
+    try:
+        yield comm
+    finally:
+        _LOCAL.comm = previous
+
+
+def current() -> Communicator:
+    comm = getattr(_LOCAL, "comm", None)
+    if comm is None:
+        raise RuntimeError("a per-rank autoshard module ran outside its rank: call it through RankModule "
+                           "(prog.module(rank)) or prog.simulate(...), not the bare GraphModule")
+    return comm
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        comm.log.record(axis, "all_reduce", _nbytes(x), "fwd")
+        return comm.all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        ctx.comm, ctx.axis = comm, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.comm.log.record(ctx.axis, "all_reduce", _nbytes(grad), "bwd")
+        return ctx.comm.all_reduce(grad, ctx.axis), None, None
+
+
+def _chunk(comm, x, axis, dim):
+    k = comm.axis_size(axis)
+    return x.chunk(k, dim)[comm.axis_rank(axis)].contiguous()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        out = comm.all_gather(x, axis, dim)
+        comm.log.record(axis, "all_gather", _nbytes(out), "fwd")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+
+
+class _Chunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return _chunk(comm, x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.comm.all_gather(grad.contiguous(), ctx.axis, ctx.dim)
+        ctx.comm.log.record(ctx.axis, "all_gather", _nbytes(out), "bwd")
+        return out, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        comm.log.record(axis, "reduce_scatter", _nbytes(x), "fwd")
+        return comm.reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.comm.all_gather(grad.contiguous(), ctx.axis, ctx.dim)
+        ctx.comm.log.record(ctx.axis, "all_gather", _nbytes(out), "bwd")
+        return out, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, gather_dim, scatter_dim):
+        ctx.comm, ctx.axis, ctx.dims = comm, axis, (gather_dim, scatter_dim)
+        comm.log.record(axis, "all_to_all", _nbytes(x), "fwd")
+        return comm.all_to_all(x.contiguous(), axis, gather_dim, scatter_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gather_dim, scatter_dim = ctx.dims
+        ctx.comm.log.record(ctx.axis, "all_to_all", _nbytes(grad), "bwd")
+        return ctx.comm.all_to_all(grad.contiguous(), ctx.axis, scatter_dim, gather_dim), None, None, None, None
+
+
+def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """P -> R on `axis` (backward: identity)."""
+    return _AllReduce.apply(x, current(), axis)
+
+
+def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity forward; all-reduces the gradient on `axis` in backward."""
+    return _GradAllReduce.apply(x, current(), axis)
+
+
+def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """S(dim) -> R on `axis` (backward: take this rank's chunk)."""
+    return _AllGather.apply(x, current(), axis, dim)
+
+
+def chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """R -> S(dim) on `axis`, no communication (backward: all_gather)."""
+    return _Chunk.apply(x, current(), axis, dim)
+
+
+def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """P -> S(dim) on `axis` (backward: all_gather)."""
+    return _ReduceScatter.apply(x, current(), axis, dim)
+
+
+def all_to_all(x: torch.Tensor, axis: str, gather_dim: int, scatter_dim: int) -> torch.Tensor:
+    """S(gather_dim) -> S(scatter_dim) on `axis` (backward: the reverse all_to_all)."""
+    return _AllToAll.apply(x, current(), axis, gather_dim, scatter_dim)
+
+
+COLLECTIVES = {"all_reduce": all_reduce, "grad_all_reduce": grad_all_reduce, "all_gather": all_gather,
+               "chunk": chunk, "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}

@@ -1,0 +1,5 @@
+"""The strategy registry: ATen op -> rule listing per-axis sharding candidates (see base.py)."""
+from . import einsum, nn_ops, pointwise, reduction, views  # noqa: F401  (rules register on import)
+from .base import REGISTRY, AxisStrategy, RuleContext, candidates_for, register, tensor_inputs
+
+__all__ = ["REGISTRY", "AxisStrategy", "RuleContext", "candidates_for", "register", "tensor_inputs"]

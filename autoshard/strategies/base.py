@@ -1,0 +1,169 @@
+"""What a strategy rule sees and returns, and the registry that maps ATen ops to rules.
+
+A rule is written for ONE mesh axis of size `k`: it lists `AxisStrategy` candidates (one placement
+per tensor input position, one for the output). The solver expands it to N axes by choosing one
+candidate per axis; candidates whose shards do not divide evenly are dropped centrally
+(`feasible`), so rules need not check sizes.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..placement import Partial, Placement, Replicate, Shard, R
+
+
+@dataclass(frozen=True)
+class AxisStrategy:
+    """Input placements (per tensor input position) and output placement on one mesh axis."""
+
+    inputs: tuple[Placement, ...]
+    output: Placement
+
+    def __repr__(self) -> str:
+        return f"({', '.join(map(repr, self.inputs))}) -> {self.output!r}"
+
+    @property
+    def splits_work(self) -> bool:
+        """True when ranks on the axis compute different things (some placement is not R)."""
+        return not all(isinstance(p, Replicate) for p in (*self.inputs, self.output))
+
+    def to_json(self):
+        return {"inputs": [repr(p) for p in self.inputs], "output": repr(self.output)}
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued inputs in argument order (repeats kept: `mul(x, x)` has two)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+    return [n for n in found if is_tensor_value(n)]
+
+
+def is_tensor_value(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in val)
+    return isinstance(val, torch.Tensor)
+
+
+def output_shapes(node: fx.Node) -> list[tuple[int, ...]]:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)]
+
+
+@dataclass
+class RuleContext:
+    """Everything a rule may look at for one node on one mesh axis."""
+
+    node: fx.Node
+    in_shapes: list[tuple[int, ...]]
+    out_shapes: list[tuple[int, ...]]
+    axis_size: int
+
+    @property
+    def args(self):
+        return self.node.args
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.out_shapes[0]
+
+    def arg(self, index: int, name: str, default=None):
+        """Positional-or-keyword argument of the node."""
+        if len(self.node.args) > index:
+            return self.node.args[index]
+        return self.node.kwargs.get(name, default)
+
+    def replicated(self) -> AxisStrategy:
+        return AxisStrategy((R,) * len(self.in_shapes), R)
+
+
+RuleFn = Callable[[RuleContext], list[AxisStrategy]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A strategy rule; `shape_arg` names the argument holding the output shape (rewritten locally)."""
+
+    fn: RuleFn
+    shape_arg: int | None = None
+    note: str = ""
+
+
+@dataclass
+class Registry:
+    """ATen op (overload or packet) -> Rule. Overload entries win over packet entries."""
+
+    rules: dict = field(default_factory=dict)
+
+    def register(self, ops, fn: RuleFn, shape_arg: int | None = None, note: str = ""):
+        for op in ops if isinstance(ops, (list, tuple)) else [ops]:
+            self.rules[op] = Rule(fn, shape_arg, note)
+
+    def lookup(self, target) -> Rule | None:
+        if target in self.rules:
+            return self.rules[target]
+        packet = getattr(target, "overloadpacket", None)
+        return self.rules.get(packet)
+
+
+REGISTRY = Registry()
+
+
+def register(ops, shape_arg: int | None = None, note: str = ""):
+    """Decorator form of `REGISTRY.register`."""
+    def wrap(fn):
+        REGISTRY.register(ops, fn, shape_arg, note)
+        return fn
+    return wrap
+
+
+def feasible(strategy: AxisStrategy, ctx: RuleContext) -> bool:
+    """Shards must name existing dims and split them evenly over the axis."""
+    k = ctx.axis_size
+    for placement, shape in zip(strategy.inputs, ctx.in_shapes):
+        if isinstance(placement, Shard) and not _divides(shape, placement.dim, k):
+            return False
+    if isinstance(strategy.output, Shard):
+        return all(_divides(shape, strategy.output.dim, k) for shape in ctx.out_shapes)
+    return True
+
+
+def _divides(shape, dim, k) -> bool:
+    return 0 <= dim < len(shape) and shape[dim] % k == 0 and shape[dim] >= k
+
+
+def unique(strategies) -> list[AxisStrategy]:
+    """Drop repeats, keeping first-seen order (deterministic)."""
+    seen, out = set(), []
+    for s in strategies:
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def candidates_for(node: fx.Node, in_shapes, out_shapes, axis_size: int, warn=True) -> list[AxisStrategy]:
+    """Feasible candidates of `node` on an axis of `axis_size`; unknown ops are replicated with a warning."""
+    ctx = RuleContext(node, list(in_shapes), list(out_shapes), axis_size)
+    rule = REGISTRY.lookup(node.target)
+    if rule is None:
+        if warn:
+            warnings.warn(f"autoshard: no sharding rule for {node.target} (node {node.name!r}); it runs "
+                          "replicated on every rank. Register one in autoshard/strategies to shard it.",
+                          stacklevel=2)
+        return [ctx.replicated()]
+    found = [s for s in unique(rule.fn(ctx)) if len(s.inputs) == len(in_shapes) and feasible(s, ctx)]
+    replicated = ctx.replicated()
+    if replicated not in found:
+        found.insert(0, replicated)
+    return found
+
+
+__all__ = ["AxisStrategy", "RuleContext", "Rule", "REGISTRY", "register", "candidates_for", "tensor_inputs",
+           "output_shapes", "is_tensor_value", "unique", "Partial", "Shard", "Replicate"]

@@ -1,0 +1,89 @@
+"""Special ops: each a short rule next to a one-line reason."""
+from __future__ import annotations
+
+import torch
+
+from ..placement import P, R, Shard
+from .base import AxisStrategy, REGISTRY
+
+aten = torch.ops.aten
+
+
+def _leading_dims(ctx, normalized_index=1):
+    """Norms over the trailing `normalized_shape` dims: shard leading dims; weight/bias replicated."""
+    ndim = len(ctx.in_shapes[0])
+    normalized = ctx.arg(normalized_index, "normalized_shape")
+    rest = (R,) * (len(ctx.in_shapes) - 1)
+    return [AxisStrategy((Shard(d),) + rest, Shard(d)) for d in range(ndim - len(normalized))]
+
+
+REGISTRY.register([aten.layer_norm.default, aten.rms_norm.default], _leading_dims,
+                  note="statistics over trailing dims: only leading dims shard")
+
+
+def _batch_norm(ctx):
+    """Training batch norm reduces over every dim but channels (1); eval may shard the batch too."""
+    training = ctx.arg(5, "training", False)
+    channel = AxisStrategy((Shard(1),) + tuple(Shard(0) for _ in ctx.in_shapes[1:]), Shard(1))
+    found = [channel]
+    if not training:
+        found.append(AxisStrategy((Shard(0),) + (R,) * (len(ctx.in_shapes) - 1), Shard(0)))
+    return found
+
+
+REGISTRY.register([aten.batch_norm.default], _batch_norm, note="channels shard; batch only in eval")
+
+
+def _attention(ctx):
+    """q, k, v [B, H, L, E]: batch (0) and heads (1) shard; the attention itself stays whole."""
+    found = []
+    for d in (0, 1):
+        placements = []
+        for i, shape in enumerate(ctx.in_shapes):
+            if i < 3:
+                placements.append(Shard(d))
+            else:  # mask, broadcast against [B, H, L, S]
+                j = d - (4 - len(shape))
+                placements.append(Shard(j) if j >= 0 and shape[j] != 1 else R)
+        found.append(AxisStrategy(tuple(placements), Shard(d)))
+    return found
+
+
+REGISTRY.register([aten.scaled_dot_product_attention.default], _attention, note="batch and head sharding")
+
+
+def _nll_loss(ctx):
+    """input [N, C, ...], target [N, ...]: sharded N or spatial dims make partial sums (reduction=sum)."""
+    reduction = ctx.arg(3, "reduction", 1)
+    ndim = len(ctx.in_shapes[0])
+    rest = (R,) * (len(ctx.in_shapes) - 2)  # class weights
+    found = []
+    for d in [0] + list(range(2, ndim)):
+        target_dim = 0 if d == 0 else d - 1
+        if reduction == 2:
+            found.append(AxisStrategy((Shard(d), Shard(target_dim)) + rest, P))
+        elif reduction == 0:
+            found.append(AxisStrategy((Shard(d), Shard(target_dim)) + rest, Shard(target_dim)))
+    if reduction in (0, 2):
+        found.append(AxisStrategy((P, R) + rest, P))
+    return found
+
+
+REGISTRY.register([aten.nll_loss_nd.default, aten.nll_loss.default, aten.nll_loss2d.default], _nll_loss,
+                  note="sum/none reductions shard the batch; mean is split into sum / count by normalize")
+
+
+def _replicated_only(ctx):
+    return [ctx.replicated()]
+
+
+REGISTRY.register([aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
+                   aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
+                   aten.rand.default, aten.randn.default, aten.randint.low, aten.randint.default,
+                   aten.tensor.default, aten.lift_fresh.default],
+                  _replicated_only, note="creation ops: every rank makes the whole tensor")
+REGISTRY.register([aten.add_.Tensor, aten.copy_.default, aten.mul_.Tensor, aten.fill_.Scalar, aten.zero_.default,
+                   aten.index.Tensor, aten.gather.default, aten.scatter.src, aten.index_put.default,
+                   aten.repeat.default, aten.repeat_interleave.self_int, aten.item.default,
+                   aten.cross_entropy_loss.default, aten._local_scalar_dense.default],
+                  _replicated_only, note="in-place updates, gathers and fused losses run replicated")

@@ -1,0 +1,77 @@
+"""Reductions: a reduced sharded dim makes a partial sum (sums) or must stay whole (max, var, ...)."""
+from __future__ import annotations
+
+import torch
+
+from ..placement import P, R, Shard
+from .base import AxisStrategy, RuleContext, REGISTRY
+
+aten = torch.ops.aten
+
+
+def reduced_dims(ctx: RuleContext, dim_index=1, keepdim_index=2):
+    """(sorted reduced dims, keepdim) of a reduction node; no dims or an empty list = all dims."""
+    ndim = len(ctx.in_shapes[0])
+    dims = ctx.arg(dim_index, "dim", None)
+    if dims is None or dims == []:
+        dims = list(range(ndim))
+    elif isinstance(dims, int):
+        dims = [dims]
+    keepdim = bool(ctx.arg(keepdim_index, "keepdim", False))
+    return sorted(d % max(ndim, 1) for d in dims), keepdim
+
+
+def _out_dim(d, reduced, keepdim):
+    return d if keepdim else d - sum(1 for r in reduced if r < d)
+
+
+def reduction_rule(partial: bool, dim_index=1, keepdim_index=2):
+    def rule(ctx):
+        reduced, keepdim = reduced_dims(ctx, dim_index, keepdim_index)
+        n = len(ctx.in_shapes)
+        found = [ctx.replicated()]
+        for d in range(len(ctx.in_shapes[0])):
+            if d in reduced:
+                if partial:
+                    found.append(AxisStrategy((Shard(d),) + (R,) * (n - 1), P))
+            else:
+                found.append(AxisStrategy((Shard(d),) + (R,) * (n - 1), Shard(_out_dim(d, reduced, keepdim))))
+        if partial:
+            found.append(AxisStrategy((P,) + (R,) * (n - 1), P))
+        return found
+    return rule
+
+
+def _whole_sum(ctx):
+    """sum.default reduces every dim: any shard gives a partial sum."""
+    return [AxisStrategy((Shard(d),), P) for d in range(len(ctx.in_shapes[0]))] + [AxisStrategy((P,), P)]
+
+
+REGISTRY.register([aten.sum.dim_IntList], reduction_rule(True), note="sharded reduced dim -> partial")
+REGISTRY.register([aten.sum.default], _whole_sum, note="sum of everything: any shard -> partial")
+REGISTRY.register([aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
+                   aten.argmin.default, aten.logsumexp.default, aten.prod.dim_int, aten.any.dim, aten.all.dim,
+                   aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default],
+                  reduction_rule(False), note="reduced dims stay whole")
+REGISTRY.register([aten.var.dim, aten.std.dim, aten.var_mean.dim], reduction_rule(False), note="reduced dims whole")
+REGISTRY.register([aten.var.correction, aten.std.correction, aten.var_mean.correction],
+                  reduction_rule(False, 1, 3), note="reduced dims stay whole")
+
+
+def _along_dim(linear: bool):
+    """Ops working along one dim (softmax, cumsum): that dim stays whole."""
+    def rule(ctx):
+        dim = ctx.arg(1, "dim") % len(ctx.in_shapes[0])
+        n = len(ctx.in_shapes)
+        found = [AxisStrategy((Shard(d),) + (R,) * (n - 1), Shard(d))
+                 for d in range(len(ctx.in_shapes[0])) if d != dim]
+        if linear:
+            found.append(AxisStrategy((P,) + (R,) * (n - 1), P))
+        return found
+    return rule
+
+
+REGISTRY.register([aten.softmax.int, aten.log_softmax.int, aten._softmax.default, aten._log_softmax.default,
+                   aten.cummax.default, aten.cummin.default, aten.sort.default],
+                  _along_dim(False), note="the softmax/sort dim stays whole")
+REGISTRY.register([aten.cumsum.default], _along_dim(True), note="the cumsum dim stays whole; linear")

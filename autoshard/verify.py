@@ -1,0 +1,143 @@
+"""Train the parallel program and the single-device model side by side and compare them.
+
+Both run N SGD steps in float64 from the same weights on the same full batch. Compared: the loss of
+every step, the outputs and gradients of the first step, and the parameters after the last step
+(largest relative difference each). `verify_simulated` runs all ranks in this process;
+`autoshard.runtime.launch` runs the same rank function on real process groups.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+
+TOLERANCE = 1e-6
+
+
+def to_double(model, inputs):
+    model = copy.deepcopy(model).double()
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    return model, inputs
+
+
+def reference_run(model, inputs, loss_fn, steps: int, lr: float) -> dict:
+    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}."""
+    from .frontend import default_loss
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(params.values(), lr=lr)
+    losses, outputs, grads = [], None, None
+    for step in range(steps):
+        opt.zero_grad()
+        out = model(*inputs)
+        loss = loss_fn(out, *inputs) if loss_fn is not None else default_loss(out)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        if step == 0:
+            outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
+            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+        opt.step()
+    return {"loss": losses, "outputs": outputs, "grads": grads,
+            "params": {k: p.detach().clone() for k, p in params.items()}}
+
+
+def rank_run(module, inputs, steps: int, lr: float) -> dict:
+    """One rank's training run on its module; returns its local results and collective counts."""
+    local_inputs = module.local_inputs(*inputs)
+    params = dict(module.named_local_parameters())
+    opt = torch.optim.SGD(params.values(), lr=lr)
+    module.comm.log.clear()
+    losses, outputs, grads, counts = [], None, None, None
+    for step in range(steps):
+        opt.zero_grad()
+        loss, out = module(*local_inputs)
+        module.comm.phase = "bwd"
+        loss.backward()
+        module.sync_grads()
+        module.comm.phase = "fwd"
+        losses.append(loss.detach().clone())
+        if step == 0:
+            outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
+            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+            counts = module.comm.log.summary()
+        opt.step()
+    return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts,
+            "params": {k: p.detach().clone() for k, p in params.items()}}
+
+
+@dataclass
+class VerifyReport:
+    """Largest relative differences and the collectives one training step ran on rank 0."""
+
+    max_diff: dict = field(default_factory=dict)
+    worst: dict = field(default_factory=dict)
+    collectives: dict = field(default_factory=dict)
+    predicted: dict = field(default_factory=dict)
+    steps: int = 0
+    tolerance: float = TOLERANCE
+
+    @property
+    def ok(self) -> bool:
+        return all(v <= self.tolerance for v in self.max_diff.values())
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "steps": self.steps, "tolerance": self.tolerance, "max_rel_diff": self.max_diff,
+                "worst": self.worst, "collectives_per_step": self.collectives, "predicted": self.predicted}
+
+    def __repr__(self) -> str:
+        lines = [f"verify: {'OK' if self.ok else 'MISMATCH'} ({self.steps} steps, tolerance {self.tolerance:g})"]
+        for key, value in self.max_diff.items():
+            lines.append(f"  {key:<8} max rel diff {value:.3e}  ({self.worst.get(key, '')})")
+        for axis, kinds in self.collectives.items():
+            for kind, c in kinds.items():
+                lines.append(f"  axis {axis}: {kind} fwd {c['fwd']} bwd {c['bwd']} sync {c.get('sync', 0)} "
+                             f"bytes {c['bytes']}")
+        return "\n".join(lines)
+
+
+ABS_FLOOR = 1e-9  # gradients that are zero in exact arithmetic (e.g. a key bias) compare absolutely
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|, with |b| floored so float64 round-off around zero is not a mismatch."""
+    if a.shape != b.shape:
+        return float("inf")
+    if not b.numel():
+        return 0.0
+    return (a - b).abs().max().item() / max(b.abs().max().item(), ABS_FLOOR)
+
+
+def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
+    report = VerifyReport(steps=steps)
+    specs = program.output_specs
+
+    def track(key, name, value):
+        if value >= report.max_diff.get(key, -1.0):
+            report.max_diff[key], report.worst[key] = value, name
+
+    for step in range(steps):
+        loss = program.assemble({r: res["loss"][step] for r, res in ranks.items()}, specs[0])
+        track("loss", f"step {step}", rel_diff(loss, ref["loss"][step]))
+    for i, expected in enumerate(ref["outputs"]):
+        got = program.assemble({r: res["outputs"][i] for r, res in ranks.items()}, specs[1 + i])
+        track("outputs", f"output {i}", rel_diff(got, expected))
+    for kind in ("grads", "params"):
+        for fqn, expected in ref[kind].items():
+            name = program.canonical_param(fqn)
+            got = program.assemble({r: res[kind][name] for r, res in ranks.items()}, program.param_spec(name))
+            track(kind, fqn, rel_diff(got, expected))
+    report.collectives = ranks[0]["counts"]
+    report.predicted = program.plan.predicted
+    return report
+
+
+def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1, **kwargs):
+    """Parallelize in float64, train in the simulator and on one device; return the VerifyReport."""
+    from .program import parallelize
+    from .runtime.simulator import run_ranks
+    model, inputs = to_double(model, inputs)
+    program = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=loss_fn, **kwargs)
+    ref = reference_run(model, inputs, loss_fn, steps, lr)
+    ranks = run_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
+    return compare(program, ref, ranks, steps), program
