@@ -126,6 +126,41 @@ def _nll_mean(graph, node, dtype=None):
     return _replace(node, out)
 
 
+def _batch_norm(graph, node):
+    """Training batch norm as explicit sums over (batch, spatial) dims: sharding the batch then gives
+    SyncBatchNorm (the sums become partial and are all-reduced), and the running statistics are
+    updated in place from the global statistics."""
+    x, weight, bias, running_mean, running_var, training, momentum, eps = node.args[:8]
+    if not training or momentum is None:
+        return False
+    shape = val_of(x).shape
+    dims = [0] + list(range(2, len(shape)))
+    count = math.prod(shape[d] for d in dims)
+    param_shape = [1, shape[1]] + [1] * (len(shape) - 2)
+
+    def call(target, *args, **kwargs):
+        return new_node(graph, target, list(args), kwargs, like=node)
+
+    with graph.inserting_before(node):
+        mean = call(aten.div.Tensor, call(aten.sum.dim_IntList, x, dims, True), float(count))
+        centered = call(aten.sub.Tensor, x, mean)
+        var = call(aten.div.Tensor, call(aten.sum.dim_IntList, call(aten.mul.Tensor, centered, centered), dims, True),
+                   float(count))
+        out = call(aten.mul.Tensor, centered, call(aten.rsqrt.default, call(aten.add.Tensor, var, eps)))
+        if weight is not None:
+            out = call(aten.mul.Tensor, out, call(aten.view.default, weight, param_shape))
+        if bias is not None:
+            out = call(aten.add.Tensor, out, call(aten.view.default, bias, param_shape))
+        for buffer, stat, scale in ((running_mean, mean, 1.0), (running_var, var, count / max(count - 1, 1))):
+            if buffer is None:
+                continue
+            stat = call(aten.view.default, call(aten.detach.default, stat), [shape[1]])
+            updated = call(aten.add.Tensor, call(aten.mul.Tensor, buffer, 1.0 - momentum),
+                           call(aten.mul.Tensor, stat, momentum * scale))
+            call(aten.copy_.default, buffer, updated)
+    return _replace(node, out)
+
+
 def _unflatten(graph, node):
     """unflatten's size list is global; a view with the output shape gets localized like any view."""
     with graph.inserting_before(node):
@@ -181,4 +216,5 @@ _REWRITES = {
     aten.nll_loss_nd.default: _nll_mean,
     aten.nll_loss.default: _nll_mean,
     aten.unflatten.int: _unflatten,
+    aten.batch_norm.default: _batch_norm,
 }

@@ -11,11 +11,11 @@ forbidden pairs (multi-output producers and mutated inputs cannot be resharded).
 constraints. Node costs count compute (divided when the work is split) and the backward all-reduce
 implied by the duality rule for replicated inputs of split ops.
 
-Semi-auto mode (any hint given) behaves like GSPMD propagation: a parameter's placement flows into
-the ops that use it (resharding a parameter costs `PARAM_RESHARD_PENALTY` times its price, so it
-happens only where no op can use the placement), and the gradient reduction of a replicated parameter
-used by a split op is the user's choice (sharding the batch *is* data parallelism), so it is not
-charged: hinted shardings flow through the graph instead of being gathered away.
+Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
+graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
+sharded tensor back to replicated, cost `PROPAGATION_PENALTY` times their price (so they happen only
+where no op can keep the sharding), and the gradient reduction of a replicated parameter used by a
+split op is not charged (sharding the batch *is* the user's choice of data parallelism).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from .annotate import INPUT_HINT
 
 aten = torch.ops.aten
 _SCALE = 1e6
-PARAM_RESHARD_PENALTY = 1e3  # seconds -> microseconds keeps HiGHS's tolerances meaningful
+PROPAGATION_PENALTY = 1e3  # seconds -> microseconds keeps HiGHS's tolerances meaningful
 MUTATED_POSITIONS = {aten.add_.Tensor: (0,), aten.copy_.default: (0,), aten.mul_.Tensor: (0,),
                      aten.fill_.Scalar: (0,), aten.zero_.default: (0,)}
 
@@ -119,15 +119,9 @@ def _solve_axis(nodes, axis, mesh, choices, grad, profile, charge_sync):
     k = mesh.shape[axis]
     link = profile.link(mesh.shape, axis)
     cands = {n: _axis_candidates(n, axis, mesh, choices) for n in nodes}
-    offset, index = 0, {}
-    for n in nodes:
-        index[n] = offset
-        offset += len(cands[n])
-    costs = [0.0] * offset
-    for n in nodes:
-        for j, c in enumerate(cands[n]):
-            costs[index[n] + j] = _node_cost(n, c, k, link, profile, grad, choices, mesh, axis, charge_sync) * _SCALE
-    rows, forbidden, edge_costs = [], [], []
+    node_costs = {n: [_node_cost(n, c, k, link, profile, grad, choices, mesh, axis, charge_sync) * _SCALE
+                      for c in cands[n]] for n in nodes}
+    edges: dict = {}  # (u, v) -> cost matrix [len(cands[u])][len(cands[v])], INF = forbidden
     for v in nodes:
         if v.op != "call_function":
             continue
@@ -137,27 +131,24 @@ def _solve_axis(nodes, axis, mesh, choices, grad, profile, charge_sync):
         for pos, u in enumerate(tensor_inputs(v)):
             if u not in cands:
                 continue
+            matrix = edges.setdefault((u, v), [[0.0] * len(cands[v]) for _ in cands[u]])
             tuple_valued = isinstance(u.meta.get("val"), (tuple, list))
             nbytes = _local_bytes(u, choices, mesh, axis)
+            is_param = u.op == "placeholder" and u.meta.get(meta.KIND) != "input"
             for a, cu in enumerate(cands[u]):
                 for b, cv in enumerate(cands[v]):
                     want = cv.inputs[pos]
                     if cu.output == want:
                         continue
-                    cost = INF if (tuple_valued or pos in mutated) else conversion_time(cu.output, want, nbytes, k, link)
-                    if not charge_sync and u.op == "placeholder" and u.meta.get(meta.KIND) != "input":
-                        cost *= PARAM_RESHARD_PENALTY
-                    if cost == INF:
-                        forbidden.append((index[u] + a, index[v] + b))
-                    elif cost > 0:
-                        edge_costs.append((index[u] + a, index[v] + b, cost * _SCALE))
-    solution = _run_ilp(offset, costs, [(index[n], len(cands[n])) for n in nodes], forbidden, edge_costs)
-    picked = {}
-    for n in nodes:
-        start = index[n]
-        j = max(range(len(cands[n])), key=lambda j: solution[start + j])
-        picked[n] = cands[n][j]
-    return picked
+                    if tuple_valued or pos in mutated:
+                        matrix[a][b] = INF
+                        continue
+                    cost = conversion_time(cu.output, want, nbytes, k, link)
+                    if not charge_sync and (is_param or isinstance(cu.output, Shard) and isinstance(want, Replicate)):
+                        cost *= PROPAGATION_PENALTY
+                    matrix[a][b] += cost * _SCALE
+    chosen = _run_ilp(nodes, cands, node_costs, edges)
+    return {n: cands[n][chosen[n]] for n in nodes}
 
 
 def _local_bytes(node, choices, mesh, axis) -> float:
@@ -187,31 +178,69 @@ def _node_cost(node, cand, k, link, profile, grad, choices, mesh, axis, charge_s
     return compute + comm
 
 
-def _run_ilp(n_choice, costs, groups, forbidden, edge_costs):
-    """min costs.x + sum(edge e) s.t. one-hot groups, x_a + x_b <= 1 (forbidden), e >= x_a + x_b - 1."""
+def _run_ilp(nodes, cands, node_costs, edges) -> dict:
+    """Alpa's ILP: one-hot x per node; per edge a joint distribution e over candidate pairs whose
+    marginals are the two nodes' x (a tight relaxation); forbidden pairs have e = 0. Edges with a
+    single-candidate end are folded into the other end's costs first, so hinted or trivial nodes add
+    no variables."""
+    costs = {n: list(node_costs[n]) for n in nodes}
+    allowed = {n: [True] * len(cands[n]) for n in nodes}
+    joint = []
+    for (u, v), matrix in edges.items():
+        if len(cands[u]) == 1 or len(cands[v]) == 1:
+            for a in range(len(cands[u])):
+                for b in range(len(cands[v])):
+                    cost = matrix[a][b]
+                    free, index = (v, b) if len(cands[u]) == 1 else (u, a)
+                    if cost == INF:
+                        allowed[free][index] = False
+                    else:
+                        costs[free][index] += cost
+        else:
+            joint.append((u, v, matrix))
+    for n in nodes:
+        if not any(allowed[n]):
+            raise PlanError(f"no sharding of node {n.name!r} ({n.meta.get(meta.PATH) or n.target}) is compatible "
+                            "with its fixed neighbours (a multi-output or in-place operand would need resharding)")
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("threads", 1)
-    n_edge = len(edge_costs)
-    n_var = n_choice + n_edge
+    start, n_var, obj, upper = {}, 0, [], []
+    for n in nodes:
+        start[n] = n_var
+        n_var += len(cands[n])
+        obj += costs[n]
+        upper += [1.0 if ok else 0.0 for ok in allowed[n]]
+    n_choice = n_var
+    edge_start = []
+    for u, v, matrix in joint:
+        edge_start.append(n_var)
+        for row in matrix:
+            for cost in row:
+                obj.append(0.0 if cost == INF else cost)
+                upper.append(0.0 if cost == INF else 1.0)
+                n_var += 1
     inf = highspy.kHighsInf
-    obj = np.array(list(costs) + [c for _, _, c in edge_costs], dtype=np.float64)
-    lower = np.zeros(n_var)
-    upper = np.ones(n_var)
-    h.addVars(n_var, lower, upper)
-    h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), obj)
+    h.addVars(n_var, np.zeros(n_var), np.array(upper))
+    h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), np.array(obj, dtype=np.float64))
     h.changeColsIntegrality(n_choice, np.arange(n_choice, dtype=np.int32),
                             np.array([highspy.HighsVarType.kInteger] * n_choice))
-    for start, count in groups:
-        h.addRow(1.0, 1.0, count, np.arange(start, start + count, dtype=np.int32), np.ones(count))
-    for a, b in forbidden:
-        h.addRow(-inf, 1.0, 2, np.array([a, b], dtype=np.int32), np.ones(2))
-    for e, (a, b, _) in enumerate(edge_costs):  # x_a + x_b - e <= 1
-        h.addRow(-inf, 1.0, 3, np.array([a, b, n_choice + e], dtype=np.int32), np.array([1.0, 1.0, -1.0]))
+    for n in nodes:
+        count = len(cands[n])
+        h.addRow(1.0, 1.0, count, np.arange(start[n], start[n] + count, dtype=np.int32), np.ones(count))
+    for (u, v, matrix), e0 in zip(joint, edge_start):
+        nu, nv = len(cands[u]), len(cands[v])
+        for a in range(nu):  # sum_b e[a, b] = x_u[a]
+            idx = [e0 + a * nv + b for b in range(nv)] + [start[u] + a]
+            h.addRow(0.0, 0.0, nv + 1, np.array(idx, dtype=np.int32), np.array([1.0] * nv + [-1.0]))
+        for b in range(nv):  # sum_a e[a, b] = x_v[b]
+            idx = [e0 + a * nv + b for a in range(nu)] + [start[v] + b]
+            h.addRow(0.0, 0.0, nu + 1, np.array(idx, dtype=np.int32), np.array([1.0] * nu + [-1.0]))
     h.run()
     status = h.getModelStatus()
     if status != highspy.HighsModelStatus.kOptimal:
         raise PlanError(f"the sharding ILP found no plan ({h.modelStatusToString(status)}); the hints may "
                         "force a resharding that is impossible (e.g. turning a full tensor into a partial sum)")
-    return list(h.getSolution().col_value)
+    values = h.getSolution().col_value
+    return {n: max(range(len(cands[n])), key=lambda j: values[start[n] + j]) for n in nodes}

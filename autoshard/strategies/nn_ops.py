@@ -82,8 +82,17 @@ REGISTRY.register([aten.arange.default, aten.arange.start, aten.arange.start_ste
                    aten.rand.default, aten.randn.default, aten.randint.low, aten.randint.default,
                    aten.tensor.default, aten.lift_fresh.default],
                   _replicated_only, note="creation ops: every rank makes the whole tensor")
-REGISTRY.register([aten.add_.Tensor, aten.copy_.default, aten.mul_.Tensor, aten.fill_.Scalar, aten.zero_.default,
-                   aten.index.Tensor, aten.gather.default, aten.scatter.src, aten.index_put.default,
+REGISTRY.register([aten.index.Tensor, aten.gather.default, aten.scatter.src, aten.index_put.default,
                    aten.repeat.default, aten.repeat_interleave.self_int, aten.item.default,
                    aten.cross_entropy_loss.default, aten._local_scalar_dense.default],
-                  _replicated_only, note="in-place updates, gathers and fused losses run replicated")
+                  _replicated_only, note="gathers and fused losses run replicated")
+
+
+def _in_place(ctx):
+    """In-place updates shard like elementwise ops; solve never reshards the mutated operand."""
+    from .pointwise import broadcast_strategies
+    return broadcast_strategies(ctx)
+
+
+REGISTRY.register([aten.add_.Tensor, aten.copy_.default, aten.mul_.Tensor, aten.fill_.Scalar, aten.zero_.default],
+                  _in_place, note="in-place update of a buffer, sharded like it")

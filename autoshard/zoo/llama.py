@@ -15,8 +15,8 @@ class LlamaConfig:
     vocab_size: int = 64
     max_seq: int = 16
     dim: int = 32
-    n_heads: int = 4
-    n_kv_heads: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4
     n_layers: int = 2
     ffn_dim: int = 64
     norm_eps: float = 1e-5
@@ -130,7 +130,7 @@ def llama_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
 
 
-def llama(batch=8, seq=16, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ffn_dim=64,
+def llama(batch=8, seq=16, dim=32, n_heads=8, n_kv_heads=4, n_layers=2, ffn_dim=64,
           vocab_size=64, device="cpu"):
     """Build a tiny LLaMA; returns ``(model, (ids,), loss_fn)``.
 
