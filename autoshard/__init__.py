@@ -5,12 +5,13 @@
 Mesh(dp=2, tp=2)
 """
 from . import strategies  # noqa: F401  (registers the sharding rules)
+from .constrain import constrain
 from .errors import AutoshardError, ExportError, HintError, PlanError, UserInputError
 from .mesh import Mesh
 from .placement import P, R, S, Partial, Replicate, Shard, Spec
 from .plan import Plan
 from .program import Program, parallelize
 
-__all__ = ["parallelize", "Program", "Plan", "Mesh", "Spec", "S", "R", "P", "Shard", "Replicate", "Partial",
+__all__ = ["parallelize", "constrain", "Program", "Plan", "Mesh", "Spec", "S", "R", "P", "Shard", "Replicate", "Partial",
            "AutoshardError", "ExportError", "HintError", "PlanError", "UserInputError"]
 __version__ = "0.1.0"

@@ -58,13 +58,18 @@ class Traced:
 def trace(model, example_inputs, loss_fn=None) -> Traced:
     """Export `loss_fn(model(*inputs), *inputs)` (or the default loss) at ATen level."""
     if not isinstance(model, torch.nn.Module):
-        raise UserInputError(f"model must be a torch.nn.Module (or fx.GraphModule), got {type(model).__name__}")
+        raise UserInputError(f"model must be a torch.nn.Module (or an fx.GraphModule), got {type(model).__name__}; "
+                             "wrap a plain function in an nn.Module whose forward() calls it")
+    if loss_fn is not None and not callable(loss_fn):
+        raise UserInputError(f"loss_fn must be a function loss_fn(outputs, *inputs) -> scalar tensor, got "
+                             f"{type(loss_fn).__name__}; leave it out to use the sum of the outputs' means")
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     for i, value in enumerate(example_inputs):
         if not isinstance(value, torch.Tensor):
-            raise UserInputError(f"example input {i} is a {type(value).__name__}; autoshard shards tensor inputs "
-                                 "only. Bind other arguments into the model (e.g. functools.partial or attributes).")
+            raise UserInputError(f"example_inputs[{i}] is of type {type(value).__name__}, not a torch.Tensor; "
+                                 "autoshard shards tensor inputs only. Bind other arguments into the model (e.g. "
+                                 "functools.partial or module attributes) and pass only tensors.")
     step = _TrainStep(model, loss_fn)
     try:
         exported = torch.export.export(step, tuple(example_inputs), strict=False)

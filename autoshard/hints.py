@@ -45,17 +45,23 @@ class Hints:
     @classmethod
     def load(cls, path) -> "Hints":
         """Read a hint file: JSON only (never code), at most 4 MiB."""
+        if not isinstance(path, (str, Path)):
+            raise HintError(f"hints must be a dict {{key: {{axis: placement}}}} or the path of a JSON hint file; "
+                            f"got {type(path).__name__} {path!r:.80}")
         path = Path(path)
         try:
             raw = path.read_bytes()
         except OSError as exc:
-            raise HintError(f"cannot read hint file {str(path)!r}: {exc.strerror}") from exc
+            raise HintError(f"cannot read hint file {str(path)!r}: {exc.strerror or exc}; check the path "
+                            "(hints= takes a dict or the path of a JSON file)") from exc
         if len(raw) > MAX_HINT_FILE_BYTES:
-            raise HintError(f"hint file {str(path)!r} is {len(raw)} bytes; the limit is {MAX_HINT_FILE_BYTES}")
+            raise HintError(f"hint file {str(path)!r} is {len(raw)} bytes; the limit is {MAX_HINT_FILE_BYTES} "
+                            "(4 MiB). Use globs ('layers.*.attn.q.weight') instead of one key per layer")
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise HintError(f"hint file {str(path)!r} is not valid JSON: {exc}") from exc
+            raise HintError(f"hint file {str(path)!r} is not valid JSON: {exc}. Write an object like "
+                            '{"layers.*.attn.q.weight": {"tp": "S(0)"}}') from exc
         return cls.parse(data, source=str(path))
 
     @classmethod
@@ -97,7 +103,8 @@ def _parse_entry(key, value, source) -> HintEntry:
     match = _KEY_RE.match(key)
     if match is None:
         raise HintError(f"{source}: key {key!r} is not a parameter glob, '<module glob>:output', "
-                        "'<module glob>:shard' or 'input:<i>'")
+                        "'<module glob>:shard', '<module glob>:stage' or 'input:<i>'; write e.g. "
+                        "'layers.*.attn.q.weight', 'layers.*.mlp:output' or 'input:0'")
     suffix = match.group("suffix")
     if suffix == "shard":
         if not isinstance(value, dict) or "in_strategy" not in value:
@@ -122,6 +129,9 @@ def _placements(key, value, source) -> dict:
                         f"got {value!r}")
     out = {}
     for axis, text in value.items():
+        if not isinstance(axis, str):
+            raise HintError(f"{source}: {key!r} maps {axis!r} to a placement, but keys there are mesh axis names, "
+                            "e.g. {\"tp\": \"S(0)\"}")
         try:
             out[axis] = parse_placement(text, f"{source} key {key!r} axis {axis!r}")
         except ValueError as exc:
@@ -135,22 +145,27 @@ def match_paths(pattern: str, paths) -> list[str]:
 
 
 def unknown_target_error(entry: HintEntry, known, what: str) -> HintError:
-    close = difflib.get_close_matches(entry.pattern, list(known), n=3, cutoff=0.5)
+    close = difflib.get_close_matches(entry.pattern, list(known), n=3, cutoff=0.6)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return HintError(f"hint {entry.key!r} matches no {what} of the model.{hint} "
                      f"Check the path against model.named_{'parameters' if what == 'parameter' else 'modules'}().")
 
 
-def check_placement_for(key: str, kind: str, axis: str, placement: Placement, shape) -> Placement:
-    """A hint's placement must name an existing dim; inputs and parameters cannot be partial."""
+def check_placement_for(key: str, kind: str, axis: str, placement: Placement, shape, target: str = "") -> Placement:
+    """A hint's placement must name an existing dim; inputs and parameters cannot be partial.
+
+    `target` names the tensor the hint landed on when the key is a glob (errors then say which)."""
     what = {"param": "parameter", "input": "input", "output": "module output"}.get(kind, "tensor")
+    at = f" for {target}," if target else ""
     if isinstance(placement, Partial) and kind in ("param", "input"):
-        raise HintError(f"hint {key!r} on axis {axis!r}: a {what} cannot be partial ('P'); use 'R' or 'S(d)'")
+        raise HintError(f"hint {key!r}{at} on axis {axis!r}: {'an' if kind == 'input' else 'a'} {what} cannot be "
+                        "partial ('P'): it holds whole values, not summands; use 'R' or 'S(d)'")
     if isinstance(placement, Shard):
         ndim = len(shape)
         dim = placement.dim + ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < ndim:
-            raise HintError(f"hint {key!r} on axis {axis!r}: {placement!r} names dim {placement.dim} but the "
-                            f"{what} has {ndim} dims (shape {tuple(shape)})")
+            fix = f"use 'S(0)' .. 'S({ndim - 1})' or 'R'" if ndim else "use 'R' (a scalar has no dim to shard)"
+            raise HintError(f"hint {key!r}{at} on axis {axis!r}: {placement!r} names dim {placement.dim}, but the "
+                            f"{what} has {ndim} dims (shape {tuple(shape)}); {fix}")
         return Shard(dim)
     return placement

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from dataclasses import dataclass
+
+from .errors import UserInputError
 
 
 @dataclass(frozen=True)
@@ -25,28 +28,35 @@ class Mesh:
 
     def __post_init__(self):
         shape = self.shape
-        if isinstance(shape, int):
+        if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
             shape = (shape,)
         if not isinstance(shape, (tuple, list)) or not shape:
-            raise ValueError(f"mesh shape {self.shape!r} is not a non-empty tuple of sizes, e.g. (2, 2, 2)")
-        for size in shape:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh shape {tuple(shape)!r} has size {size!r}: every axis needs a positive "
-                                 "integer size, e.g. mesh=(2, 4)")
-        object.__setattr__(self, "shape", tuple(shape))
+            raise UserInputError(f"mesh={self.shape!r} is not a non-empty tuple of axis sizes; pass e.g. "
+                                 "mesh=(2, 4) for 2 x 4 devices")
+        for i, size in enumerate(shape):
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                raise UserInputError(f"mesh={tuple(shape)!r}: axis {i} has size {size!r}, but every axis needs a "
+                                     "positive integer size (the number of devices along it); pass e.g. mesh=(2, 4)")
+        object.__setattr__(self, "shape", tuple(int(size) for size in shape))
         names = self.names
         object.__setattr__(self, "named", names is not None)
         if names is None:
             names = tuple(f"a{i}" for i in range(len(shape)))
+        if isinstance(names, str) or not isinstance(names, (tuple, list)):
+            raise UserInputError(f"axis_names={names!r} is not a tuple of names; pass e.g. axis_names=('dp', 'tp')")
         names = tuple(names)
         if len(names) != len(shape):
-            raise ValueError(f"mesh {tuple(shape)!r} has {len(shape)} axes but {len(names)} axis names "
-                             f"{names!r}: give one name per axis, e.g. axis_names=('dp', 'tp')")
+            raise UserInputError(f"mesh={tuple(shape)!r} has {len(shape)} axes but axis_names={names!r} has "
+                                 f"{len(names)}; give one name per axis, e.g. mesh=(2, 4), "
+                                 "axis_names=('dp', 'tp')")
         for name in names:
             if not isinstance(name, str) or not name.isidentifier():
-                raise ValueError(f"axis name {name!r} is not an identifier: use names like 'dp', 'tp', 'pp'")
-        if len(set(names)) != len(names):
-            raise ValueError(f"axis names {names!r} repeat a name: each mesh axis needs its own name")
+                raise UserInputError(f"axis_names={names!r}: {name!r} is not an identifier; use names like "
+                                     "'dp', 'tp', 'pp'")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise UserInputError(f"axis_names={names!r} repeats {', '.join(map(repr, repeated))}: each mesh axis "
+                                 "needs its own name, e.g. ('dp', 'tp')")
         object.__setattr__(self, "names", names)
 
     @classmethod
@@ -54,7 +64,8 @@ class Mesh:
         """Accept a Mesh, a tuple of sizes or an int."""
         if isinstance(mesh, Mesh):
             if axis_names is not None and tuple(axis_names) != mesh.names:
-                raise ValueError(f"axis_names {tuple(axis_names)!r} disagree with the mesh's names {mesh.names!r}")
+                raise UserInputError(f"axis_names={tuple(axis_names)!r} disagree with the names of {mesh!r}; "
+                                     "leave axis_names out when passing a Mesh")
             return mesh
         if isinstance(mesh, int):
             mesh = (mesh,)
@@ -77,7 +88,8 @@ class Mesh:
             return name_or_index
         if name_or_index in self.names:
             return self.names.index(name_or_index)
-        raise ValueError(f"unknown mesh axis {name_or_index!r}: this mesh has axes {list(self.names)}")
+        raise UserInputError(f"unknown mesh axis {name_or_index!r}: {self!r} has axes {list(self.names)}; "
+                             "use one of those names")
 
     def coord(self, rank: int) -> tuple[int, ...]:
         coord = []

@@ -141,3 +141,70 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     ref = reference_run(model, inputs, loss_fn, steps, lr)
     ranks = run_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
     return compare(program, ref, ranks, steps), program
+
+
+def load_factory(spec: str):
+    """'package.module:factory' -> the zero-argument callable (errors say what to fix)."""
+    import importlib
+    from .errors import UserInputError
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserInputError(f"factory {spec!r} must look like MODULE:FACTORY, e.g. autoshard.zoo:gpt2")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserInputError(f"cannot import module {module_name!r} of factory {spec!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserInputError(f"{module_name!r} has no callable {attr!r} (factory {spec!r})")
+    return factory
+
+
+def build_case(factory_spec: str):
+    """(model, inputs, loss_fn) in float64 from a FACTORY returning (model, inputs[, loss_fn])."""
+    from .errors import UserInputError
+    made = load_factory(factory_spec)()
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise UserInputError(f"factory {factory_spec!r} must return (model, example_inputs) or "
+                             "(model, example_inputs, loss_fn)")
+    model, inputs = made[0], made[1]
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    model, inputs = to_double(model, inputs)
+    return model, inputs, (made[2] if len(made) == 3 else None)
+
+
+def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr):
+    """What each real rank runs for `verify`: plan, check fingerprints, train, return local results."""
+    from .mesh import Mesh
+    from .program import parallelize
+    from .runtime.launch import check_fingerprint, communicator_for
+    mesh = Mesh.from_json(mesh_json)
+    comm = communicator_for(mesh, strict_world=False)
+    if comm is None:
+        return None
+    model, inputs, loss_fn = build_case(factory_spec)
+    program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn)
+    check_fingerprint(comm, program.plan.fingerprint)
+    result = rank_run(program.module(rank, comm), inputs, steps, lr)
+    result["fingerprint"] = program.plan.fingerprint
+    return result
+
+
+def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
+                   runner=None, simulate: bool = False):
+    """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device."""
+    from .mesh import Mesh
+    from .program import parallelize
+    from .runtime.launch import run_distributed
+    from .runtime.simulator import run_ranks
+    mesh = Mesh.of(mesh, axis_names)
+    model, inputs, loss_fn = build_case(factory_spec)
+    program = parallelize(copy.deepcopy(model), mesh, inputs, hints=hints, loss_fn=loss_fn)
+    ref = reference_run(model, inputs, loss_fn, steps, lr)
+    if simulate:
+        ranks = run_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
+    else:
+        args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr)
+        results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
+        ranks = {r: res for r, res in results.items() if res is not None}
+    return compare(program, ref, ranks, steps), program

@@ -14,10 +14,12 @@ import math
 import torch
 
 from .. import meta
+from ..constrain import parse_spec
 from ..errors import HintError
 from ..hints import Hints, check_placement_for, match_paths, unknown_target_error
-from ..placement import Shard, parse_placement
-from ..strategies import tensor_inputs
+from ..placement import R, Shard
+from ..strategies import candidates_for, tensor_inputs
+from ..strategies.base import output_shapes
 
 INPUT_HINT = "autoshard.input_hint"
 
@@ -47,8 +49,7 @@ def annotate(state) -> None:
             raise HintError(f"hint {entry.key!r}: pipeline stage hints are not supported by this version; "
                             "remove the ':stage' keys (pipeline parallelism is planned, see the issues)")
     for node in ops:
-        if node.target is getattr(getattr(torch.ops, "autoshard", None), "constrain", None) or \
-                str(node.target).startswith("autoshard.constrain"):
+        if node.target is torch.ops.autoshard.constrain.default:
             _apply_constrain(node, state, sources)
     for node in graph.nodes:
         if meta.HINT in node.meta:
@@ -62,7 +63,7 @@ def _set(node, entry_key: str, axis_name: str, placement, state, sources, what: 
     mesh = state.mesh
     axis = mesh.axis(axis_name)
     shape = tuple(node.meta["val"].shape)
-    placement = check_placement_for(entry_key, what, axis_name, placement, shape)
+    placement = check_placement_for(entry_key, what, axis_name, placement, shape, _describe(node))
     if isinstance(placement, Shard) and shape[placement.dim] % mesh.shape[axis]:
         raise HintError(f"hint {entry_key!r} shards dim {placement.dim} (size {shape[placement.dim]}) of "
                         f"{_describe(node)} over axis {axis_name!r} of size {mesh.shape[axis]}, which does not "
@@ -97,8 +98,9 @@ def _apply_input(entry, placeholders, state, sources):
     inputs = [n for n in placeholders if n.meta.get(meta.KIND) == "input"]
     index = int(entry.pattern)
     if index >= len(inputs):
-        raise HintError(f"hint {entry.key!r}: the model has {len(inputs)} inputs (input:0 .. "
-                        f"input:{len(inputs) - 1})")
+        raise HintError(f"hint {entry.key!r}: the model takes {len(inputs)} example input"
+                        f"{'' if len(inputs) == 1 else 's'}, so input indices run from 0 to {len(inputs) - 1}; "
+                        "number inputs by their position in example_inputs")
     for axis, placement in entry.placements.items():
         _set(inputs[index], entry.key, axis, placement, state, sources, "input")
 
@@ -143,44 +145,73 @@ def _apply_split_counts(entry, ops, state, sources):
         if node is None or len(inputs) != len(entry.split_counts):
             raise HintError(f"hint {entry.key!r}: module {module!r} has an op with {len(inputs)} tensor inputs but "
                             f"in_strategy gives {len(entry.split_counts)}; give one list per input")
-        wanted = node.meta.setdefault(INPUT_HINT, {})
+        options = []
         for pos, (producer, counts) in enumerate(zip(inputs, entry.split_counts)):
             shape = tuple(producer.meta["val"].shape)
             if len(counts) != len(shape):
                 raise HintError(f"hint {entry.key!r}: input {pos} of {module!r} has {len(shape)} dims "
-                                f"(shape {shape}) but in_strategy gives {len(counts)} counts")
-            for axis, placement in _counts_to_axes(entry, counts, shape, state.mesh).items():
+                                f"(shape {shape}) but in_strategy gives {len(counts)} counts; give one count per dim")
+            where = f"input {pos} of {module!r} ({_describe(producer)})"
+            options.append(_axis_assignments(entry, counts, shape, state.mesh, where))
+        chosen = _supported_assignment(node, inputs, options, state.mesh)
+        if chosen is None:
+            raise HintError(f"hint {entry.key!r}: no mapping of the split counts {list(map(list, entry.split_counts))} "
+                            f"onto the axes of {state.mesh!r} is a sharding that the op of module {module!r} "
+                            f"({node.target}, node {node.name!r}) supports; check that dims the op combines (e.g. "
+                            "a matmul's contracted dim) get equal counts")
+        wanted = node.meta.setdefault(INPUT_HINT, {})
+        for pos, (producer, assignment) in enumerate(zip(inputs, chosen)):
+            for axis, placement in assignment.items():
                 wanted.setdefault(axis, {})[pos] = placement
                 if producer.op == "placeholder" and producer.meta.get(meta.KIND) != "input":
                     _set(producer, entry.key, state.mesh.names[axis], placement, state, sources, "param")
 
 
-def _counts_to_axes(entry, counts, shape, mesh) -> dict:
-    """Each count > 1 takes the first unused mesh axes (fewest first) whose sizes multiply to it."""
-    used, out = set(), {}
+def _axis_assignments(entry, counts, shape, mesh, where: str) -> list[dict]:
+    """Every way to give each count > 1 its own mesh axes whose sizes multiply to it: [{axis: Shard(dim)}],
+    preferred first (fewest axes, then outer axes first)."""
+    found = [({}, frozenset())]
     for dim, count in enumerate(counts):
         if count == 1:
             continue
         if shape[dim] % count:
-            raise HintError(f"hint {entry.key!r}: split count {count} does not divide dim {dim} of size {shape[dim]}")
-        free = [a for a in range(mesh.ndim) if a not in used]
-        choice = next((combo for r in range(1, len(free) + 1) for combo in itertools.combinations(free, r)
-                       if math.prod(mesh.shape[a] for a in combo) == count), None)
-        if choice is None:
-            raise HintError(f"hint {entry.key!r}: split count {count} on dim {dim} matches no product of unused "
-                            f"mesh axes {[(mesh.names[a], mesh.shape[a]) for a in free]}")
-        for axis in choice:
-            used.add(axis)
-            out[axis] = Shard(dim)
-    return out
+            raise HintError(f"hint {entry.key!r}: split count {count} does not divide dim {dim} (size {shape[dim]}) "
+                            f"of {where}; use a count that divides it (or 1 to leave the dim whole)")
+        extended = []
+        for assignment, used in found:
+            free = [a for a in range(mesh.ndim) if a not in used]
+            for r in range(1, len(free) + 1):
+                for combo in itertools.combinations(free, r):
+                    if math.prod(mesh.shape[a] for a in combo) == count:
+                        extended.append(({**assignment, **{a: Shard(dim) for a in combo}}, used | set(combo)))
+        if not extended:
+            raise HintError(f"hint {entry.key!r}: split count {count} on dim {dim} of {where} matches no product of "
+                            f"distinct mesh axes {[(n, k) for n, k in zip(mesh.names, mesh.shape)]}; use a count "
+                            "that is the size of a mesh axis (or a product of several)")
+        found = extended
+    return [assignment for assignment, _ in found]
+
+
+def _supported_assignment(node, inputs, options, mesh):
+    """The first combination of per-input assignments that the op's strategy rule allows on every axis
+    (inputs not split on an axis are replicated there, as in MindSpore)."""
+    in_shapes = [tuple(p.meta["val"].shape) for p in inputs]
+    out_shapes = output_shapes(node)
+    allowed = [{c.inputs for c in candidates_for(node, in_shapes, out_shapes, k, warn=False)} for k in mesh.shape]
+    for combo in itertools.product(*options):
+        if all(tuple(a.get(axis, R) for a in combo) in allowed[axis] for axis in range(mesh.ndim)):
+            return combo
+    return None
 
 
 def _apply_constrain(node, state, sources):
-    spec_text = node.args[1]
-    for item in filter(None, (p.strip() for p in spec_text.split(";"))):
-        axis, _, placement = item.partition("=")
-        _set(node, f"constrain({spec_text})", axis.strip(), parse_placement(placement, "autoshard.constrain"),
-             state, sources, "output")
+    spec = node.args[1]
+    key = f"autoshard.constrain({spec!r}) in {node.meta.get(meta.PATH) or 'the top-level forward'}"
+    for axis, placement in parse_spec(spec, key).items():
+        if axis not in state.mesh.names:
+            raise HintError(f"{key} names mesh axis {axis!r}, but the mesh has axes {list(state.mesh.names)}; "
+                            "use one of those names (or pass axis_names=...)")
+        _set(node, key, axis, placement, state, sources, "output")
 
 
 def _check_nested_divisibility(node, mesh, sources):
@@ -192,4 +223,5 @@ def _check_nested_divisibility(node, mesh, sources):
         if axes and shape[dim] % total:
             keys = sorted({sources[(node, a)] for a in axes})
             raise HintError(f"hints {keys} shard dim {dim} (size {shape[dim]}) of {_describe(node)} over axes "
-                            f"{[mesh.names[a] for a in axes]} ({total} blocks), which does not divide it")
+                            f"{[mesh.names[a] for a in axes]} ({total} blocks), which does not divide it; shard "
+                            f"it over fewer axes or make the size a multiple of {total}")

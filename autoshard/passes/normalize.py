@@ -14,6 +14,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
 from .. import meta
 from .graph_utils import new_node, refresh_vals, val_of
@@ -24,11 +25,15 @@ aten = torch.ops.aten
 def normalize(state) -> None:
     gm = state.gm
     changed = _inline_grad_regions(gm)
+    mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and "val" in n.meta])
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         rewrite = _REWRITES.get(node.target)
-        if rewrite is not None and rewrite(gm.graph, node):
+        if rewrite is None:
+            continue
+        _fill_input_vals(node, mode)  # an earlier rewrite may have made this node's inputs
+        if rewrite(gm.graph, node):
             changed = True
     if changed:
         gm.graph.lint()
@@ -36,6 +41,17 @@ def normalize(state) -> None:
 
 
 normalize.name = "normalize"
+
+
+def _fill_input_vals(node: fx.Node, mode) -> None:
+    """FakeTensor `val`s for inputs made by earlier rewrites (rewrites read their inputs' shapes)."""
+    for arg in node.all_input_nodes:
+        if "val" in arg.meta or arg.op != "call_function":
+            continue
+        _fill_input_vals(arg, mode)
+        args, kwargs = fx.node.map_arg((arg.args, arg.kwargs), lambda n: n.meta["val"])
+        with mode:
+            arg.meta["val"] = arg.target(*args, **kwargs)
 
 
 def _replace(node: fx.Node, new: fx.Node) -> bool:

@@ -141,10 +141,11 @@ class ThreadCommunicator(Communicator):
 class DistCommunicator(Communicator):
     """A real rank: torch.distributed sub-groups per mesh axis (gloo on CPU, NCCL on GPUs)."""
 
-    def __init__(self, mesh: Mesh, rank: int, groups: dict, exact: bool = True,
+    def __init__(self, mesh: Mesh, rank: int, groups: dict, mesh_group, exact: bool = True,
                  timeout: timedelta = timedelta(seconds=120)):
         super().__init__(mesh, rank)
         self.groups = groups  # axis name -> process group holding this rank
+        self.mesh_group = mesh_group  # every rank of the mesh (fingerprint check)
         self.exact = exact
         self.timeout = timeout
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from .communicator import CollectiveTimeout, ThreadCommunicator, ThreadHub
 
 
@@ -28,10 +30,16 @@ def run_ranks(program, fn, timeout_s: float = 60.0, modules: dict | None = None)
             hub.abort()
 
     threads = [threading.Thread(target=worker, args=(r,), name=f"autoshard-rank{r}") for r in modules]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # One intra-op thread, as each real rank uses: reductions then sum in the same order (bitwise equal).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(previous)
     if errors:
         real = {r: e for r, e in errors.items() if not isinstance(e, CollectiveTimeout)}
         rank, exc = sorted((real or errors).items())[0]

@@ -20,6 +20,8 @@ def einsum_strategies(operands: list[str], output: str, partial_ok: bool = True)
     n = len(operands)
     found = [AxisStrategy((R,) * n, R)]
     for letter in sorted(set("".join(operands)) - {"1"}):
+        if any(s.count(letter) > 1 for s in operands):  # a diagonal ("ii->i") needs both dims whole
+            continue
         inputs = tuple(Shard(s.index(letter)) if letter in s else R for s in operands)
         out = Shard(output.index(letter)) if letter in output else P
         if out is P and not partial_ok:
@@ -96,11 +98,14 @@ def embedding_rule(ctx):
 @register([aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default])
 def conv_rule(ctx):
     """Batch (N), output channels (O) and, without groups, input channels (C, partial output)."""
-    groups = ctx.arg(6, "groups", 1) if ctx.node.target is not aten.convolution.default else ctx.arg(8, "groups", 1)
+    generic = ctx.node.target is aten.convolution.default
+    groups = ctx.arg(8, "groups", 1) if generic else ctx.arg(6, "groups", 1)
+    # A transposed convolution's weight is [C_in, C_out, ...]: the channel dims swap roles.
+    w_out, w_in = (1, 0) if generic and ctx.arg(6, "transposed", False) else (0, 1)
     found = [AxisStrategy((Shard(0), R), Shard(0))]
     if groups == 1:
-        found.append(AxisStrategy((R, Shard(0)), Shard(1)))
-        found.append(AxisStrategy((Shard(1), Shard(1)), P))
+        found.append(AxisStrategy((R, Shard(w_out)), Shard(1)))
+        found.append(AxisStrategy((Shard(1), Shard(w_in)), P))
         found += [AxisStrategy((P, R), P), AxisStrategy((R, P), P)]
     if len(ctx.in_shapes) == 3:  # bias left in place: no partial outputs, bias follows O
         found = [AxisStrategy((*s.inputs, Shard(0) if s.output == Shard(1) else R), s.output)

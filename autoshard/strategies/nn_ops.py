@@ -35,16 +35,15 @@ REGISTRY.register([aten.batch_norm.default], _batch_norm, note="channels shard; 
 
 
 def _attention(ctx):
-    """q, k, v [B, H, L, E]: batch (0) and heads (1) shard; the attention itself stays whole."""
+    """q, k, v [..., L, E] (usually [B, H, L, E]): batch dims (heads included) shard; L, S, E stay whole."""
+    ndim = len(ctx.out_shape)
     found = []
-    for d in (0, 1):
+    # Only the dims before the last two: a 3-D q [B, L, E] must not shard its L with k and v.
+    for d in range(ndim - 2):
         placements = []
-        for i, shape in enumerate(ctx.in_shapes):
-            if i < 3:
-                placements.append(Shard(d))
-            else:  # mask, broadcast against [B, H, L, S]
-                j = d - (4 - len(shape))
-                placements.append(Shard(j) if j >= 0 and shape[j] != 1 else R)
+        for shape in ctx.in_shapes:  # q, k, v and the mask broadcast against [..., L, S], right-aligned
+            j = d - (ndim - len(shape))
+            placements.append(Shard(j) if j >= 0 and shape[j] != 1 else R)
         found.append(AxisStrategy(tuple(placements), Shard(d)))
     return found
 
@@ -58,7 +57,8 @@ def _nll_loss(ctx):
     ndim = len(ctx.in_shapes[0])
     rest = (R,) * (len(ctx.in_shapes) - 2)  # class weights
     found = []
-    for d in [0] + list(range(2, ndim)):
+    # A 1-D input [C] has no batch: its only dim is the classes.
+    for d in ([0] if ndim >= 2 else []) + list(range(2, ndim)):
         target_dim = 0 if d == 0 else d - 1
         if reduction == 2:
             found.append(AxisStrategy((Shard(d), Shard(target_dim)) + rest, P))

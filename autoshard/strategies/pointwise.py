@@ -55,9 +55,10 @@ def scaling_rule(partial_positions=None):
 ADDITIVE = [aten.add.Tensor, aten.sub.Tensor]
 SCALING_ANY = [aten.mul.Tensor, aten.neg.default, aten.clone.default, aten.contiguous.default,
                aten.alias.default, aten.detach.default, aten._to_copy.default, aten.to.dtype,
-               aten.to.dtype_layout, aten.type_as.default, aten.lift_fresh_copy.default, aten.zeros_like.default,
+               aten.to.dtype_layout, aten.lift_fresh_copy.default, aten.zeros_like.default,
                aten.real.default, aten.view_as_real.default]
-SCALING_FIRST = [aten.div.Tensor, aten.div.Scalar, aten.mul.Scalar]
+# type_as only reads its second operand's dtype: a partial `other` must not make the output partial.
+SCALING_FIRST = [aten.div.Tensor, aten.div.Scalar, aten.mul.Scalar, aten.type_as.default]
 NONLINEAR = [
     aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
     aten.pow.Scalar, aten.exp.default, aten.log.default, aten.log1p.default, aten.expm1.default, aten.sqrt.default,

@@ -50,10 +50,14 @@ def _whole_sum(ctx):
 REGISTRY.register([aten.sum.dim_IntList], reduction_rule(True), note="sharded reduced dim -> partial")
 REGISTRY.register([aten.sum.default], _whole_sum, note="sum of everything: any shard -> partial")
 REGISTRY.register([aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
-                   aten.argmin.default, aten.logsumexp.default, aten.prod.dim_int, aten.any.dim, aten.all.dim,
-                   aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default],
+                   aten.argmin.default, aten.logsumexp.default, aten.prod.dim_int, aten.any.dim, aten.all.dim],
                   reduction_rule(False), note="reduced dims stay whole")
-REGISTRY.register([aten.var.dim, aten.std.dim, aten.var_mean.dim], reduction_rule(False), note="reduced dims whole")
+# norm(x, p, dim, keepdim) and linalg_vector_norm(x, ord, dim, keepdim): the order comes before the dims.
+REGISTRY.register([aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default], reduction_rule(False, 2, 3),
+                  note="reduced dims stay whole")
+# var.dim(x, dim, unbiased, keepdim): `unbiased` sits where other reductions keep `keepdim`.
+REGISTRY.register([aten.var.dim, aten.std.dim, aten.var_mean.dim], reduction_rule(False, 1, 3),
+                  note="reduced dims whole")
 REGISTRY.register([aten.var.correction, aten.std.correction, aten.var_mean.correction],
                   reduction_rule(False, 1, 3), note="reduced dims stay whole")
 
@@ -61,7 +65,7 @@ REGISTRY.register([aten.var.correction, aten.std.correction, aten.var_mean.corre
 def _along_dim(linear: bool):
     """Ops working along one dim (softmax, cumsum): that dim stays whole."""
     def rule(ctx):
-        dim = ctx.arg(1, "dim") % len(ctx.in_shapes[0])
+        dim = ctx.arg(1, "dim", -1) % max(len(ctx.in_shapes[0]), 1)  # sort's dim defaults to -1
         n = len(ctx.in_shapes)
         found = [AxisStrategy((Shard(d),) + (R,) * (n - 1), Shard(d))
                  for d in range(len(ctx.in_shapes[0])) if d != dim]

@@ -1,9 +1,9 @@
 """The view/reshape family through a dimension-mapping algebra.
 
 `reshape_groups(in_shape, out_shape)` pairs runs of input dims with runs of output dims of equal
-product (size-1 dims are groups of their own). A shard of input dim i maps to output dim o exactly
-when i and o lead their group and both sizes divide by the axis size: then the rank's contiguous
-block of the flattened group is the same on both sides. Every view is linear, so partials pass.
+product (size-1 dims between runs are groups of their own). A shard of input dim i maps to output
+dim o exactly when i and o lead their group and both sizes divide by the axis size: then the rank's
+contiguous block of the flattened group is the same on both sides. Every view is linear, so partials pass.
 """
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ aten = torch.ops.aten
 
 
 def reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
-    """[(input dims, output dims)] with equal products, in order; size-1 dims alone."""
+    """[(input dims, output dims)] with equal products, in order; size-1 dims between groups alone.
+
+    Needs equal non-zero products. A size-1 dim inside a run stays in its group (`[2, 1, 3] -> [6]`).
+    """
     groups, i, o = [], 0, 0
     while i < len(in_shape) or o < len(out_shape):
         if i < len(in_shape) and in_shape[i] == 1:
@@ -52,7 +55,7 @@ def reshape_dim_map(in_shape, out_shape) -> dict[int, int]:
 
 def reshape_rule(ctx: RuleContext):
     in_shape, out_shape = ctx.in_shapes[0], ctx.out_shape
-    if math.prod(in_shape) != math.prod(out_shape):
+    if math.prod(in_shape) != math.prod(out_shape) or math.prod(in_shape) == 0:  # empty: nothing to pair
         return []
     rest = (R,) * (len(ctx.in_shapes) - 1)
     found = [AxisStrategy((Shard(i),) + rest, Shard(o)) for i, o in reshape_dim_map(in_shape, out_shape).items()]
@@ -130,8 +133,10 @@ REGISTRY.register([aten.flatten.using_ints, aten.squeeze.dim, aten.squeeze.dims,
                    aten.unsqueeze.default, aten.unflatten.int], reshape_rule, note="dimension-mapping algebra")
 REGISTRY.register([aten.permute.default, aten.transpose.int, aten.t.default], permute_rule, note="dims permuted")
 REGISTRY.register([aten.expand.default], expand_rule, shape_arg=1, note="broadcast dims shard for free")
-REGISTRY.register([aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default,
-                   aten.chunk.default], keep_dim_whole(1), note="the sliced dim stays whole")
+REGISTRY.register([aten.slice.Tensor, aten.narrow.default], keep_dim_whole(1), note="the sliced dim stays whole")
+# split(x, size, dim) / chunk(x, chunks, dim): the dim comes after the sizes.
+REGISTRY.register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], keep_dim_whole(2),
+                  note="the split dim stays whole")
 REGISTRY.register([aten.select.int, aten.unbind.int], keep_dim_whole(1, removes_dim=True),
                   note="the selected dim stays whole")
 REGISTRY.register([aten.index_select.default], keep_dim_whole(1), note="the indexed dim stays whole")

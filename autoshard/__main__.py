@@ -1,0 +1,79 @@
+"""Command line: `python -m autoshard plan|verify MODULE:FACTORY --mesh 2,2,2 ...` (see DESIGN.md).
+
+Exit codes: 0 success (verify: every difference within tolerance), 1 verify mismatch, 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import AutoshardError
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: give comma-separated sizes, e.g. 2,2,2") from None
+    return sizes
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(","))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m autoshard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("plan", "plan a model and print the plan"),
+                           ("verify", "train on real gloo ranks and compare with the single device")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn])")
+        p.add_argument("--mesh", type=_mesh, required=True, help="mesh sizes, e.g. 2,2,2")
+        p.add_argument("--axis-names", type=_names, default=None, help="e.g. dp,sp,tp")
+        p.add_argument("--hints", default=None, help="hint file (JSON)")
+        p.add_argument("--json", action="store_true", help="print JSON")
+        if name == "verify":
+            p.add_argument("--steps", type=int, default=2, help="SGD steps (default 2)")
+            p.add_argument("--lr", type=float, default=0.1)
+            p.add_argument("--simulate", action="store_true", help="run the ranks in this process instead")
+        else:
+            p.add_argument("--rank", type=int, default=None, help="also print this rank's graph")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except AutoshardError as exc:
+        print(f"autoshard: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from .hints import Hints
+    from .mesh import Mesh
+    hints = Hints.load(args.hints).to_json() if args.hints else None
+    mesh = Mesh.of(args.mesh, args.axis_names)
+    if args.command == "plan":
+        from .program import parallelize
+        from .verify import build_case
+        model, inputs, loss_fn = build_case(args.factory)
+        prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn)
+        if args.json:
+            print(json.dumps(prog.plan.to_json() | {"fingerprint": prog.plan.fingerprint}, indent=1, sort_keys=True))
+        else:
+            print(prog.plan)
+            if args.rank is not None:
+                print(prog.graph(args.rank).print_readable(print_output=False))
+        return 0
+    from .verify import verify_factory
+    report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate)
+    print(json.dumps(report.to_json(), indent=1, sort_keys=True) if args.json else report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A pool of gloo ranks started once and reused: for test suites and repeated `verify` runs.
+
+Starting 8 ranks on a 2-core machine takes ~15 s, so tests share one pool per session. Every task
+runs on every worker (`task(rank, world, *args)`, a module-level function); meshes smaller than the
+pool use world ranks 0..n-1 and the other workers only take part in creating the groups.
+"""
+from __future__ import annotations
+
+import queue as queue_mod
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AutoshardError
+from .launch import _from_bytes, _to_bytes, free_port
+
+
+def _worker(rank, world, port, inbox, outbox, timeout_s):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    outbox.put((rank, "ready", None))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        job_id, task, args = job
+        try:
+            outbox.put((rank, job_id, ("ok", _to_bytes(task(rank, world, *args)))))
+        except BaseException:  # noqa: BLE001  (reported to the parent)
+            outbox.put((rank, job_id, ("error", traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """`pool.run(task, *args) -> {rank: result}` on `world_size` persistent gloo ranks."""
+
+    def __init__(self, world_size: int = 8, timeout_s: float = 120.0):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.inboxes[r], self.outbox, timeout_s),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self._next_job = 0
+        ready = set()
+        deadline = time.monotonic() + timeout_s + 120
+        while len(ready) < world_size:
+            try:
+                rank, _, _ = self.outbox.get(timeout=1.0)
+                ready.add(rank)
+            except queue_mod.Empty:
+                self._check_alive("starting the pool", deadline)
+
+    def _check_alive(self, what, deadline):
+        dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+        if dead:
+            raise AutoshardError(f"pool ranks {dead} died while {what}")
+        if time.monotonic() > deadline:
+            raise AutoshardError(f"pool timed out after {self.timeout_s:.0f} s while {what}")
+
+    def run(self, task, *args) -> dict:
+        job_id = self._next_job
+        self._next_job += 1
+        for inbox in self.inboxes:
+            inbox.put((job_id, task, args))
+        out, errors = {}, {}
+        deadline = time.monotonic() + self.timeout_s + 60
+        while len(out) + len(errors) < self.world_size:
+            try:
+                rank, got_id, (status, value) = self.outbox.get(timeout=1.0)
+            except queue_mod.Empty:
+                self._check_alive(f"running {getattr(task, '__name__', task)}", deadline)
+                continue
+            if got_id != job_id:
+                continue  # a late answer of an earlier failed job
+            if status == "ok":
+                out[rank] = _from_bytes(value)
+            else:
+                errors[rank] = value
+        if errors:
+            rank = min(errors)
+            raise AutoshardError(f"rank {rank} failed:\n{errors[rank]}")
+        return out
+
+    def close(self):
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,251 @@
+"""The front end and the features that ride on it: meta-device models, fx.GraphModules, grad regions,
+export failures, MindSpore split counts and `autoshard.constrain`."""
+import pytest
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard import meta
+from autoshard.frontend import trace
+from autoshard.placement import P, R, S, Spec
+from autoshard.verify import verify_simulated
+from autoshard.zoo import gpt2, mlp
+from autoshard.zoo.hints import plan_hints
+
+DP_TP = dict(mesh=(2, 2), axis_names=("dp", "tp"))
+
+
+def small_mlp(**kwargs):
+    return mlp(**{"batch": 8, "in_dim": 8, "hidden": 16, "out_dim": 8, **kwargs})
+
+
+def spec_of(prog, name):
+    return next(n for n in prog.state.gm.graph.nodes if n.name == name).meta[meta.SPEC]
+
+
+# --- what the front end finds -----------------------------------------------------------------------
+
+
+def test_trace_identifies_params_inputs_and_tied_aliases():
+    model, inputs, loss_fn = gpt2(batch=2, seq=4, dim=8, n_heads=2, n_layers=1, vocab_size=16)
+    traced = trace(model, inputs, loss_fn)
+    kinds = {n.meta[meta.PATH]: n.meta[meta.KIND] for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    assert kinds["wte.weight"] == "param" and kinds["input:0"] == "input"
+    assert "lm_head.weight" not in kinds  # one placeholder for the tied weight
+    assert traced.aliases == {"wte.weight": ["lm_head.weight"]}
+    assert set(traced.params) == {k for k, _ in model.named_parameters()}
+    assert traced.input_names == ["inputs_0"]
+    paths = {n.meta[meta.PATH] for n in traced.gm.graph.nodes if n.op == "call_function"}
+    assert {"layers.0.attn.q", "layers.0.mlp.fc1", "wte"} <= paths
+
+
+def test_example_inputs_may_be_a_single_tensor():
+    model, (x,), loss_fn = small_mlp()
+    assert trace(model, x, loss_fn).input_names == ["inputs_0"]
+
+
+# --- meta device ---------------------------------------------------------------------------------------
+
+
+def test_meta_model_plans_without_allocating_weights():
+    model, inputs, loss_fn = gpt2(device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn,
+                                 hints=plan_hints("gpt2", ("dp", "tp"), batch_axes=("dp",), tp_axis="tp"), **DP_TP)
+    text = str(prog.plan)
+    assert "Plan on Mesh(dp=2, tp=2)" in text and "layers.0.mlp.fc1.weight" in text
+    assert prog.param_spec("layers.0.mlp.fc1.weight") == Spec((R, S(0)))
+    gm = prog.graph(0)
+    params = dict(gm.named_parameters())
+    assert params and all(p.is_meta for p in params.values())
+    assert params["layers_0_mlp_fc1_weight"].shape == (64, 32)  # its tp shard of [128, 32]
+    assert params["wte_weight"].shape == (64, 32)
+
+
+def test_meta_model_auto_plan_and_rank_graph():
+    model, inputs, loss_fn = small_mlp(device="meta")
+    prog = autoshard.parallelize(model, mesh=(2,), example_inputs=inputs, loss_fn=loss_fn)
+    assert isinstance(prog.graph(1), torch.fx.GraphModule)
+    assert all(p.is_meta for p in prog.graph(1).parameters())
+
+
+# --- fx.GraphModule ------------------------------------------------------------------------------------
+
+
+def test_symbolic_traced_graph_module_is_accepted_and_verifies():
+    model, inputs, loss_fn = small_mlp()
+    gm = torch.fx.symbolic_trace(model)
+    hints = {"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
+             "layers.1.weight": {"tp": "S(1)"}}
+    report, prog = verify_simulated(gm, inputs, loss_fn, hints=hints, **DP_TP)
+    assert report.ok, report
+    assert prog.param_spec("layers.1.weight") == Spec((R, S(1)))
+    assert report.collectives["tp"]["all_reduce"]["fwd"] >= 1  # row-parallel layers.1 sums its partials
+
+
+def test_graph_module_keeps_module_paths_for_output_hints():
+    model, inputs, loss_fn = small_mlp()
+    gm = torch.fx.symbolic_trace(model)
+    prog = autoshard.parallelize(gm, example_inputs=inputs, loss_fn=loss_fn, mesh=(2,), axis_names=("dp",),
+                                 hints={"layers.1:output": {"dp": "S(0)"}})
+    hinted = [n for n in prog.state.gm.graph.nodes if meta.HINT in n.meta]
+    assert [n.meta[meta.PATH] for n in hinted] == ["layers.1"]
+
+
+# --- grad-mode regions -----------------------------------------------------------------------------------
+
+
+class NoGradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            scale = h.abs().amax(dim=-1, keepdim=True) + 1
+        return self.b(torch.relu(h) / scale)
+
+
+def test_no_grad_region_is_exported_as_a_higher_order_op():
+    traced = trace(NoGradInside(), (torch.randn(4, 8),))
+    targets = [str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert any("wrap_with_set_grad_enabled" in t for t in targets)
+
+
+def test_no_grad_in_forward_verifies_with_correct_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    report, prog = verify_simulated(NoGradInside(), (x,), hints={"input:0": {"dp": "S(0)"}}, **DP_TP)
+    assert report.ok, report
+    assert report.max_diff["grads"] <= 1e-6
+    # Gradient through the region would differ: check the reference really stops it.
+    model = NoGradInside().double()
+    h = model.a(x.double())
+    with_region = torch.autograd.grad(model(x.double()).mean(), model.a.weight)[0]
+    without = torch.autograd.grad(model.b(torch.relu(h) / (h.abs().amax(-1, keepdim=True) + 1)).mean(),
+                                  model.a.weight)[0]
+    assert not torch.allclose(with_region, without)
+
+
+# --- export failures ----------------------------------------------------------------------------------
+
+
+class ItemBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.max().item() > 0.5:
+            return self.fc(x)
+        return x
+
+
+def test_unexportable_model_raises_export_error_naming_the_construct():
+    with pytest.raises(autoshard.ExportError) as info:
+        autoshard.parallelize(ItemBranch(), mesh=(2,), example_inputs=(torch.randn(2, 4),))
+    text = str(info.value)
+    assert "data-dependent" in text
+    assert "in forward: if x.max().item() > 0.5:" in text
+    assert "use torch.where / torch.cond" in text and ".item()" in text
+
+
+# --- MindSpore split counts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh, names", [((2,), ("dp",)), ((2, 2), ("dp", "tp"))])
+def test_split_counts_on_first_linear_shard_the_batch(mesh, names):
+    model, inputs, loss_fn = small_mlp()
+    report, prog = verify_simulated(model, inputs, loss_fn, mesh=mesh, axis_names=names,
+                                    hints={"layers.0:shard": {"in_strategy": [[2, 1], [1, 1]]}})
+    assert report.ok, report
+    linear = next(n for n in prog.state.gm.graph.nodes if n.meta.get(meta.PATH) == "layers.0"
+                  and n.target is torch.ops.aten.linear.default)
+    x_spec, w_spec = linear.meta[meta.IN_SPECS]
+    assert x_spec[0] == S(0) and all(p == R for p in w_spec)
+
+
+def test_split_counts_two_dimensional():
+    model, inputs, loss_fn = small_mlp()
+    report, prog = verify_simulated(model, inputs, loss_fn, hints={"layers.0:shard": {"in_strategy": [[2, 2], [1, 2]]}},
+                                    **DP_TP)
+    assert report.ok, report
+    linear = next(n for n in prog.state.gm.graph.nodes if n.meta.get(meta.PATH) == "layers.0"
+                  and n.target is torch.ops.aten.linear.default)
+    assert linear.meta[meta.IN_SPECS] == [Spec((S(0), S(1))), Spec((R, S(1)))]
+    assert linear.meta[meta.SPEC] == Spec((S(0), P))
+
+
+# --- autoshard.constrain ---------------------------------------------------------------------------------------
+
+
+class Constrained(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8)
+        self.spec = spec
+
+    def forward(self, x):
+        return self.b(autoshard.constrain(torch.relu(self.a(x)), self.spec))
+
+
+def test_constrain_eager_is_a_copy_with_identity_gradient():
+    x = torch.randn(3, 4, requires_grad=True)
+    y = autoshard.constrain(x, {"dp": "S(0)"})
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    (y * torch.arange(4.0)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(4.0).expand(3, 4))
+
+
+def test_constrain_op_passes_opcheck():
+    torch.library.opcheck(torch.ops.autoshard.constrain.default, (torch.randn(3, 4, requires_grad=True), "dp=R"))
+
+
+def test_constrain_survives_export():
+    ep = torch.export.export(Constrained({"tp": "S(1)"}), (torch.randn(4, 8),))
+    (node,) = [n for n in ep.graph.nodes if n.target is torch.ops.autoshard.constrain.default]
+    assert node.args[1] == "tp=S(1)"
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ({"dp": "S(0)", "tp": "S(1)"}, Spec((S(0), S(1)))),
+    ({"tp": "S(1)"}, None),
+    ({"dp": "R", "tp": "R"}, Spec((R, R))),
+])
+def test_constrained_activation_gets_that_placement_and_verifies(spec, expected):
+    torch.manual_seed(0)
+    model = Constrained(spec)
+    report, prog = verify_simulated(model, (torch.randn(4, 8),), hints={"input:0": {"dp": "S(0)"}}, debug=True,
+                                    **DP_TP)
+    assert report.ok, report
+    (node,) = prog.state.gm.graph.find_nodes(op="call_function", target=torch.ops.autoshard.constrain.default)
+    got = node.meta[meta.SPEC]
+    names = prog.mesh.names
+    for axis, text in spec.items():
+        assert repr(got[names.index(axis)]) == text
+    if expected is not None:
+        assert got == expected
+    assert "constrain" in str(prog.plan)
+    # codegen drops the call: rank modules hold no constrain op.
+    assert not any(n.target is torch.ops.autoshard.constrain.default for n in prog.graph(0).graph.nodes)
+
+
+def test_constrain_partial_activation():
+    class PartialHidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 16, bias=False)
+            self.b = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(autoshard.constrain(self.a(x), {"tp": "P"})))
+
+    hints = {"a.weight": {"tp": "S(1)"}, "input:0": {"tp": "S(1)"}}
+    report, prog = verify_simulated(PartialHidden(), (torch.randn(4, 8),), hints=hints, mesh=(2,),
+                                    axis_names=("tp",))
+    assert report.ok, report
+    (node,) = prog.state.gm.graph.find_nodes(op="call_function", target=torch.ops.autoshard.constrain.default)
+    assert node.meta[meta.SPEC] == Spec((P,))
