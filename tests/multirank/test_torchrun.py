@@ -1,0 +1,19 @@
+"""The torchrun path: examples/train_torchrun.py trains on 2 ranks and logs the single-device loss."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from autoshard.zoo import gpt2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_torchrun_example_trains_with_the_single_device_loss():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+           str(ROOT / "examples" / "train_torchrun.py"), "--mesh", "2", "--axis-names", "dp", "--steps", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = float(re.search(r"step 0: loss ([0-9.]+)", done.stdout).group(1))
+    model, inputs, loss_fn = gpt2()
+    assert abs(logged - loss_fn(model(*inputs), *inputs).item()) < 1e-4
