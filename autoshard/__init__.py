@@ -12,6 +12,6 @@ from .placement import P, R, S, Partial, Replicate, Shard, Spec
 from .plan import Plan
 from .program import Program, parallelize
 
-__all__ = ["parallelize", "constrain", "Program", "Plan", "Mesh", "Spec", "S", "R", "P", "Shard", "Replicate", "Partial",
-           "AutoshardError", "ExportError", "HintError", "PlanError", "UserInputError"]
+__all__ = ["parallelize", "Program", "Plan", "Mesh", "Spec", "S", "R", "P", "Shard", "Replicate", "Partial",
+           "AutoshardError", "ExportError", "HintError", "PlanError", "UserInputError", "constrain"]
 __version__ = "0.1.0"

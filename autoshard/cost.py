@@ -91,3 +91,28 @@ def conversion_bytes(src: Placement, dst: Placement, nbytes: float, k: int) -> t
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         return 0.0, nbytes
     return nbytes / k, nbytes / k
+
+
+def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: "HardwareProfile") -> float:
+    """Forward + backward seconds of the exact collectives `plan_redistribute(src, dst)` emits."""
+    from .redistribute import plan_redistribute
+    try:
+        steps = plan_redistribute(src, dst)
+    except Exception:  # noqa: BLE001  (an impossible conversion, e.g. to a partial sum)
+        return INF
+    total, spec = 0.0, src
+    for step in steps:
+        local = global_bytes / math.prod(mesh_shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
+        k, link = mesh_shape[step.axis], profile.link(mesh_shape, step.axis)
+        if step.op == "all_reduce":
+            total += all_reduce_time(local, k, link)
+        elif step.op == "all_gather":
+            total += all_gather_time(local * k, k, link)
+        elif step.op == "chunk":
+            total += all_gather_time(local, k, link)
+        elif step.op == "reduce_scatter":
+            total += reduce_scatter_time(local, k, link) + all_gather_time(local, k, link)
+        else:
+            total += 2 * all_to_all_time(local, k, link)
+        spec = step.apply(spec)
+    return total

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,10 @@ class Hints:
 
     @classmethod
     def load(cls, path) -> "Hints":
-        """Read a hint file: JSON only (never code), at most 4 MiB."""
-        if not isinstance(path, (str, Path)):
+        """Read a hint file: JSON only (never code), at most 4 MiB (a dict or Hints passes through parse)."""
+        if isinstance(path, (dict, Hints)):
+            return cls.parse(path)
+        if not isinstance(path, (str, os.PathLike)):
             raise HintError(f"hints must be a dict {{key: {{axis: placement}}}} or the path of a JSON hint file; "
                             f"got {type(path).__name__} {path!r:.80}")
         path = Path(path)
@@ -155,9 +158,9 @@ def check_placement_for(key: str, kind: str, axis: str, placement: Placement, sh
     """A hint's placement must name an existing dim; inputs and parameters cannot be partial.
 
     `target` names the tensor the hint landed on when the key is a glob (errors then say which)."""
-    what = {"param": "parameter", "input": "input", "output": "module output"}.get(kind, "tensor")
+    what = {"param": "parameter", "buffer": "buffer", "input": "input", "output": "module output"}.get(kind, "tensor")
     at = f" for {target}," if target else ""
-    if isinstance(placement, Partial) and kind in ("param", "input"):
+    if isinstance(placement, Partial) and kind in ("param", "buffer", "input"):
         raise HintError(f"hint {key!r}{at} on axis {axis!r}: {'an' if kind == 'input' else 'a'} {what} cannot be "
                         "partial ('P'): it holds whole values, not summands; use 'R' or 'S(d)'")
     if isinstance(placement, Shard):

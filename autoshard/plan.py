@@ -10,17 +10,15 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from . import meta
 from .mesh import Mesh
-from .placement import Shard, Spec, describe_type, dtype_name
+from .placement import describe_type, dtype_name
 
 PLAN_VERSION = 1
-_COMM_BYTES_ON_INPUT = {"all_reduce", "reduce_scatter", "all_to_all", "grad_all_reduce"}
 
 
 @dataclass
@@ -50,8 +48,9 @@ class Plan:
 
     @classmethod
     def from_state(cls, state) -> "Plan":
+        from .passes.predict import COMM_COST
         mesh = state.mesh
-        rows, per_axis = [], {name: {"fwd": 0, "bwd": 0, "sync": 0} for name in mesh.names}
+        rows = []
         for node in state.gm.graph.nodes:
             if meta.SPEC not in node.meta:
                 continue
@@ -67,17 +66,11 @@ class Plan:
             comm = node.meta.get(meta.COMM)
             if comm:
                 row.collective, row.axis = comm["op"], comm["axis"]
-                row.bytes_fwd, row.bytes_bwd = _comm_bytes(node, comm, mesh)
-                per_axis[comm["axis"]]["fwd"] += row.bytes_fwd
-                per_axis[comm["axis"]]["bwd"] += row.bytes_bwd
+                row.bytes_fwd = node.meta[COMM_COST]["fwd_bytes"]
+                row.bytes_bwd = node.meta[COMM_COST]["bwd_bytes"]
             rows.append(row)
-        for node in state.gm.graph.nodes:
-            axes = state.grad_reduce.get(node.meta.get(meta.PATH)) if node.op == "placeholder" else None
-            for axis in axes or ():
-                per_axis[axis]["sync"] += _local_bytes(node.meta["val"], node.meta[meta.SPEC], mesh)
         hints = state.hints.to_json() if hasattr(state.hints, "to_json") else {}
-        predicted = {"comm_bytes_per_step": per_axis}
-        return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, predicted)
+        return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, dict(state.predicted))
 
     def to_json(self) -> dict:
         return {"version": PLAN_VERSION, "mesh": self.mesh.to_json(), "hints": self.hints,
@@ -136,27 +129,3 @@ def _op_name(node) -> str:
     if comm:
         return comm["op"]
     return str(node.target).replace("aten.", "")
-
-
-def _local_bytes(val, spec: Spec, mesh: Mesh) -> int:
-    split = math.prod(mesh.shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
-    return val.numel() * val.element_size() // split
-
-
-def _comm_bytes(node, comm, mesh) -> tuple[int, int]:
-    """Per-rank bytes of one collective node, in the runtime's counting convention."""
-    src_spec = node.args[0].meta[meta.SPEC]
-    dst_spec = node.meta[meta.SPEC]
-    val = node.meta["val"]
-    op = comm["op"]
-    if op == "all_reduce":
-        return _local_bytes(val, src_spec, mesh), 0
-    if op == "grad_all_reduce":
-        return 0, _local_bytes(val, src_spec, mesh)
-    if op == "all_gather":
-        return _local_bytes(val, dst_spec, mesh), 0
-    if op == "chunk":
-        return 0, _local_bytes(val, src_spec, mesh)
-    if op == "reduce_scatter":
-        return _local_bytes(val, src_spec, mesh), _local_bytes(val, src_spec, mesh)
-    return _local_bytes(val, src_spec, mesh), _local_bytes(val, dst_spec, mesh)

@@ -24,6 +24,7 @@ from .passes.codegen import attr_names, build_rank_module, codegen
 from .passes.insert_comm import insert_comm
 from .passes.manager import CompileState, History, run_passes
 from .passes.normalize import normalize
+from .passes.predict import predict
 from .passes.solve import solve
 from .passes.strategies import strategies
 from .placement import describe_type, unshard_tensors
@@ -31,22 +32,25 @@ from .plan import Plan
 from .runtime.communicator import ThreadCommunicator, ThreadHub
 from .runtime.rank_module import RankModule
 
-PASSES = [normalize, annotate, strategies, solve, insert_comm, codegen]
+PASSES = [normalize, annotate, strategies, solve, insert_comm, predict, codegen]
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
-                profile=None) -> "Program":
+                profile=None, memory_budget=None, optimizer_state_factor=2.0) -> "Program":
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
     *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
+    `profile` is a `HardwareProfile` (default: 8-GPU NVLink nodes); `memory_budget` bounds the bytes
+    per device (parameters with gradients and `optimizer_state_factor` x optimizer state, inputs and
+    saved activations).
     """
     mesh = Mesh.of(mesh, axis_names)
     if hints is not None and not isinstance(hints, dict):
         from .hints import Hints
         hints = Hints.load(hints)
     traced = trace(model, example_inputs, loss_fn)
-    options = {"profile": profile} if profile is not None else {}
+    options = {"profile": profile, "memory_budget": memory_budget, "optimizer_state_factor": optimizer_state_factor}
     state = CompileState(traced.gm, mesh, traced, hints, options)
     history = run_passes(state, PASSES, verify=debug, describe=describe_graph)
     return Program(state, history)

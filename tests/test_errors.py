@@ -395,3 +395,17 @@ def test_constrain_dim_out_of_range():
                                         r"output has 2 dims"):
         autoshard.parallelize(BadConstrain({"dp": "S(3)"}), mesh=(2,), axis_names=("dp",),
                               example_inputs=(torch.randn(4, 8),))
+
+
+def test_partial_on_a_buffer():
+    from autoshard.zoo import resnet
+    model, inputs, loss_fn = resnet(batch=2, image_size=8, width=4)
+    with pytest.raises(HintError, match=r"hint 'stem\.1\.running_mean' for stem\.1\.running_mean .*a buffer cannot "
+                                        r"be partial"):
+        autoshard.parallelize(model, mesh=(2,), example_inputs=inputs, loss_fn=loss_fn,
+                              hints={"stem.1.running_mean": {"a0": "P"}})
+
+
+def test_parsed_hints_object_is_accepted(small):
+    prog = plan(small, Hints.parse({"input:0": {"dp": "S(0)"}}))
+    assert prog.input_specs[0][0] == autoshard.S(0)

@@ -109,3 +109,9 @@ def test_constrain_spec_strings():
 def test_constrain_spec_errors(spec, message):
     with pytest.raises(HintError, match=message):
         spec_text(spec)
+
+
+def test_load_passes_parsed_hints_and_dicts_through(tmp_path):
+    hints = Hints.parse(EXAMPLE)
+    assert Hints.load(hints) is hints
+    assert Hints.load(EXAMPLE).entries == hints.entries

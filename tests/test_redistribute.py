@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
-from autoshard.placement import P, R, S, Partial, Replicate, Shard, Spec, local_shape, shard_tensor, unshard_tensors
+from autoshard.placement import P, R, S, Partial, Spec, local_shape, shard_tensor, unshard_tensors
 from autoshard.redistribute import Step, plan_redistribute
 from autoshard.runtime import collectives
 from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub

@@ -91,7 +91,7 @@ def _apply_param(entry, placeholders, state, sources):
         raise unknown_target_error(entry, by_path, "parameter")
     for node in dict.fromkeys(by_path[p] for p in matched):
         for axis, placement in entry.placements.items():
-            _set(node, entry.key, axis, placement, state, sources, "param")
+            _set(node, entry.key, axis, placement, state, sources, node.meta[meta.KIND])
 
 
 def _apply_input(entry, placeholders, state, sources):
@@ -164,7 +164,8 @@ def _apply_split_counts(entry, ops, state, sources):
             for axis, placement in assignment.items():
                 wanted.setdefault(axis, {})[pos] = placement
                 if producer.op == "placeholder" and producer.meta.get(meta.KIND) != "input":
-                    _set(producer, entry.key, state.mesh.names[axis], placement, state, sources, "param")
+                    _set(producer, entry.key, state.mesh.names[axis], placement, state, sources,
+                         producer.meta[meta.KIND])
 
 
 def _axis_assignments(entry, counts, shape, mesh, where: str) -> list[dict]:

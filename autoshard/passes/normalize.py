@@ -4,7 +4,10 @@ Reads the traced graph; writes a graph where
 - a bias is added after linear/conv/addmm (so a partial matmul never adds its bias k times);
 - `mean` is `sum / count` with the global count (a mean over a shard is not a partial mean);
 - cross-entropy is `log_softmax` + `nll_loss(sum) / number of counted targets`;
+- training batch norm is explicit sums over (batch, spatial) dims plus in-place running-stat updates;
+- `unflatten` is a `view` to its output shape;
 - higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off).
+Rewrites run in graph order and may read nodes earlier rewrites made (their `val`s are filled in first).
 Invariant: the graph computes the same values; every node has a FakeTensor `val`.
 """
 from __future__ import annotations

@@ -4,12 +4,15 @@ Reads `autoshard.candidates`, `autoshard.hint`, `autoshard.input_hint`, FakeTens
 model. Writes `autoshard.choice` ([per axis: AxisStrategy]), `autoshard.spec`, `autoshard.in_specs`
 and `autoshard.grad_partial` (per input position: axes where its gradient comes back partial).
 
-Axes are solved one after another (outer first); each axis's ILP sees tensor sizes already divided by
-the earlier axes' choices. Per axis: a one-hot binary per node candidate, an edge variable per
-(producer, consumer) candidate pair with a resharding cost (linearised: e >= x_u + x_v - 1), and
-forbidden pairs (multi-output producers and mutated inputs cannot be resharded). Hints are hard
-constraints. Node costs count compute (divided when the work is split) and the backward all-reduce
-implied by the duality rule for replicated inputs of split ops.
+Axes are solved one after another (outer first); each axis's ILP (autoshard/ilp.py) sees tensor sizes
+already divided by the earlier axes' choices. Copies of a node in repeated layers share one decision
+(autoshard/layers.py), so the ILP does not grow with depth. Edges carry resharding costs; multi-output
+producers and mutated inputs cannot be resharded. Hints are hard constraints. Node costs
+(autoshard/axis_cost.py) count compute, the backward all-reduces implied by the duality rule and, in
+auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bounds the parameters
+(with gradients and optimizer state), inputs and saved activations; on axis a the bound is the budget
+times the sizes of the axes still to come (they can only shard further). Writes `autoshard.costs`
+(per axis, per candidate CostBreakdown) for `Plan.explain`, and `state.ilp_stats`.
 
 Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
 graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
@@ -17,41 +20,58 @@ sharded tensor back to replicated, cost `PROPAGATION_PENALTY` times their price 
 where no op can keep the sharding), and the gradient reduction of a replicated parameter used by a
 split op is not charged (sharding the batch *is* the user's choice of data parallelism).
 """
+
 from __future__ import annotations
 
 import math
 
-import highspy
-import numpy as np
 import torch
 
 from .. import meta
-from ..cost import DEFAULT_PROFILE, INF, all_reduce_time, conversion_time
-from ..errors import HintError, PlanError
-from ..flops import is_matmul_like, node_bytes, node_flops
+from ..axis_cost import AxisCostModel, needs_grad
+from ..flops import node_bytes
+from ..cost import DEFAULT_PROFILE, INF, redistribution_time
+from ..errors import HintError
+from ..ilp import IlpProblem, solve_ilp
+from ..layers import decision_classes
 from ..placement import Replicate, Shard, Spec
 from ..strategies import tensor_inputs
-from ..strategies.base import feasible, RuleContext, output_shapes
+from ..strategies.base import RuleContext, feasible, output_shapes
 from .annotate import INPUT_HINT
 
 aten = torch.ops.aten
-_SCALE = 1e6
-PROPAGATION_PENALTY = 1e3  # seconds -> microseconds keeps HiGHS's tolerances meaningful
+_SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
+PROPAGATION_PENALTY = 1e3
 MUTATED_POSITIONS = {aten.add_.Tensor: (0,), aten.copy_.default: (0,), aten.mul_.Tensor: (0,),
                      aten.fill_.Scalar: (0,), aten.zero_.default: (0,)}
+COSTS = "autoshard.costs"
+
+
+JOINT_MAX_VARIABLES = 150_000
 
 
 def solve(state) -> None:
     graph = state.gm.graph
-    profile = state.options.get("profile", DEFAULT_PROFILE)
+    profile = state.options.get("profile") or DEFAULT_PROFILE
     nodes = [n for n in graph.nodes if meta.CANDIDATES in n.meta]
     grad = needs_grad(graph)
-    charge_sync = not state.hints
+    semi_auto = bool(state.hints)
+    mesh = state.mesh
+    models = [AxisCostModel(mesh, a, profile, grad, state.options.get("optimizer_state_factor", 2.0))
+              for a in range(mesh.ndim)]
+    state.ilp_stats = []
     choices: dict = {n: [] for n in nodes}
-    for axis in range(state.mesh.ndim):
-        picked = _solve_axis(nodes, axis, state.mesh, choices, grad, profile, charge_sync)
+    joint = _joint_combos(nodes, mesh) if mesh.ndim > 1 else None
+    if joint is not None:
+        picked = _solve_axes(nodes, tuple(range(mesh.ndim)), joint, choices, state, models, semi_auto)
         for node in nodes:
-            choices[node].append(picked[node])
+            choices[node] = [picked[node][a] for a in range(mesh.ndim)]
+    else:
+        for axis in range(mesh.ndim):
+            combos = {n: [{axis: c} for c in _axis_candidates(n, axis, mesh, choices)] for n in nodes}
+            picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto)
+            for node in nodes:
+                choices[node].append(picked[node][axis])
     for node in nodes:
         chosen = choices[node]
         node.meta[meta.CHOICE] = chosen
@@ -67,19 +87,19 @@ def solve(state) -> None:
 solve.name = "solve"
 
 
-def needs_grad(graph) -> dict:
-    """Which values carry a gradient: parameters and everything float computed from them."""
-    out = {}
-    for node in graph.nodes:
-        val = node.meta.get("val")
-        is_float = isinstance(val, torch.Tensor) and val.is_floating_point() or (
-            isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in val))
-        if node.op == "placeholder":
-            out[node] = node.meta.get(meta.KIND) == "param" and is_float
-        elif node.op == "call_function":
-            out[node] = bool(is_float and node.target is not aten.detach.default
-                             and any(out.get(i, False) for i in node.all_input_nodes))
-    return out
+def _joint_combos(nodes, mesh):
+    """Every node's feasible strategy combinations over all axes, or None when the joint ILP would be
+    too large (then axes are solved one after another)."""
+    combos = {}
+    for node in nodes:
+        found = [[]]
+        for axis in range(mesh.ndim):
+            found = [prior + [c] for prior in found for c in _axis_candidates(node, axis, mesh, {node: prior})]
+        combos[node] = [dict(enumerate(f)) for f in found]
+    size = sum(len(c) for c in combos.values())
+    size += sum(len(combos[u]) * len(combos[v]) for v in nodes if v.op == "call_function"
+                for u in tensor_inputs(v) if u in combos)
+    return combos if size <= JOINT_MAX_VARIABLES else None
 
 
 def _local(shape, placements, mesh, upto_axis):
@@ -115,132 +135,79 @@ def _axis_candidates(node, axis, mesh, choices):
     return found
 
 
-def _solve_axis(nodes, axis, mesh, choices, grad, profile, charge_sync):
-    k = mesh.shape[axis]
-    link = profile.link(mesh.shape, axis)
-    cands = {n: _axis_candidates(n, axis, mesh, choices) for n in nodes}
-    node_costs = {n: [_node_cost(n, c, k, link, profile, grad, choices, mesh, axis, charge_sync) * _SCALE
-                      for c in cands[n]] for n in nodes}
-    edges: dict = {}  # (u, v) -> cost matrix [len(cands[u])][len(cands[v])], INF = forbidden
+def _joint_edge(u, cu, cv, pos, mesh, profile) -> float:
+    """Resharding cost when every axis is decided at once (cu, cv cover all axes)."""
+    if isinstance(u.meta.get("val"), (tuple, list)):
+        return INF  # multi-output values are never resharded: their getitem follows them
+    src = Spec(cu[a].output for a in range(mesh.ndim))
+    dst = Spec(cv[a].inputs[pos] for a in range(mesh.ndim))
+    return redistribution_time(src, dst, node_bytes(u), mesh.shape, profile)
+
+
+def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
+    """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
+    mesh = state.mesh
+    profile = models[0].profile
+
+    def others(node, combo, axis):
+        fixed = {b: c for b, c in enumerate(choices[node])}
+        fixed.update({b: c for b, c in combo.items() if b != axis})
+        return fixed
+
+    breakdowns = {n: [[models[a].node(n, combo[a], others(n, combo, a)) for a in axes] for combo in combos[n]]
+                  for n in nodes}
+    for n in nodes:
+        per_axis = n.meta.setdefault(COSTS, [None] * mesh.ndim)
+        for i, a in enumerate(axes):
+            per_axis[a] = [b[i] for b in breakdowns[n]]
+    classes, class_of = decision_classes(
+        nodes, lambda n: (tuple(tuple(sorted(c.items())) for c in combos[n]), node_bytes(n),
+                          tuple(tuple(c.output for c in choices[n]))))
+    sizes = [len(combos[members[0]]) for members in classes]
+    costs = [[0.0] * size for size in sizes]
+    memory = [[0.0] * size for size in sizes]
+    for n in nodes:
+        c = class_of[n]
+        for s, per_axis in enumerate(breakdowns[n]):
+            comm = sum(b.comm_bwd + (0.0 if semi_auto else b.sync) for b in per_axis)
+            costs[c][s] += (per_axis[0].compute + comm) * _SCALE  # compute and memory are per node, not per axis
+            memory[c][s] += per_axis[0].memory
+    edges: dict = {}
     for v in nodes:
         if v.op != "call_function":
             continue
         mutated = MUTATED_POSITIONS.get(v.target, ())
-        if v.target is aten.batch_norm.default and v.args[5]:
-            mutated = (3, 4)
         for pos, u in enumerate(tensor_inputs(v)):
-            if u not in cands:
+            if u not in combos:
                 continue
-            matrix = edges.setdefault((u, v), [[0.0] * len(cands[v]) for _ in cands[u]])
-            tuple_valued = isinstance(u.meta.get("val"), (tuple, list))
-            nbytes = _local_bytes(u, choices, mesh, axis)
+            key = (class_of[u], class_of[v])
+            matrix = edges.setdefault(key, [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])])
             is_param = u.op == "placeholder" and u.meta.get(meta.KIND) != "input"
-            for a, cu in enumerate(cands[u]):
-                for b, cv in enumerate(cands[v]):
-                    want = cv.inputs[pos]
-                    if cu.output == want:
+            for a, cu in enumerate(combos[u]):
+                for b, cv in enumerate(combos[v]):
+                    if matrix[a][b] == INF:
                         continue
-                    if tuple_valued or pos in mutated:
-                        matrix[a][b] = INF
+                    changed = [axis for axis in axes if cu[axis].output != cv[axis].inputs[pos]]
+                    if not changed:
                         continue
-                    cost = conversion_time(cu.output, want, nbytes, k, link)
-                    if not charge_sync and (is_param or isinstance(cu.output, Shard) and isinstance(want, Replicate)):
+                    if pos in mutated:
+                        cost = INF
+                    elif len(axes) == 1:
+                        axis = axes[0]
+                        cost = models[axis].edge(u, cu[axis].output, cv[axis].inputs[pos], others(u, cu, axis))
+                    else:  # several axes change at once: price the exact collectives insert_comm will emit
+                        cost = _joint_edge(u, cu, cv, pos, mesh, profile)
+                    if semi_auto and (is_param or any(isinstance(cu[x].output, Shard) and
+                                                      isinstance(cv[x].inputs[pos], Replicate) for x in changed)):
                         cost *= PROPAGATION_PENALTY
                     matrix[a][b] += cost * _SCALE
-    chosen = _run_ilp(nodes, cands, node_costs, edges)
-    return {n: cands[n][chosen[n]] for n in nodes}
-
-
-def _local_bytes(node, choices, mesh, axis) -> float:
-    prior = [c.output for c in choices[node]]
-    total = node_bytes(node)
-    for a, p in enumerate(prior[:axis]):
-        if isinstance(p, Shard):
-            total /= mesh.shape[a]
-    return total
-
-
-def _node_cost(node, cand, k, link, profile, grad, choices, mesh, axis, charge_sync) -> float:
-    if node.op != "call_function":
-        return 0.0
-    prior_split = math.prod(mesh.shape[a] for a, c in enumerate(choices[node]) if c.splits_work)
-    split = prior_split * (k if cand.splits_work else 1)
-    if is_matmul_like(node):
-        compute = 3 * node_flops(node) / profile.peak_flops / split
-    else:
-        compute = 3 * node_bytes(node) / profile.memory_bandwidth / split
-    comm = 0.0
-    if cand.splits_work:
-        for pos, producer in enumerate(tensor_inputs(node)):
-            is_param = producer.op == "placeholder"
-            if isinstance(cand.inputs[pos], Replicate) and grad.get(producer, False) and (charge_sync or not is_param):
-                comm += all_reduce_time(_local_bytes(producer, choices, mesh, axis), k, link)
-    return compute + comm
-
-
-def _run_ilp(nodes, cands, node_costs, edges) -> dict:
-    """Alpa's ILP: one-hot x per node; per edge a joint distribution e over candidate pairs whose
-    marginals are the two nodes' x (a tight relaxation); forbidden pairs have e = 0. Edges with a
-    single-candidate end are folded into the other end's costs first, so hinted or trivial nodes add
-    no variables."""
-    costs = {n: list(node_costs[n]) for n in nodes}
-    allowed = {n: [True] * len(cands[n]) for n in nodes}
-    joint = []
-    for (u, v), matrix in edges.items():
-        if len(cands[u]) == 1 or len(cands[v]) == 1:
-            for a in range(len(cands[u])):
-                for b in range(len(cands[v])):
-                    cost = matrix[a][b]
-                    free, index = (v, b) if len(cands[u]) == 1 else (u, a)
-                    if cost == INF:
-                        allowed[free][index] = False
-                    else:
-                        costs[free][index] += cost
-        else:
-            joint.append((u, v, matrix))
-    for n in nodes:
-        if not any(allowed[n]):
-            raise PlanError(f"no sharding of node {n.name!r} ({n.meta.get(meta.PATH) or n.target}) is compatible "
-                            "with its fixed neighbours (a multi-output or in-place operand would need resharding)")
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("random_seed", 0)
-    h.setOptionValue("threads", 1)
-    start, n_var, obj, upper = {}, 0, [], []
-    for n in nodes:
-        start[n] = n_var
-        n_var += len(cands[n])
-        obj += costs[n]
-        upper += [1.0 if ok else 0.0 for ok in allowed[n]]
-    n_choice = n_var
-    edge_start = []
-    for u, v, matrix in joint:
-        edge_start.append(n_var)
-        for row in matrix:
-            for cost in row:
-                obj.append(0.0 if cost == INF else cost)
-                upper.append(0.0 if cost == INF else 1.0)
-                n_var += 1
-    inf = highspy.kHighsInf
-    h.addVars(n_var, np.zeros(n_var), np.array(upper))
-    h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), np.array(obj, dtype=np.float64))
-    h.changeColsIntegrality(n_choice, np.arange(n_choice, dtype=np.int32),
-                            np.array([highspy.HighsVarType.kInteger] * n_choice))
-    for n in nodes:
-        count = len(cands[n])
-        h.addRow(1.0, 1.0, count, np.arange(start[n], start[n] + count, dtype=np.int32), np.ones(count))
-    for (u, v, matrix), e0 in zip(joint, edge_start):
-        nu, nv = len(cands[u]), len(cands[v])
-        for a in range(nu):  # sum_b e[a, b] = x_u[a]
-            idx = [e0 + a * nv + b for b in range(nv)] + [start[u] + a]
-            h.addRow(0.0, 0.0, nv + 1, np.array(idx, dtype=np.int32), np.array([1.0] * nv + [-1.0]))
-        for b in range(nv):  # sum_a e[a, b] = x_v[b]
-            idx = [e0 + a * nv + b for a in range(nu)] + [start[v] + b]
-            h.addRow(0.0, 0.0, nu + 1, np.array(idx, dtype=np.int32), np.array([1.0] * nu + [-1.0]))
-    h.run()
-    status = h.getModelStatus()
-    if status != highspy.HighsModelStatus.kOptimal:
-        raise PlanError(f"the sharding ILP found no plan ({h.modelStatusToString(status)}); the hints may "
-                        "force a resharding that is impossible (e.g. turning a full tensor into a partial sum)")
-    values = h.getSolution().col_value
-    return {n: max(range(len(cands[n])), key=lambda j: values[start[n] + j]) for n in nodes}
+    budget = state.options.get("memory_budget")
+    if budget is not None:
+        budget = budget * math.prod(mesh.shape[max(axes) + 1:])
+    problem = IlpProblem(sizes, costs, edges, memory, budget,
+                         [f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r})" for m in classes])
+    result = solve_ilp(problem)
+    state.ilp_stats.append({"axes": [mesh.names[a] for a in axes], "nodes": len(nodes), "classes": len(classes),
+                            "variables": result.variables, "constraints": result.constraints,
+                            "objective_s": result.objective / _SCALE})
+    return {n: combos[n][result.choice[class_of[n]]] for n in nodes}

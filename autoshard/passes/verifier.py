@@ -35,7 +35,7 @@ def verify_state(state, after: str) -> None:
                 if isinstance(p, Shard) and not 0 <= p.dim < val.dim():
                     raise VerifierError(f"after {after}: node {node.name!r} placement {p!r} on axis "
                                         f"{names[axis]!r} names a dim of a {val.dim()}-d tensor")
-        if after in ("insert_comm", "codegen") and node.op == "call_function" and meta.IN_SPECS in node.meta:
+        if after in ("insert_comm", "predict", "codegen") and node.op == "call_function" and meta.IN_SPECS in node.meta:
             for pos, producer in enumerate(tensor_inputs(node)):
                 want = node.meta[meta.IN_SPECS][pos]
                 have = producer.meta.get(meta.SPEC)

@@ -29,8 +29,14 @@ class AxisStrategy:
 
     @property
     def splits_work(self) -> bool:
-        """True when ranks on the axis compute different things (some placement is not R)."""
+        """True when ranks on the axis compute different things (some placement is not R): the
+        gradient of a replicated input then comes back partial (the duality rule)."""
         return not all(isinstance(p, Replicate) for p in (*self.inputs, self.output))
+
+    @property
+    def divides_compute(self) -> bool:
+        """True when each rank does 1/k of the work (something is sharded; partial sums do not shrink it)."""
+        return any(isinstance(p, Shard) for p in (*self.inputs, self.output))
 
     def to_json(self):
         return {"inputs": [repr(p) for p in self.inputs], "output": repr(self.output)}

@@ -48,7 +48,8 @@ def test_view_split_heads():
 
 def test_view_split_heads_needs_heads_divisible():
     # H = 3 heads over an axis of 3: the fused dim 12 and H both divide; D = 4 is never sharded
-    assert view_candidates(torch.randn(2, 4, 12), (2, 4, 3, 4), axis_size=3) == {"(R) -> R", "(S(2)) -> S(2)", "(P) -> P"}
+    got = view_candidates(torch.randn(2, 4, 12), (2, 4, 3, 4), axis_size=3)
+    assert got == {"(R) -> R", "(S(2)) -> S(2)", "(P) -> P"}
 
 
 def test_view_merge_heads():

@@ -1,0 +1,109 @@
+"""Costs of one node's candidate strategy on one mesh axis, broken down for the ILP and for `explain`.
+
+Sizes are local after the axes solved before this one. Compute is FLOPs (matmul-like) or bytes moved
+(everything else) over the profile's peak, times 3 for forward + backward, divided by the axis size
+when the strategy splits the work. Communication follows the duality rule: a replicated input of an
+op that splits its work gets a partial gradient, all-reduced in backward (`comm_bwd` for activations,
+`sync` for parameters, reduced after backward). Memory is what the node keeps on a device: a
+parameter with its gradient and optimizer state, an input, or an activation saved for backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import meta
+from .cost import INF, all_reduce_time, conversion_time
+from .flops import is_matmul_like, node_bytes, node_flops
+from .placement import Replicate, Shard
+from .strategies import tensor_inputs
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Seconds (compute, backward all-reduces, gradient sync) and bytes kept per device."""
+
+    compute: float = 0.0
+    comm_bwd: float = 0.0
+    sync: float = 0.0
+    memory: float = 0.0
+
+    def to_json(self):
+        return {"compute_s": self.compute, "comm_bwd_s": self.comm_bwd, "sync_s": self.sync, "memory_bytes": self.memory}
+
+
+def needs_grad(graph) -> dict:
+    """Which values carry a gradient: parameters and everything float computed from them."""
+    out = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        is_float = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+        if node.op == "placeholder":
+            out[node] = node.meta.get(meta.KIND) == "param" and is_float
+        elif node.op == "call_function":
+            out[node] = bool(is_float and node.target is not aten.detach.default
+                             and any(out.get(i, False) for i in node.all_input_nodes))
+    return out
+
+
+class AxisCostModel:
+    """Cost terms on mesh axis `axis`. `other` arguments give the node's strategies on the other
+    axes already fixed ({axis: AxisStrategy}); sizes are divided by the shards they imply."""
+
+    def __init__(self, mesh, axis, profile, grad, optimizer_state_factor: float = 2.0):
+        self.mesh, self.axis, self.profile = mesh, axis, profile
+        self.k = mesh.shape[axis]
+        self.link = profile.link(mesh.shape, axis)
+        self.grad = grad
+        self.optimizer_state_factor = optimizer_state_factor
+
+    def _shrink(self, nbytes, placements) -> float:
+        for b, p in placements.items():
+            if isinstance(p, Shard):
+                nbytes /= self.mesh.shape[b]
+        return nbytes
+
+    def local_bytes(self, node, other: dict) -> float:
+        """Bytes of the node's output after the other axes' placements (whole on this axis)."""
+        return self._shrink(float(node_bytes(node)), {b: c.output for b, c in other.items()})
+
+    def input_bytes(self, producer, pos, other: dict) -> float:
+        return self._shrink(float(node_bytes(producer)), {b: c.inputs[pos] for b, c in other.items()})
+
+    def node(self, node, cand, other: dict) -> CostBreakdown:
+        kept = self.local_bytes(node, other) / (self.k if isinstance(cand.output, Shard) else 1)
+        if node.op == "placeholder":
+            kind = node.meta.get(meta.KIND)
+            factor = 2.0 + self.optimizer_state_factor if kind == "param" and self.grad.get(node) else 1.0
+            return CostBreakdown(memory=kept * factor)
+        split = math.prod(self.mesh.shape[b] for b, c in other.items() if c.divides_compute)
+        split *= self.k if cand.divides_compute else 1
+        if is_matmul_like(node):
+            compute = 3 * node_flops(node) / self.profile.peak_flops / split
+        else:
+            compute = 3 * node_bytes(node) / self.profile.memory_bandwidth / split
+        comm_bwd = sync = 0.0
+        if cand.splits_work:
+            for pos, producer in enumerate(tensor_inputs(node)):
+                if isinstance(cand.inputs[pos], Replicate) and self.grad.get(producer, False):
+                    t = all_reduce_time(self.input_bytes(producer, pos, other), self.k, self.link)
+                    if producer.op == "placeholder":
+                        sync += t
+                    else:
+                        comm_bwd += t
+        saved = kept if self.grad.get(node, False) else 0.0
+        return CostBreakdown(compute, comm_bwd, sync, saved)
+
+    def edge(self, producer, produced, wanted, producer_other: dict) -> float:
+        """Seconds (forward + backward) to turn the producer's placement into the consumer's."""
+        if produced == wanted:
+            return 0.0
+        if isinstance(producer.meta.get("val"), (tuple, list)):
+            return INF  # multi-output values are never resharded: their getitem follows them
+        nbytes = self.local_bytes(producer, producer_other)
+        return conversion_time(produced, wanted, nbytes, self.k, self.link)

@@ -1,0 +1,88 @@
+"""predict: the plan's predicted step time, communication per mesh axis and memory per rank.
+
+Reads the graph after insert_comm (collective nodes, specs, `autoshard.choice`) and
+`state.grad_reduce`. Writes `autoshard.comm_cost` = {"fwd_bytes", "bwd_bytes", "seconds"} on each
+collective node and `state.predicted` = {"step_time_s", "compute_s", "comm_s", "comm_bytes_per_step":
+{axis: {"fwd", "bwd", "sync"}}, "memory_bytes_per_rank"}. Bytes use the runtime's counting convention
+(all_gather: gathered output; others: the rank's input), so `verify --json` can compare them.
+Communication is assumed not to overlap compute (an upper bound on step time).
+"""
+from __future__ import annotations
+
+import math
+
+from .. import meta
+from ..axis_cost import needs_grad
+from ..cost import DEFAULT_PROFILE, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
+from ..flops import is_matmul_like, node_bytes, node_flops
+from ..placement import Shard
+
+COMM_COST = "autoshard.comm_cost"
+
+
+def local_bytes(node, spec, mesh) -> int:
+    split = math.prod(mesh.shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
+    return node_bytes(node) // split
+
+
+def collective_bytes(node, mesh) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends into a collective node, runtime convention."""
+    op = node.meta[meta.COMM]["op"]
+    src = local_bytes(node, node.args[0].meta[meta.SPEC], mesh)
+    dst = local_bytes(node, node.meta[meta.SPEC], mesh)
+    return {"all_reduce": (src, 0), "grad_all_reduce": (0, src), "all_gather": (dst, 0), "chunk": (0, src),
+            "reduce_scatter": (src, src), "all_to_all": (src, dst)}[op]
+
+
+def _collective_time(op, fwd, bwd, k, link) -> float:
+    if op in ("all_reduce", "grad_all_reduce"):
+        return all_reduce_time(fwd + bwd, k, link)
+    if op in ("all_gather", "chunk"):
+        return all_gather_time(fwd + bwd, k, link)
+    if op == "reduce_scatter":
+        return reduce_scatter_time(fwd, k, link) + all_gather_time(bwd, k, link)
+    return all_to_all_time(fwd, k, link) + all_to_all_time(bwd, k, link)
+
+
+def predict(state) -> None:
+    mesh = state.mesh
+    profile = state.options.get("profile") or DEFAULT_PROFILE
+    opt_factor = state.options.get("optimizer_state_factor", 2.0)
+    grad = needs_grad(state.gm.graph)
+    per_axis = {name: {"fwd": 0, "bwd": 0, "sync": 0} for name in mesh.names}
+    compute = comm = memory = 0.0
+    for node in state.gm.graph.nodes:
+        spec = node.meta.get(meta.SPEC)
+        if spec is None:
+            continue
+        if node.meta.get(meta.KIND) == "comm":
+            info = node.meta[meta.COMM]
+            axis = mesh.axis(info["axis"])
+            fwd, bwd = collective_bytes(node, mesh)
+            seconds = _collective_time(info["op"], fwd, bwd, mesh.shape[axis], profile.link(mesh.shape, axis))
+            node.meta[COMM_COST] = {"fwd_bytes": fwd, "bwd_bytes": bwd, "seconds": seconds}
+            per_axis[info["axis"]]["fwd"] += fwd
+            per_axis[info["axis"]]["bwd"] += bwd
+            comm += seconds
+            continue
+        kept = local_bytes(node, spec, mesh)
+        if node.op == "placeholder":
+            is_param = node.meta.get(meta.KIND) == "param" and grad.get(node)
+            memory += kept * (2 + opt_factor if is_param else 1)
+            for axis_name in state.grad_reduce.get(node.meta.get(meta.PATH), ()):
+                axis = mesh.axis(axis_name)
+                per_axis[axis_name]["sync"] += kept
+                comm += all_reduce_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis))
+            continue
+        split = math.prod(mesh.shape[a] for a, c in enumerate(node.meta.get(meta.CHOICE, [])) if c.divides_compute)
+        if is_matmul_like(node):
+            compute += 3 * node_flops(node) / profile.peak_flops / split
+        else:
+            compute += 3 * node_bytes(node) / profile.memory_bandwidth / split
+        if grad.get(node):
+            memory += kept
+    state.predicted = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
+                       "comm_bytes_per_step": per_axis, "memory_bytes_per_rank": int(memory)}
+
+
+predict.name = "predict"
