@@ -9,6 +9,7 @@ rank's input tensor, all_gather the gathered output.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ def conversion_bytes(src: Placement, dst: Placement, nbytes: float, k: int) -> t
     return nbytes / k, nbytes / k
 
 
+@functools.lru_cache(maxsize=65536)
 def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: "HardwareProfile") -> float:
     """Forward + backward seconds of the exact collectives `plan_redistribute(src, dst)` emits."""
     from .redistribute import plan_redistribute

@@ -135,13 +135,21 @@ def _axis_candidates(node, axis, mesh, choices):
     return found
 
 
-def _joint_edge(u, cu, cv, pos, mesh, profile) -> float:
-    """Resharding cost when every axis is decided at once (cu, cv cover all axes)."""
-    if isinstance(u.meta.get("val"), (tuple, list)):
-        return INF  # multi-output values are never resharded: their getitem follows them
-    src = Spec(cu[a].output for a in range(mesh.ndim))
-    dst = Spec(cv[a].inputs[pos] for a in range(mesh.ndim))
-    return redistribution_time(src, dst, node_bytes(u), mesh.shape, profile)
+def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh, profile) -> float:
+    """Scaled cost of turning placements `have` into `want` on `axes` (one tuple entry per axis)."""
+    if mutated:
+        return INF
+    if len(axes) == 1:
+        cost = models[axes[0]].edge(u, have[0], want[0], others(u, cu, axes[0]))
+    elif isinstance(u.meta.get("val"), (tuple, list)):
+        cost = INF  # multi-output values are never resharded: their getitem follows them
+    else:  # several axes at once: price the exact collectives insert_comm will emit
+        cost = redistribution_time(Spec(have), Spec(want), node_bytes(u), mesh.shape, profile)
+    is_param = u.op == "placeholder" and u.meta.get(meta.KIND) != "input"
+    gathers = any(isinstance(h, Shard) and isinstance(w, Replicate) for h, w in zip(have, want))
+    if semi_auto and (is_param or gathers):
+        cost *= PROPAGATION_PENALTY
+    return cost * _SCALE
 
 
 def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
@@ -173,6 +181,7 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
             costs[c][s] += (per_axis[0].compute + comm) * _SCALE  # compute and memory are per node, not per axis
             memory[c][s] += per_axis[0].memory
     edges: dict = {}
+    outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
     for v in nodes:
         if v.op != "call_function":
             continue
@@ -182,25 +191,17 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
                 continue
             key = (class_of[u], class_of[v])
             matrix = edges.setdefault(key, [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])])
-            is_param = u.op == "placeholder" and u.meta.get(meta.KIND) != "input"
-            for a, cu in enumerate(combos[u]):
-                for b, cv in enumerate(combos[v]):
-                    if matrix[a][b] == INF:
+            wants = [tuple(cv[a].inputs[pos] for a in axes) for cv in combos[v]]
+            priced: dict = {}  # (have, want) -> cost: many candidate pairs share one conversion
+            for a, have in enumerate(outs[u]):
+                for b, want in enumerate(wants):
+                    if have == want or matrix[a][b] == INF:
                         continue
-                    changed = [axis for axis in axes if cu[axis].output != cv[axis].inputs[pos]]
-                    if not changed:
-                        continue
-                    if pos in mutated:
-                        cost = INF
-                    elif len(axes) == 1:
-                        axis = axes[0]
-                        cost = models[axis].edge(u, cu[axis].output, cv[axis].inputs[pos], others(u, cu, axis))
-                    else:  # several axes change at once: price the exact collectives insert_comm will emit
-                        cost = _joint_edge(u, cu, cv, pos, mesh, profile)
-                    if semi_auto and (is_param or any(isinstance(cu[x].output, Shard) and
-                                                      isinstance(cv[x].inputs[pos], Replicate) for x in changed)):
-                        cost *= PROPAGATION_PENALTY
-                    matrix[a][b] += cost * _SCALE
+                    cost = priced.get((have, want))
+                    if cost is None:
+                        cost = priced[(have, want)] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
+                                                                 models, others, semi_auto, mesh, profile)
+                    matrix[a][b] += cost
     budget = state.options.get("memory_budget")
     if budget is not None:
         budget = budget * math.prod(mesh.shape[max(axes) + 1:])
