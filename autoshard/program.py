@@ -11,13 +11,13 @@
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
 from . import meta
 from .errors import UserInputError
 from .frontend import trace
+from .hints import Hints
 from .mesh import Mesh
 from .passes.annotate import annotate
 from .passes.codegen import attr_names, build_rank_module, codegen
@@ -46,9 +46,8 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     saved activations).
     """
     mesh = Mesh.of(mesh, axis_names)
-    if hints is not None and not isinstance(hints, dict):
-        from .hints import Hints
-        hints = Hints.load(hints)
+    if hints is not None and not isinstance(hints, (dict, Hints)):
+        hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     traced = trace(model, example_inputs, loss_fn)
     options = {"profile": profile, "memory_budget": memory_budget, "optimizer_state_factor": optimizer_state_factor}
     state = CompileState(traced.gm, mesh, traced, hints, options)
@@ -129,10 +128,24 @@ class Program:
                 return node.meta[meta.SPEC]
         raise KeyError(fqn)
 
+    def check_inputs(self, inputs) -> None:
+        """Global inputs must match the example inputs the program was traced with (count, shape, dtype)."""
+        examples = [n.meta["val"] for n in self.state.gm.graph.nodes
+                    if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
+        if len(inputs) != len(examples):
+            raise UserInputError(f"the program takes {len(examples)} inputs (like the example inputs), got "
+                                 f"{len(inputs)}")
+        for i, (x, ex) in enumerate(zip(inputs, examples)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(ex.shape) or x.dtype != ex.dtype:
+                got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise UserInputError(f"input {i} is {got} but the program was planned for {ex.dtype} "
+                                     f"{tuple(ex.shape)}; re-plan with example inputs of the new shape")
+
     def simulate(self, *inputs, timeout_s: float = 60.0):
         """Run all ranks in this process (threads); return the global (loss, outputs) like the model."""
         from .runtime.simulator import run_ranks
         import torch.utils._pytree as pytree
+        self.check_inputs(inputs)
 
         def step(module):
             loss, outputs = module(*module.local_inputs(*inputs))

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..errors import PlanError
 from ..placement import local_shape, shard_tensor
 from ..strategies.base import REGISTRY
 
@@ -23,7 +24,7 @@ def codegen(state) -> None:
             try:
                 local_shape(node.meta["val"].shape, node.meta[meta.SPEC], state.mesh.shape)
             except ValueError as exc:
-                raise ValueError(f"node {node.name!r} ({node.meta.get(meta.PATH)}): {exc}") from None
+                raise PlanError(f"node {node.name!r} ({node.meta.get(meta.PATH)}): {exc}") from None
 
 
 codegen.name = "codegen"

@@ -26,6 +26,14 @@ class CompileState:
     options: dict = field(default_factory=dict)
     grad_reduce: dict = field(default_factory=dict)  # param FQN -> axes its gradient is reduced on
 
+    @property
+    def semi_auto(self) -> bool:
+        """Any user constraint (hint file/dict or `autoshard.constrain` in forward) makes the plan
+        semi-automatic: unhinted parameters stay replicated and hinted shardings propagate."""
+        from .. import meta
+        return bool(self.hints) or any(meta.HINT in n.meta or "autoshard.input_hint" in n.meta
+                                       for n in self.gm.graph.nodes)
+
 
 @dataclass(frozen=True)
 class HistoryEntry:

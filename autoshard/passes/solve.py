@@ -55,7 +55,7 @@ def solve(state) -> None:
     profile = state.options.get("profile") or DEFAULT_PROFILE
     nodes = [n for n in graph.nodes if meta.CANDIDATES in n.meta]
     grad = needs_grad(graph)
-    semi_auto = bool(state.hints)
+    semi_auto = state.semi_auto
     mesh = state.mesh
     models = [AxisCostModel(mesh, a, profile, grad, state.options.get("optimizer_state_factor", 2.0))
               for a in range(mesh.ndim)]

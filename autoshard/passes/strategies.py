@@ -18,7 +18,7 @@ from ..strategies.base import is_tensor_value, output_shapes
 
 def strategies(state) -> None:
     mesh = state.mesh
-    semi_auto = bool(state.hints)
+    semi_auto = state.semi_auto
     unknown: dict[str, list[str]] = {}
     for node in state.gm.graph.nodes:
         if node.op == "placeholder":
