@@ -47,6 +47,11 @@ class HardwareProfile:
 
 
 DEFAULT_PROFILE = HardwareProfile()
+# A CPU host whose ranks talk over loopback gloo (measured order of magnitude on the 2-core dev box;
+# `python -m autoshard calibrate` measures the links of the machine at hand).
+CPU_PROFILE = HardwareProfile(name="cpu-gloo", peak_flops=2e10, memory_bandwidth=5e9, memory_bytes=16e9,
+                              devices_per_node=64, intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9))
+PROFILES = {"gpu": DEFAULT_PROFILE, "cpu": CPU_PROFILE}
 
 
 def all_reduce_time(nbytes: float, k: int, link: Link) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import meta
+from .errors import PlanError
 from .mesh import Mesh
 from .placement import describe_type, dtype_name
 
@@ -45,6 +46,7 @@ class Plan:
     grad_reduce: dict = field(default_factory=dict)
     hints: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
+    _state: object = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_state(cls, state) -> "Plan":
@@ -70,7 +72,14 @@ class Plan:
                 row.bytes_bwd = node.meta[COMM_COST]["bwd_bytes"]
             rows.append(row)
         hints = state.hints.to_json() if hasattr(state.hints, "to_json") else {}
-        return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, dict(state.predicted))
+        return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, dict(state.predicted), state)
+
+    def explain(self, path: str = "") -> str:
+        """Why the ops under module `path` got their placements: each axis's alternatives and costs."""
+        if self._state is None:
+            raise PlanError("explain needs the compiled program; a plan loaded from JSON keeps only decisions")
+        from .explain import explain_nodes
+        return explain_nodes(self._state, path)
 
     def to_json(self) -> dict:
         return {"version": PLAN_VERSION, "mesh": self.mesh.to_json(), "hints": self.hints,

@@ -11,8 +11,9 @@ producers and mutated inputs cannot be resharded. Hints are hard constraints. No
 (autoshard/axis_cost.py) count compute, the backward all-reduces implied by the duality rule and, in
 auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bounds the parameters
 (with gradients and optimizer state), inputs and saved activations; on axis a the bound is the budget
-times the sizes of the axes still to come (they can only shard further). Writes `autoshard.costs`
-(per axis, per candidate CostBreakdown) for `Plan.explain`, and `state.ilp_stats`.
+times the sizes of the axes still to come (they can only shard further). When the strategy
+combinations of all axes fit (JOINT_MAX_VARIABLES), every axis is decided in one ILP with the exact
+cost of multi-axis resharding; otherwise axes are solved outer to inner. Writes `state.ilp_stats`.
 
 Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
 graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
@@ -44,7 +45,6 @@ _SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
 PROPAGATION_PENALTY = 1e3
 MUTATED_POSITIONS = {aten.add_.Tensor: (0,), aten.copy_.default: (0,), aten.mul_.Tensor: (0,),
                      aten.fill_.Scalar: (0,), aten.zero_.default: (0,)}
-COSTS = "autoshard.costs"
 
 
 JOINT_MAX_VARIABLES = 150_000
@@ -164,10 +164,6 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
 
     breakdowns = {n: [[models[a].node(n, combo[a], others(n, combo, a)) for a in axes] for combo in combos[n]]
                   for n in nodes}
-    for n in nodes:
-        per_axis = n.meta.setdefault(COSTS, [None] * mesh.ndim)
-        for i, a in enumerate(axes):
-            per_axis[a] = [b[i] for b in breakdowns[n]]
     classes, class_of = decision_classes(
         nodes, lambda n: (tuple(tuple(sorted(c.items())) for c in combos[n]), node_bytes(n),
                           tuple(tuple(c.output for c in choices[n]))))
