@@ -48,7 +48,7 @@ def decision_classes(nodes, signature) -> tuple[list[list], dict]:
             index[node] = len(classes)
             classes.append([node])
             continue
-        base = (pattern, str(node.target), node.op)
+        base = (pattern, str(node.target) if node.op == "call_function" else node.op)
         count = ordinal.get((instance, base), 0)
         ordinal[(instance, base)] = count + 1
         key = (base, count, signature(node))

@@ -43,7 +43,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
     `profile` is a `HardwareProfile` (default: 8-GPU NVLink nodes); `memory_budget` bounds the bytes
     per device (parameters with gradients and `optimizer_state_factor` x optimizer state, inputs and
-    saved activations).
+    saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
     """
     mesh = Mesh.of(mesh, axis_names)
     if hints is not None and not isinstance(hints, (dict, Hints)):

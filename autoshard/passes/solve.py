@@ -199,8 +199,9 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
                                                                  models, others, semi_auto, mesh, profile)
                     matrix[a][b] += cost
     budget = state.options.get("memory_budget")
-    if budget is not None:
-        budget = budget * math.prod(mesh.shape[max(axes) + 1:])
+    if budget is None:
+        budget = profile.memory_bytes
+    budget = None if math.isinf(budget) else budget * math.prod(mesh.shape[max(axes) + 1:])
     problem = IlpProblem(sizes, costs, edges, memory, budget,
                          [f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r})" for m in classes])
     result = solve_ilp(problem)
