@@ -1,4 +1,5 @@
-"""Command line: `python -m autoshard plan|verify MODULE:FACTORY --mesh 2,2,2 ...` (see DESIGN.md).
+"""Command line: `python -m autoshard plan|verify MODULE:FACTORY --mesh 2,2,2 ...` (see DESIGN.md) and
+`python -m autoshard calibrate --mesh 2,2 [--output profile.json]`.
 
 Exit codes: 0 success (verify: every difference within tolerance), 1 verify mismatch, 2 bad input.
 """
@@ -34,12 +35,19 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--axis-names", type=_names, default=None, help="e.g. dp,sp,tp")
         p.add_argument("--hints", default=None, help="hint file (JSON)")
         p.add_argument("--json", action="store_true", help="print JSON")
+        p.add_argument("--profile", default=None, help="hardware profile: gpu (default), cpu, or a JSON file")
+        p.add_argument("--memory-budget", type=float, default=None, help="bytes per device (default: profile)")
         if name == "verify":
             p.add_argument("--steps", type=int, default=2, help="SGD steps (default 2)")
             p.add_argument("--lr", type=float, default=0.1)
             p.add_argument("--simulate", action="store_true", help="run the ranks in this process instead")
         else:
             p.add_argument("--rank", type=int, default=None, help="also print this rank's graph")
+    cal = sub.add_parser("calibrate", help="measure alpha/beta of each mesh axis on gloo ranks; write a profile")
+    cal.add_argument("--mesh", type=_mesh, required=True, help="mesh sizes, e.g. 2,2")
+    cal.add_argument("--axis-names", type=_names, default=None)
+    cal.add_argument("--output", default=None, help="write the profile JSON here")
+    cal.add_argument("--sizes", default="4096,65536,1048576", help="message sizes in bytes")
     return parser
 
 
@@ -55,22 +63,30 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     from .hints import Hints
     from .mesh import Mesh
+    from .cost import load_profile
+    if args.command == "calibrate":
+        from .calibrate import calibrate_command
+        return calibrate_command(args)
     hints = Hints.load(args.hints).to_json() if args.hints else None
     mesh = Mesh.of(args.mesh, args.axis_names)
+    options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget}
     if args.command == "plan":
         from .program import parallelize
         from .verify import build_case
         model, inputs, loss_fn = build_case(args.factory)
-        prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn)
+        prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
         if args.json:
-            print(json.dumps(prog.plan.to_json() | {"fingerprint": prog.plan.fingerprint}, indent=1, sort_keys=True))
+            extra = {"fingerprint": prog.plan.fingerprint, "ilp": prog.state.ilp_stats,
+                     "axis_roles": prog.plan.axis_roles()}
+            print(json.dumps(prog.plan.to_json() | extra, indent=1, sort_keys=True))
         else:
             print(prog.plan)
             if args.rank is not None:
                 print(prog.graph(args.rank).print_readable(print_output=False))
         return 0
     from .verify import verify_factory
-    report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate)
+    report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,
+                               **options)
     print(json.dumps(report.to_json(), indent=1, sort_keys=True) if args.json else report)
     return 0 if report.ok else 1
 

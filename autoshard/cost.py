@@ -39,6 +39,29 @@ class HardwareProfile:
     inter_node: Link = Link(2e-5, 2.5e10)
     axis_links: tuple = field(default=())
 
+    def to_json(self) -> dict:
+        return {"name": self.name, "peak_flops": self.peak_flops, "memory_bandwidth": self.memory_bandwidth,
+                "memory_bytes": self.memory_bytes, "devices_per_node": self.devices_per_node,
+                "intra_node": [self.intra_node.alpha, self.intra_node.bandwidth],
+                "inter_node": [self.inter_node.alpha, self.inter_node.bandwidth],
+                "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "HardwareProfile":
+        """A profile from JSON (e.g. what `python -m autoshard calibrate` wrote); unknown keys are errors."""
+        from .errors import UserInputError
+        known = set(cls.__dataclass_fields__)
+        if not isinstance(data, dict) or set(data) - known:
+            raise UserInputError(f"a hardware profile is a JSON object with keys {sorted(known)}; got "
+                                 f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        fields = dict(data)
+        for key in ("intra_node", "inter_node"):
+            if key in fields:
+                fields[key] = Link(*fields[key])
+        if "axis_links" in fields:
+            fields["axis_links"] = tuple(Link(*pair) for pair in fields["axis_links"])
+        return cls(**fields)
+
     def link(self, mesh_shape, axis: int) -> Link:
         if self.axis_links:
             return self.axis_links[axis]
@@ -52,6 +75,22 @@ DEFAULT_PROFILE = HardwareProfile()
 CPU_PROFILE = HardwareProfile(name="cpu-gloo", peak_flops=2e10, memory_bandwidth=5e9, memory_bytes=16e9,
                               devices_per_node=64, intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9))
 PROFILES = {"gpu": DEFAULT_PROFILE, "cpu": CPU_PROFILE}
+
+
+def load_profile(spec) -> HardwareProfile:
+    """'gpu', 'cpu', a HardwareProfile, or the path of a profile JSON file."""
+    import json
+    from .errors import UserInputError
+    if spec is None or isinstance(spec, HardwareProfile):
+        return spec
+    if spec in PROFILES:
+        return PROFILES[spec]
+    try:
+        with open(spec, encoding="utf-8") as f:
+            return HardwareProfile.from_json(json.load(f))
+    except (OSError, ValueError) as exc:
+        raise UserInputError(f"profile {spec!r} is neither one of {sorted(PROFILES)} nor a readable profile JSON "
+                             f"file: {exc}") from exc
 
 
 def all_reduce_time(nbytes: float, k: int, link: Link) -> float:

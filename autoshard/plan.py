@@ -17,7 +17,7 @@ import torch
 from . import meta
 from .errors import PlanError
 from .mesh import Mesh
-from .placement import describe_type, dtype_name
+from .placement import Shard, Spec, describe_type, dtype_name
 
 PLAN_VERSION = 1
 
@@ -111,17 +111,42 @@ class Plan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
         return "\n".join(lines)
 
+    def axis_roles(self) -> dict:
+        """What the plan uses each mesh axis for, in words (the planner decides this on unnamed meshes)."""
+        roles = {}
+        for axis, name in enumerate(self.mesh.names):
+            batch = any(r.kind == "input" and Spec.parse(r.spec)[axis] == Shard(0) for r in self.rows)
+            params = [r for r in self.rows if r.kind == "param"]
+            sharded = [r for r in params if isinstance(Spec.parse(r.spec)[axis], Shard)]
+            reduced = [p for p, axes in self.grad_reduce.items() if name in axes]
+            parts = []
+            if batch:
+                parts.append("data parallel: the batch is sharded" + (f", {len(reduced)} gradients reduced"
+                                                                       if reduced else ""))
+            if sharded:
+                parts.append(f"model parallel: {len(sharded)} of {len(params)} parameters sharded")
+            if not parts:
+                other = any(isinstance(p, Shard) for r in self.rows for p in [Spec.parse(r.spec)[axis]])
+                parts.append("activations sharded" if other else "unused (everything replicated)")
+            roles[name] = "; ".join(parts)
+        return roles
+
     def summary(self) -> str:
         counts: dict = {}
         for r in self.collectives():
             counts.setdefault(r.axis, {}).setdefault(r.collective, 0)
             counts[r.axis][r.collective] += 1
+        roles = self.axis_roles()
+        p = self.predicted
         lines = [f"Plan on {self.mesh!r}: {len(self.rows)} nodes, {len(self.collectives())} collectives, "
-                 f"fingerprint {self.fingerprint}"]
+                 f"fingerprint {self.fingerprint}",
+                 f"  predicted step {p['step_time_s']:.3g} s (compute {p['compute_s']:.3g} s, communication "
+                 f"{p['comm_s']:.3g} s), memory per rank {p['memory_bytes_per_rank'] / 2**20:.1f} MiB"]
         for axis in self.mesh.names:
             b = self.predicted["comm_bytes_per_step"][axis]
             ops = ", ".join(f"{n} {k}" for k, n in sorted(counts.get(axis, {}).items())) or "none"
-            lines.append(f"  axis {axis}: {ops}; bytes/step fwd {b['fwd']}, bwd {b['bwd']}, grad sync {b['sync']}")
+            lines.append(f"  axis {axis} ({roles[axis]}): {ops}; bytes/step fwd {b['fwd']}, bwd {b['bwd']}, "
+                         f"grad sync {b['sync']}")
         if self.grad_reduce:
             lines.append(f"  gradients reduced after backward: {len(self.grad_reduce)} parameters "
                          f"(on {sorted({a for v in self.grad_reduce.values() for a in v})})")

@@ -173,7 +173,7 @@ def build_case(factory_spec: str):
     return model, inputs, (made[2] if len(made) == 3 else None)
 
 
-def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr):
+def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None):
     """What each real rank runs for `verify`: plan, check fingerprints, train, return local results."""
     from .mesh import Mesh
     from .program import parallelize
@@ -183,7 +183,7 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr):
     if comm is None:
         return None
     model, inputs, loss_fn = build_case(factory_spec)
-    program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn)
+    program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **(options or {}))
     check_fingerprint(comm, program.plan.fingerprint)
     result = rank_run(program.module(rank, comm), inputs, steps, lr)
     result["fingerprint"] = program.plan.fingerprint
@@ -191,7 +191,7 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr):
 
 
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
-                   runner=None, simulate: bool = False):
+                   runner=None, simulate: bool = False, **options):
     """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device."""
     from .mesh import Mesh
     from .program import parallelize
@@ -199,12 +199,12 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     from .runtime.simulator import run_ranks
     mesh = Mesh.of(mesh, axis_names)
     model, inputs, loss_fn = build_case(factory_spec)
-    program = parallelize(copy.deepcopy(model), mesh, inputs, hints=hints, loss_fn=loss_fn)
+    program = parallelize(copy.deepcopy(model), mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
     ref = reference_run(model, inputs, loss_fn, steps, lr)
     if simulate:
         ranks = run_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
     else:
-        args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr)
+        args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options)
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
         ranks = {r: res for r, res in results.items() if res is not None}
     return compare(program, ref, ranks, steps), program

@@ -55,3 +55,15 @@ def plan_hints(model: str, axis_names, batch_axes=(), tp_axis: str | None = None
     if tp_axis is not None:
         hints.update(megatron(model, tp_axis))
     return hints
+
+
+def gpt2_wide():
+    """GPT-2-style at a weight-heavy shape (dim 512, 2 x 16 tokens) where tensor parallelism pays."""
+    from .gpt2 import gpt2
+    return gpt2(batch=2, seq=16, dim=512)
+
+
+def llama_wide():
+    """Llama-style at a weight-heavy shape (dim 512, FFN 1024, 2 x 16 tokens)."""
+    from .llama import llama
+    return llama(batch=2, seq=16, dim=512, ffn_dim=1024)

@@ -1,0 +1,70 @@
+"""`python -m autoshard calibrate`: measure alpha (latency) and beta (1 / bandwidth) of every mesh axis.
+
+Spawns prod(mesh) gloo ranks, times all_reduce of several message sizes on each axis's groups, and
+fits time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the cost model uses) by
+least squares. Prints the fitted links and writes a HardwareProfile JSON usable with `--profile`.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .cost import CPU_PROFILE, HardwareProfile, Link
+from .mesh import Mesh
+
+REPEATS = 5
+
+
+def _time_axis_task(rank, world, mesh_json, sizes):
+    from .runtime.launch import communicator_for
+    mesh = Mesh.from_json(mesh_json)
+    comm = communicator_for(mesh)
+    out = {}
+    for axis in mesh.names:
+        group = comm.groups[axis]
+        for size in sizes:
+            tensor = torch.ones(max(size // 4, 1), dtype=torch.float32)
+            dist.all_reduce(tensor, group=group)  # warm up the connection
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(REPEATS):
+                dist.all_reduce(tensor, group=group)
+            out[(axis, size)] = (time.perf_counter() - start) / REPEATS
+    return out
+
+
+def fit_link(samples, k: int) -> Link:
+    """Least-squares alpha, bandwidth from [(bytes, seconds)] of ring all-reduces over k ranks."""
+    a = np.array([[2 * (k - 1), 2 * (k - 1) / k * b] for b, _ in samples], dtype=np.float64)
+    t = np.array([s for _, s in samples], dtype=np.float64)
+    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    return Link(max(float(alpha), 1e-7), 1.0 / max(float(beta), 1e-13))
+
+
+def calibrate_command(args) -> int:
+    from .runtime.launch import run_distributed
+    mesh = Mesh.of(args.mesh, args.axis_names)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results = run_distributed(_time_axis_task, mesh.size, mesh.to_json(), sizes)
+    slowest = {key: max(r[key] for r in results.values()) for key in results[0]}
+    links = []
+    for axis, name in enumerate(mesh.names):
+        link = fit_link([(size, slowest[(name, size)]) for size in sizes], mesh.shape[axis])
+        links.append(link)
+        print(f"axis {name} (size {mesh.shape[axis]}): alpha {link.alpha * 1e6:.1f} us, "
+              f"bandwidth {link.bandwidth / 1e9:.3f} GB/s")
+    profile = HardwareProfile(name="calibrated", peak_flops=CPU_PROFILE.peak_flops,
+                              memory_bandwidth=CPU_PROFILE.memory_bandwidth, memory_bytes=CPU_PROFILE.memory_bytes,
+                              axis_links=tuple(links))
+    text = json.dumps(profile.to_json(), indent=1)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.output}")
+    else:
+        print(text)
+    return 0
