@@ -106,4 +106,4 @@ class AxisCostModel:
         if isinstance(producer.meta.get("val"), (tuple, list)):
             return INF  # multi-output values are never resharded: their getitem follows them
         nbytes = self.local_bytes(producer, producer_other)
-        return conversion_time(produced, wanted, nbytes, self.k, self.link)
+        return conversion_time(produced, wanted, nbytes, self.k, self.link, self.grad.get(producer, False))

@@ -108,21 +108,26 @@ def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
     return 0.0 if k == 1 else (k - 1) / k * local_bytes / link.bandwidth + (k - 1) * link.alpha
 
 
-def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link: Link) -> float:
-    """Forward + backward time of turning `src` into `dst` on one axis; `nbytes`: whole on this axis."""
-    if src == dst or k == 1:
+def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link: Link,
+                    with_backward: bool = True) -> float:
+    """Forward (+ backward, for values with a gradient) time of turning `src` into `dst` on one axis;
+    `nbytes`: the tensor's bytes, whole on this axis."""
+    if src == dst:
         return 0.0
     if isinstance(dst, Partial):
-        return INF  # making a partial sum out of a full tensor is never needed
+        return INF  # making a partial sum out of a full tensor is never needed (even on a size-1 axis)
+    if k == 1:
+        return 0.0
+    bwd = 1.0 if with_backward else 0.0
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return all_reduce_time(nbytes, k, link)
-        return reduce_scatter_time(nbytes, k, link) + all_gather_time(nbytes, k, link)
+        return reduce_scatter_time(nbytes, k, link) + bwd * all_gather_time(nbytes, k, link)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return all_gather_time(nbytes, k, link)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return all_gather_time(nbytes, k, link)  # free forward chunk, gathered gradient
-    return 2 * all_to_all_time(nbytes / k, k, link)
+        return bwd * all_gather_time(nbytes, k, link)  # free forward chunk, gathered gradient
+    return (1.0 + bwd) * all_to_all_time(nbytes / k, k, link)
 
 
 def conversion_bytes(src: Placement, dst: Placement, nbytes: float, k: int) -> tuple[float, float]:
@@ -139,8 +144,9 @@ def conversion_bytes(src: Placement, dst: Placement, nbytes: float, k: int) -> t
 
 
 @functools.lru_cache(maxsize=65536)
-def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: "HardwareProfile") -> float:
-    """Forward + backward seconds of the exact collectives `plan_redistribute(src, dst)` emits."""
+def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: "HardwareProfile",
+                        with_backward: bool = True) -> float:
+    """Forward (+ backward) seconds of the exact collectives `plan_redistribute(src, dst)` emits."""
     from .redistribute import plan_redistribute
     try:
         steps = plan_redistribute(src, dst)
@@ -150,15 +156,16 @@ def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: "Har
     for step in steps:
         local = global_bytes / math.prod(mesh_shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
         k, link = mesh_shape[step.axis], profile.link(mesh_shape, step.axis)
+        bwd = 1.0 if with_backward else 0.0
         if step.op == "all_reduce":
             total += all_reduce_time(local, k, link)
         elif step.op == "all_gather":
             total += all_gather_time(local * k, k, link)
         elif step.op == "chunk":
-            total += all_gather_time(local, k, link)
+            total += bwd * all_gather_time(local, k, link)
         elif step.op == "reduce_scatter":
-            total += reduce_scatter_time(local, k, link) + all_gather_time(local, k, link)
+            total += reduce_scatter_time(local, k, link) + bwd * all_gather_time(local, k, link)
         else:
-            total += 2 * all_to_all_time(local, k, link)
+            total += (1.0 + bwd) * all_to_all_time(local, k, link)
         spec = step.apply(spec)
     return total

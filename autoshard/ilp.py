@@ -4,7 +4,9 @@ Variables: one-hot binaries x[c, s] per decision class c (a node, or all copies 
 repeated layers) and candidate s; per edge (c, d) a joint distribution e[s, t] >= 0 whose marginals
 are x[c, :] and x[d, :] (tighter than e >= x_s + x_t - 1, so branch and bound has little to do).
 Forbidden pairs fix e[s, t] = 0; edges with a single-candidate end fold into the other end's costs.
-An optional memory row bounds sum(memory[c, s] * x[c, s]).
+An optional memory row bounds sum(memory[c, s] * x[c, s]). A shared charge is paid once when any of
+its groups is chosen: a variable y in [0, 1] with y >= sum(x over the group) for every group, costing
+`cost * y` (the backward all-reduce of a value used by several split ops happens once).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class IlpProblem:
     edges: dict = field(default_factory=dict)  # (class, class) -> [[cost]] (INF = forbidden)
     memory: list[list[float]] | None = None  # [class][candidate] bytes
     budget: float | None = None
+    shared: list = field(default_factory=list)  # [(cost, [[(class, candidate), ...], ...])]
     names: list[str] = field(default_factory=list)  # for error messages
 
     @property
@@ -80,6 +83,10 @@ def solve_ilp(problem: IlpProblem) -> IlpResult:
             for cost in row:
                 obj.append(0.0 if cost == INF else cost)
                 upper.append(0.0 if cost == INF else 1.0)
+    shared_start = len(obj)
+    for cost, _ in problem.shared:
+        obj.append(cost)
+        upper.append(1.0)
     n_var = len(obj)
     h.addVars(n_var, np.zeros(n_var), np.array(upper))
     h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), np.array(obj, dtype=np.float64))
@@ -94,6 +101,10 @@ def solve_ilp(problem: IlpProblem) -> IlpResult:
             rows.add(0.0, 0.0, [e0 + a * nv + b for b in range(nv)] + [start[c] + a], [1.0] * nv + [-1.0])
         for b in range(nv):
             rows.add(0.0, 0.0, [e0 + a * nv + b for a in range(nu)] + [start[d] + b], [1.0] * nu + [-1.0])
+    for i, (_, groups) in enumerate(problem.shared):
+        for group in groups:
+            idx = [start[c] + s for c, s in group]
+            rows.add(-highspy.kHighsInf, 0.0, idx + [shared_start + i], [1.0] * len(idx) + [-1.0])
     if problem.budget is not None and problem.memory is not None:
         idx = [start[c] + s for c, n in enumerate(problem.sizes) for s in range(n)]
         rows.add(-highspy.kHighsInf, problem.budget, idx, [m for per in problem.memory for m in per])

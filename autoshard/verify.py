@@ -26,18 +26,20 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float) -> dict:
     """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}."""
     from .frontend import default_loss
     params = dict(model.named_parameters())
-    opt = torch.optim.SGD(params.values(), lr=lr)
+    opt = torch.optim.SGD(params.values(), lr=lr) if params else None
     losses, outputs, grads = [], None, None
     for step in range(steps):
-        opt.zero_grad()
+        model.zero_grad()
         out = model(*inputs)
         loss = loss_fn(out, *inputs) if loss_fn is not None else default_loss(out)
-        loss.backward()
+        if loss.requires_grad:  # a model without parameters has nothing to differentiate
+            loss.backward()
         losses.append(loss.detach().clone())
         if step == 0:
             outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
             grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-        opt.step()
+        if opt is not None:
+            opt.step()
     return {"loss": losses, "outputs": outputs, "grads": grads,
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
@@ -46,14 +48,15 @@ def rank_run(module, inputs, steps: int, lr: float) -> dict:
     """One rank's training run on its module; returns its local results and collective counts."""
     local_inputs = module.local_inputs(*inputs)
     params = dict(module.named_local_parameters())
-    opt = torch.optim.SGD(params.values(), lr=lr)
+    opt = torch.optim.SGD(params.values(), lr=lr) if params else None
     module.comm.log.clear()
     losses, outputs, grads, counts = [], None, None, None
     for step in range(steps):
-        opt.zero_grad()
+        module.zero_grad()
         loss, out = module(*local_inputs)
         module.comm.phase = "bwd"
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
         module.sync_grads()
         module.comm.phase = "fwd"
         losses.append(loss.detach().clone())
@@ -61,7 +64,8 @@ def rank_run(module, inputs, steps: int, lr: float) -> dict:
             outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
             grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
             counts = module.comm.log.summary()
-        opt.step()
+        if opt is not None:
+            opt.step()
     return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts,
             "params": {k: p.detach().clone() for k, p in params.items()}}
 

@@ -220,13 +220,6 @@ class _LateReader(ThreadCommunicator):
         return parts
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ThreadCommunicator.all_gather_list puts `tensor.detach()` (an alias of the caller's storage) in the "
-    "hub slot and returns the slot's references; all_gather/all_reduce/reduce_scatter/all_to_all then "
-    "read them after the second barrier, when the other rank may already have changed its tensor in "
-    "place (e.g. SGD updating a parameter after an all_gather of it). Seen as an intermittent verify "
-    "MISMATCH: LayerNorm(16) on [8, 4, 16], mesh (2,), hints {'ln.bias': {'dp': 'S(0)'}}, loss "
-    "(out*out).mean(): the first run in a process fails ~1e-4, later runs pass. Fix: clone in the slot"))
 def test_all_gather_result_is_a_snapshot():
     mesh = Mesh((2,), ("dp",))
     hub = ThreadHub(mesh, timeout_s=10)

@@ -25,13 +25,15 @@ def local_bytes(node, spec, mesh) -> int:
     return node_bytes(node) // split
 
 
-def collective_bytes(node, mesh) -> tuple[int, int]:
-    """(forward, backward) bytes one rank sends into a collective node, runtime convention."""
+def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends into a collective node, runtime convention; a value
+    without a gradient has no backward."""
     op = node.meta[meta.COMM]["op"]
     src = local_bytes(node, node.args[0].meta[meta.SPEC], mesh)
     dst = local_bytes(node, node.meta[meta.SPEC], mesh)
-    return {"all_reduce": (src, 0), "grad_all_reduce": (0, src), "all_gather": (dst, 0), "chunk": (0, src),
-            "reduce_scatter": (src, src), "all_to_all": (src, dst)}[op]
+    fwd, bwd = {"all_reduce": (src, 0), "grad_all_reduce": (0, src), "all_gather": (dst, 0), "chunk": (0, src),
+                "reduce_scatter": (src, src), "all_to_all": (src, dst)}[op]
+    return fwd, bwd if has_grad else 0
 
 
 def _collective_time(op, fwd, bwd, k, link) -> float:
@@ -58,7 +60,7 @@ def predict(state) -> None:
         if node.meta.get(meta.KIND) == "comm":
             info = node.meta[meta.COMM]
             axis = mesh.axis(info["axis"])
-            fwd, bwd = collective_bytes(node, mesh)
+            fwd, bwd = collective_bytes(node, mesh, grad.get(node, False))
             seconds = _collective_time(info["op"], fwd, bwd, mesh.shape[axis], profile.link(mesh.shape, axis))
             node.meta[COMM_COST] = {"fwd_bytes": fwd, "bwd_bytes": bwd, "seconds": seconds}
             per_axis[info["axis"]]["fwd"] += fwd

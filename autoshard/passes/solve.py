@@ -18,8 +18,9 @@ cost of multi-axis resharding; otherwise axes are solved outer to inner. Writes 
 Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
 graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
 sharded tensor back to replicated, cost `PROPAGATION_PENALTY` times their price (so they happen only
-where no op can keep the sharding), and the gradient reduction of a replicated parameter used by a
-split op is not charged (sharding the batch *is* the user's choice of data parallelism).
+where no op can keep the sharding), and on axes where the user sharded an input the gradient
+reduction of replicated parameters is not charged (sharding the batch *is* the user's choice of data
+parallelism).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from .. import meta
 from ..axis_cost import AxisCostModel, needs_grad
+from ..cost import all_reduce_time
 from ..flops import node_bytes
 from ..cost import DEFAULT_PROFILE, INF, redistribution_time
 from ..errors import HintError
@@ -144,7 +146,8 @@ def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh
     elif isinstance(u.meta.get("val"), (tuple, list)):
         cost = INF  # multi-output values are never resharded: their getitem follows them
     else:  # several axes at once: price the exact collectives insert_comm will emit
-        cost = redistribution_time(Spec(have), Spec(want), node_bytes(u), mesh.shape, profile)
+        cost = redistribution_time(Spec(have), Spec(want), node_bytes(u), mesh.shape, profile,
+                                   models[0].grad.get(u, False))
     is_param = u.op == "placeholder" and u.meta.get(meta.KIND) != "input"
     gathers = any(isinstance(h, Shard) and isinstance(w, Replicate) for h, w in zip(have, want))
     if semi_auto and (is_param or gathers):
@@ -152,9 +155,55 @@ def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh
     return cost * _SCALE
 
 
+def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync) -> list:
+    """The duality rule's backward all-reduce, charged once per value and axis however many split ops
+    use it replicated (insert_comm emits one grad_all_reduce per value; a parameter is synced once).
+
+    One charge per (value, axis, bytes after the other axes); a consumer candidate that takes the value
+    replicated on that axis while splitting its work joins the charge's groups.
+    """
+    charges: dict = {}
+    for v in nodes:
+        if v.op != "call_function":
+            continue
+        for pos, u in enumerate(tensor_inputs(v)):
+            if u not in combos or not models[0].grad.get(u, False):
+                continue
+            for axis in axes:
+                if axis in free_sync and u.op == "placeholder":
+                    continue
+                model = models[axis]
+                for t, cv in enumerate(combos[v]):
+                    strategy = cv[axis]
+                    if not (strategy.splits_work and isinstance(strategy.inputs[pos], Replicate)):
+                        continue
+                    nbytes = model.input_bytes(u, pos, others(v, cv, axis))
+                    key = (u, axis, nbytes)
+                    groups = charges.setdefault(key, {})
+                    groups.setdefault(v, set()).add((class_of[v], t))
+    shared, seen = [], {}
+    for (u, axis, nbytes), groups in charges.items():
+        # Copies of u in repeated layers are tied: their identical charges merge into one, paid per copy.
+        signature = (class_of[u], axis, nbytes, tuple(sorted(tuple(sorted(g)) for g in groups.values())))
+        if signature in seen:
+            shared[seen[signature]][0] += all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
+            continue
+        seen[signature] = len(shared)
+        cost = all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
+        shared.append([cost, [sorted(g) for g in groups.values()]])
+    return [(cost, groups) for cost, groups in shared]
+
+
+def _data_parallel_axes(nodes) -> set:
+    """Axes on which the user sharded an input: gradient sync there is their choice, so it is not charged."""
+    return {axis for n in nodes if n.meta.get(meta.KIND) == "input"
+            for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}
+
+
 def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
     """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
     mesh = state.mesh
+    free_sync = _data_parallel_axes(nodes) if semi_auto else set()
     profile = models[0].profile
 
     def others(node, combo, axis):
@@ -173,9 +222,9 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
     for n in nodes:
         c = class_of[n]
         for s, per_axis in enumerate(breakdowns[n]):
-            comm = sum(b.comm_bwd + (0.0 if semi_auto else b.sync) for b in per_axis)
-            costs[c][s] += (per_axis[0].compute + comm) * _SCALE  # compute and memory are per node, not per axis
+            costs[c][s] += per_axis[0].compute * _SCALE  # compute and memory are per node, not per axis
             memory[c][s] += per_axis[0].memory
+    shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync)
     edges: dict = {}
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
     for v in nodes:
@@ -202,8 +251,8 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
     if budget is None:
         budget = profile.memory_bytes
     budget = None if math.isinf(budget) else budget * math.prod(mesh.shape[max(axes) + 1:])
-    problem = IlpProblem(sizes, costs, edges, memory, budget,
-                         [f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r})" for m in classes])
+    problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared,
+                         names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r})" for m in classes])
     result = solve_ilp(problem)
     state.ilp_stats.append({"axes": [mesh.names[a] for a in axes], "nodes": len(nodes), "classes": len(classes),
                             "variables": result.variables, "constraints": result.constraints,

@@ -127,7 +127,7 @@ class ThreadCommunicator(Communicator):
         key = (index, group)
         slot, barrier = self.hub.slots[key], self.hub.barriers[key]
         try:
-            slot[self.coord[index]] = tensor.detach()
+            slot[self.coord[index]] = tensor.detach().clone()  # a snapshot: the owner may update it in place
             barrier.wait()
             parts = list(slot)
             barrier.wait()

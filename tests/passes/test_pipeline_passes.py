@@ -38,10 +38,14 @@ def _comm_ops(prog):
     return [(r.collective, r.axis) for r in prog.plan.collectives()]
 
 
-def test_megatron_pattern_is_one_grad_all_reduce_and_one_all_reduce():
+def test_megatron_pattern_is_one_grad_all_reduce_and_one_reduction():
     prog = _plan(TwoLinear(), torch.randn(4, 8))
-    # q, k, v share one identity-forward/all-reduce-backward node; the row-parallel output is all-reduced.
-    assert _comm_ops(prog) == [("grad_all_reduce", "tp"), ("all_reduce", "tp")]
+    ops = _comm_ops(prog)
+    # q, k, v share one identity-forward/all-reduce-backward node ...
+    assert ops[0] == ("grad_all_reduce", "tp") and ops.count(("grad_all_reduce", "tp")) == 1
+    # ... and the row-parallel partial sum is reduced once (all-reduce, or reduce-scatter when the rest of
+    # the step can run on shards: here the residual input has no gradient, so chunking it is free).
+    assert ops[1] in (("all_reduce", "tp"), ("reduce_scatter", "tp"))
     assert prog.plan.grad_reduce == {}
 
 

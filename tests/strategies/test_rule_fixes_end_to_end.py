@@ -5,22 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoshard.runtime.communicator import ThreadCommunicator
 from autoshard.verify import verify_simulated
-
-
-@pytest.fixture(autouse=True, scope="module")
-def snapshot_simulator_exchanges():
-    """Work around a simulator race until ThreadCommunicator.all_gather_list clones what it exchanges
-    (tests/test_redistribute.py::test_all_gather_result_is_a_snapshot): without it a rank can update a
-    parameter in place while another still reads it, and a correct plan fails now and then."""
-    original = ThreadCommunicator.all_gather_list
-
-    def snapshot(self, tensor, axis, what):
-        return original(self, tensor.detach().clone(), axis, what)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ThreadCommunicator, "all_gather_list", snapshot)
-        yield
 
 
 class Fn(nn.Module):
