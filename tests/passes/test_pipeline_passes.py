@@ -45,7 +45,7 @@ def test_megatron_pattern_is_one_grad_all_reduce_and_one_reduction():
     assert ops[0] == ("grad_all_reduce", "tp") and ops.count(("grad_all_reduce", "tp")) == 1
     # ... and the row-parallel partial sum is reduced once (all-reduce, or reduce-scatter when the rest of
     # the step can run on shards: here the residual input has no gradient, so chunking it is free).
-    assert ops[1] in (("all_reduce", "tp"), ("reduce_scatter", "tp"))
+    assert ops.count(("all_reduce", "tp")) + ops.count(("reduce_scatter", "tp")) == 1
     assert prog.plan.grad_reduce == {}
 
 
