@@ -71,13 +71,13 @@ def solve_ilp(problem: IlpProblem) -> IlpResult:
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", 0.0)  # exact optimum: compute can dwarf the communication differences
     start, obj, upper = [], [], []
-    for c, n in enumerate(problem.sizes):
+    for c in range(problem.n_classes):
         start.append(len(obj))
         obj += costs[c]
         upper += [1.0 if ok else 0.0 for ok in allowed[c]]
     n_choice = len(obj)
     edge_start = []
-    for c, d, matrix in joint:
+    for _, _, matrix in joint:
         edge_start.append(len(obj))
         for row in matrix:
             for cost in row:
@@ -95,7 +95,7 @@ def solve_ilp(problem: IlpProblem) -> IlpResult:
     rows = _Rows()
     for c, n in enumerate(problem.sizes):
         rows.add(1.0, 1.0, range(start[c], start[c] + n), [1.0] * n)
-    for (c, d, matrix), e0 in zip(joint, edge_start):
+    for (c, d, _), e0 in zip(joint, edge_start):
         nu, nv = problem.sizes[c], problem.sizes[d]
         for a in range(nu):
             rows.add(0.0, 0.0, [e0 + a * nv + b for b in range(nv)] + [start[c] + a], [1.0] * nv + [-1.0])

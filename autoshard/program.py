@@ -29,7 +29,6 @@ from .passes.solve import solve
 from .passes.strategies import strategies
 from .placement import describe_type, unshard_tensors
 from .plan import Plan
-from .runtime.communicator import ThreadCommunicator, ThreadHub
 from .runtime.rank_module import RankModule
 
 PASSES = [normalize, annotate, strategies, solve, insert_comm, predict, codegen]
@@ -82,6 +81,7 @@ class Program:
         self.history = history
         self.grad_reduce = state.grad_reduce
         self.attr_names = attr_names(state)
+        self._graphs: dict = {}
         self.output_spec = self.traced.output_spec
         inputs = [n for n in state.gm.graph.nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
         self.input_specs = [n.meta[meta.SPEC] for n in inputs]
@@ -95,12 +95,13 @@ class Program:
     def __repr__(self) -> str:
         return f"Program({self.mesh!r}, fingerprint={self.plan.fingerprint})\n{self.plan.summary()}"
 
-    @functools.lru_cache(maxsize=None)
     def graph(self, rank: int) -> torch.fx.GraphModule:
-        """Rank `rank`'s GraphModule: local parameter shards, local shapes, visible collectives."""
-        if not 0 <= rank < self.mesh.size:
-            raise UserInputError(f"rank {rank} is outside the mesh {self.mesh!r} (ranks 0..{self.mesh.size - 1})")
-        return build_rank_module(self.state, rank)
+        """Rank `rank`'s GraphModule: local parameter shards, local shapes, visible collectives (cached)."""
+        if not isinstance(rank, int) or not 0 <= rank < self.mesh.size:
+            raise UserInputError(f"rank {rank!r} is outside the mesh {self.mesh!r} (ranks 0..{self.mesh.size - 1})")
+        if rank not in self._graphs:
+            self._graphs[rank] = build_rank_module(self.state, rank)
+        return self._graphs[rank]
 
     def module(self, rank: int, comm) -> RankModule:
         """A fresh trainable module for `rank` talking through `comm` (its own parameter copies)."""

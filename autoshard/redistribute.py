@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PlanError
-from .placement import P, R, Partial, Replicate, Shard, Spec
+from .placement import R, Partial, Replicate, Shard, Spec
 
 
 @dataclass(frozen=True)

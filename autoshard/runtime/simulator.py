@@ -12,14 +12,10 @@ import torch
 from .communicator import CollectiveTimeout, ThreadCommunicator, ThreadHub
 
 
-def run_ranks(program, fn, timeout_s: float = 60.0, modules: dict | None = None) -> dict:
+def run_ranks(program, fn, timeout_s: float = 60.0) -> dict:
     """Call `fn(rank_module)` on every rank in its own thread; return {rank: result}."""
     hub = ThreadHub(program.mesh, timeout_s)
-    if modules is None:
-        modules = {r: program.module(r, ThreadCommunicator(hub, r)) for r in range(program.mesh.size)}
-    else:
-        for r, module in modules.items():
-            module.comm.hub = hub
+    modules = {r: program.module(r, ThreadCommunicator(hub, r)) for r in range(program.mesh.size)}
     results, errors = {}, {}
 
     def worker(rank):

@@ -12,7 +12,10 @@ from autoshard.passes.normalize import normalize
 
 
 def normalized(model, inputs, loss_fn=None):
-    """(original, normalized) traces of the same model; both hold the model's own tensors."""
+    """(original, normalized) traces of the same model in float64 (a rewrite reorders float sums, so
+    float32 differs by round-off); both hold the model's own tensors."""
+    model = model.double()
+    inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
     before = trace(model, inputs, loss_fn)
     after = trace(model, inputs, loss_fn)
     normalize(CompileState(after.gm, Mesh((2,), ("dp",)), after, None))
@@ -29,6 +32,7 @@ def run(traced, inputs, grad=False):
     """Run the traced step on real tensors: (flat outputs, buffers after, parameter grads)."""
     params = {k: v.detach().clone().requires_grad_(grad and v.is_floating_point()) for k, v in traced.params.items()}
     buffers = {k: v.clone() for k, v in traced.buffers.items()}
+    inputs = [x.double() if x.is_floating_point() else x for x in inputs]  # the traces are float64
     args = []
     for node in traced.gm.graph.nodes:
         if node.op != "placeholder":
@@ -48,11 +52,11 @@ def assert_same_values(before, after, inputs, grad=False):
     out_a, buf_a, grad_a = run(after, inputs, grad)
     assert len(out_a) == len(out_b)
     for a, b in zip(out_a, out_b):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for key in buf_b:
-        torch.testing.assert_close(buf_a[key], buf_b[key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(buf_a[key], buf_b[key], rtol=1e-10, atol=1e-12)
     for key in grad_b:
-        torch.testing.assert_close(grad_a[key], grad_b[key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad_a[key], grad_b[key], rtol=1e-10, atol=1e-12)
 
 
 def assert_vals_everywhere(traced):

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure and write result tables (never timed tests). `python -m benchmarks`."""
