@@ -35,7 +35,7 @@ from ..cost import all_reduce_time
 from ..flops import node_bytes
 from ..cost import DEFAULT_PROFILE, INF, redistribution_time
 from ..errors import HintError
-from ..ilp import IlpProblem, solve_ilp
+from ..ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from ..layers import decision_classes
 from ..placement import Replicate, Shard, Spec
 from ..strategies import tensor_inputs
@@ -69,11 +69,7 @@ def solve(state) -> None:
         for node in nodes:
             choices[node] = [picked[node][a] for a in range(mesh.ndim)]
     else:
-        for axis in range(mesh.ndim):
-            combos = {n: [{axis: c} for c in _axis_candidates(n, axis, mesh, choices)] for n in nodes}
-            picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto)
-            for node in nodes:
-                choices[node].append(picked[node][axis])
+        choices = _solve_sequential(nodes, state, models, semi_auto)
     for node in nodes:
         chosen = choices[node]
         node.meta[meta.CHOICE] = chosen
@@ -87,6 +83,30 @@ def solve(state) -> None:
 
 
 solve.name = "solve"
+
+
+# How much of the later axes' size an earlier axis may count on to shrink memory: all of it first; when
+# that leaves a later axis with no plan inside the budget, the earlier axes are solved again less
+# optimistically (down to fitting the budget on their own).
+_BUDGET_OPTIMISM = (1.0, 0.5, 0.0)
+
+
+def _solve_sequential(nodes, state, models, semi_auto) -> dict:
+    mesh = state.mesh
+    for attempt, optimism in enumerate(_BUDGET_OPTIMISM):
+        choices: dict = {n: [] for n in nodes}
+        state.ilp_stats = []
+        try:
+            for axis in range(mesh.ndim):
+                combos = {n: [{axis: c} for c in _axis_candidates(n, axis, mesh, choices)] for n in nodes}
+                picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto, optimism)
+                for node in nodes:
+                    choices[node].append(picked[node][axis])
+            return choices
+        except MemoryBudgetError:
+            if axis == 0 or attempt == len(_BUDGET_OPTIMISM) - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _joint_combos(nodes, mesh):
@@ -200,7 +220,7 @@ def _data_parallel_axes(nodes) -> set:
             for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}
 
 
-def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
+def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism: float = 1.0):
     """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
     mesh = state.mesh
     free_sync = _data_parallel_axes(nodes) if semi_auto else set()
@@ -250,7 +270,8 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto):
     budget = state.options.get("memory_budget")
     if budget is None:
         budget = profile.memory_bytes
-    budget = None if math.isinf(budget) else budget * math.prod(mesh.shape[max(axes) + 1:])
+    later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism
+    budget = None if math.isinf(budget) else budget * later
     problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared,
                          names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r})" for m in classes])
     result = solve_ilp(problem)
