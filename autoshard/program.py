@@ -16,6 +16,7 @@ import torch
 
 from . import meta
 from .errors import UserInputError
+from .cost import load_profile
 from .frontend import trace
 from .hints import Hints
 from .mesh import Mesh
@@ -40,7 +41,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
     *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
-    `profile` is a `HardwareProfile` (default: 8-GPU NVLink nodes); `memory_budget` bounds the bytes
+    `profile` is a `HardwareProfile`, "gpu" (default: 8-GPU NVLink nodes), "cpu", or a profile JSON path; `memory_budget` bounds the bytes
     per device (parameters with gradients and `optimizer_state_factor` x optimizer state, inputs and
     saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
     """
@@ -48,7 +49,8 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     traced = trace(model, example_inputs, loss_fn)
-    options = {"profile": profile, "memory_budget": memory_budget, "optimizer_state_factor": optimizer_state_factor}
+    options = {"profile": load_profile(profile), "memory_budget": memory_budget,
+               "optimizer_state_factor": optimizer_state_factor}
     state = CompileState(traced.gm, mesh, traced, hints, options)
     history = run_passes(state, PASSES, verify=debug, describe=describe_graph)
     return Program(state, history)
