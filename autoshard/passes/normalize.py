@@ -13,6 +13,7 @@ Invariant: the graph computes the same values; every node has a FakeTensor `val`
 from __future__ import annotations
 
 import math
+import warnings
 import operator
 
 import torch
@@ -32,6 +33,7 @@ def normalize(state) -> None:
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
+        _warn_random(node)
         rewrite = _REWRITES.get(node.target)
         if rewrite is None:
             continue
@@ -55,6 +57,23 @@ def _fill_input_vals(node: fx.Node, mode) -> None:
         args, kwargs = fx.node.map_arg((arg.args, arg.kwargs), lambda n: n.meta["val"])
         with mode:
             arg.meta["val"] = arg.target(*args, **kwargs)
+
+
+_RANDOM_OPS = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.p, aten.rand_like.default,
+               aten.randn_like.default}
+
+
+def _warn_random(node: fx.Node) -> None:
+    """Random ops draw per rank: a sharded program cannot reproduce the single device's samples."""
+    if node.target not in _RANDOM_OPS:
+        return
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    if node.target in (aten.dropout.default, aten.native_dropout.default) and (not p or not training):
+        return
+    warnings.warn(f"autoshard: {node.target} at {node.meta.get(meta.PATH) or node.name} draws random numbers per "
+                  "rank; the parallel program matches the single device only in distribution (set dropout "
+                  "to 0 or eval mode to compare exactly, e.g. with verify)", stacklevel=3)
 
 
 def _replace(node: fx.Node, new: fx.Node) -> bool:
