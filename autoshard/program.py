@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -48,6 +49,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     mesh = Mesh.of(mesh, axis_names)
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
+    debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     traced = trace(model, example_inputs, loss_fn)
     options = {"profile": load_profile(profile), "memory_budget": memory_budget,
                "optimizer_state_factor": optimizer_state_factor}
