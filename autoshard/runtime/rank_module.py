@@ -35,8 +35,7 @@ class RankModule(torch.nn.Module):
     def local_inputs(self, *global_inputs):
         """This rank's blocks of the global inputs, by the plan's input specs."""
         specs = self._program.input_specs
-        if len(global_inputs) != len(specs):
-            raise ValueError(f"the program takes {len(specs)} inputs, got {len(global_inputs)}")
+        self._program.check_inputs(global_inputs)
         return tuple(shard_tensor(x, spec, self.comm.coord, self.comm.mesh.shape)
                      for x, spec in zip(global_inputs, specs))
 
