@@ -3,7 +3,9 @@
 Every tensor's placement per mesh axis, every collective with its axis and bytes, the parameters whose
 gradients are reduced after backward, and the predicted communication per mesh axis. The JSON is
 byte-identical for the same inputs (sorted keys, no addresses, no hash order); its sha256 is the
-plan fingerprint that ranks compare before their first collective.
+plan fingerprint that ranks compare before their first collective. Every row carries the node's chosen
+strategy per mesh axis (`choice`), so `Plan.save` / `Plan.load` (autoshard/plan_io.py: JSON only,
+checked against a schema) and `parallelize(..., plan=...)` reproduce the program without solving.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from .errors import PlanError
 from .mesh import Mesh
 from .placement import Shard, Spec, describe_type, dtype_name
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: rows carry `choice` (per axis: {"inputs", "output"})
 
 
 @dataclass
@@ -37,6 +39,7 @@ class PlanRow:
     axis: str = ""
     bytes_fwd: int = 0
     bytes_bwd: int = 0
+    choice: list = field(default_factory=list)  # per mesh axis: AxisStrategy.to_json()
 
 
 @dataclass
@@ -65,6 +68,8 @@ class Plan:
             choice = node.meta.get(meta.CHOICE)
             if choice and node.op == "call_function":
                 row.strategy = " | ".join(repr(c) for c in choice)
+            if choice:
+                row.choice = [c.to_json() for c in choice]
             comm = node.meta.get(meta.COMM)
             if comm:
                 row.collective, row.axis = comm["op"], comm["axis"]
@@ -73,6 +78,18 @@ class Plan:
             rows.append(row)
         hints = state.hints.to_json() if hasattr(state.hints, "to_json") else {}
         return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, dict(state.predicted), state)
+
+    def save(self, path) -> None:
+        """Write the plan as JSON (with its fingerprint) for `Plan.load` / `parallelize(..., plan=path)`."""
+        from .plan_io import save_plan
+        save_plan(self, path)
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        """Read a plan file written by `save`: JSON only, at most 64 MiB, checked against the plan schema;
+        anything wrong raises PlanFileError saying what, where (JSON path, node) and what to do."""
+        from .plan_io import load_plan
+        return load_plan(path)
 
     def explain(self, path: str = "") -> str:
         """Why the ops under module `path` got their placements: each axis's alternatives and costs."""
@@ -154,6 +171,22 @@ class Plan:
 
     def __repr__(self) -> str:
         return self.summary() + "\n\n" + self.table()
+
+    def _repr_html_(self) -> str:
+        """Notebook view: the summary, then one row per tensor with its placement on each mesh axis."""
+        from html import escape
+        head = ["node", "op", "module", "type"] + [f"{n} ({s})" for n, s in zip(self.mesh.names, self.mesh.shape)] + \
+            ["collective", "fwd bytes", "bwd bytes"]
+        body = []
+        for r in self.rows:
+            placements = Spec.parse(r.spec)
+            cells = [r.name, r.op, r.path, r.type, *[repr(p) for p in placements],
+                     f"{r.collective}@{r.axis}" if r.collective else "", r.bytes_fwd or "", r.bytes_bwd or ""]
+            body.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
+        summary = "<br>".join(escape(line) for line in self.summary().splitlines())
+        return (f"<div><p><code>{summary}</code></p><table><thead><tr>"
+                + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
+                + "".join(body) + "</tbody></table></div>")
 
 
 def _op_name(node) -> str:
