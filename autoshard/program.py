@@ -22,6 +22,7 @@ from .frontend import trace
 from .hints import Hints
 from .mesh import Mesh
 from .passes.annotate import annotate
+from .passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
 from .passes.codegen import attr_names, build_rank_module, codegen
 from .passes.insert_comm import insert_comm
 from .passes.manager import CompileState, History, run_passes
@@ -37,7 +38,7 @@ PASSES = [normalize, annotate, strategies, solve, insert_comm, predict, codegen]
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
-                profile=None, memory_budget=None, optimizer_state_factor=2.0) -> "Program":
+                profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None) -> "Program":
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -45,8 +46,15 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     `profile` is a `HardwareProfile`, "gpu" (default: 8-GPU NVLink nodes), "cpu", or a profile JSON path; `memory_budget` bounds the bytes
     per device (parameters with gradients and `optimizer_state_factor` x optimizer state, inputs and
     saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
+    `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
+    applied after checking they were made for this mesh, these hints, this model and these input shapes.
     """
     mesh = Mesh.of(mesh, axis_names)
+    passes = PASSES
+    if plan is not None:
+        plan, hints = resolve_plan(plan, mesh, hints)
+        passes = [q for p in PASSES for q in ([p, CheckPlan(plan)] if p is normalize else
+                                              [ApplyPlan(plan)] if p is solve else [p])]
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
@@ -54,7 +62,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     options = {"profile": load_profile(profile), "memory_budget": memory_budget,
                "optimizer_state_factor": optimizer_state_factor}
     state = CompileState(traced.gm, mesh, traced, hints, options)
-    history = run_passes(state, PASSES, verify=debug, describe=describe_graph)
+    history = run_passes(state, passes, verify=debug, describe=describe_graph)
     return Program(state, history)
 
 

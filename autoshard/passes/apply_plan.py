@@ -1,0 +1,155 @@
+"""apply_plan: take every node's strategy from a saved Plan instead of solving (runs in solve's place;
+`CheckPlan` runs the same node-by-node comparison right after normalize, before the plan's hints).
+
+Reads the Plan's rows (each with its `choice` per mesh axis), `autoshard.candidates`, `autoshard.hint`
+and FakeTensor vals. Writes what solve writes: `autoshard.choice`, `autoshard.spec`,
+`autoshard.in_specs`, `autoshard.grad_partial`, and `state.ilp_stats = []` (nothing was solved).
+Invariant: the plan's rows (inserted collectives aside) match the graph's nodes one to one in order —
+name, op, module path, kind, shape and dtype — and each chosen strategy is one solve could have chosen
+on that axis (solve's `_axis_candidates`: divisible after the earlier axes, hints respected); otherwise
+PlanMismatchError names the first node where the plan and the traced graph differ.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .. import meta
+from ..axis_cost import needs_grad
+from ..errors import UserInputError
+from ..hints import Hints
+from ..mesh import Mesh
+from ..placement import Replicate, Spec, describe_type, dtype_name
+from ..plan import Plan, _op_name
+from ..plan_io import PlanMismatchError, short
+from ..strategies import tensor_inputs
+from ..strategies.base import is_tensor_value
+from .solve import _axis_candidates
+
+_REPLAN = ("pass the plan saved for this model and these example inputs (same shapes and dtypes), or re-plan "
+           "without plan=")
+
+
+def resolve_plan(plan, mesh: Mesh, hints):
+    """`parallelize(plan=...)`: the Plan (loaded when a path) and the hints to compile with (the plan's
+    own unless the caller's agree with them); a plan for another mesh or other hints is an error."""
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    elif not isinstance(plan, Plan):
+        raise UserInputError(f"plan= takes a Plan or the path of a plan file written by Plan.save, got {short(plan)}")
+    if plan.mesh.shape != mesh.shape or plan.mesh.names != mesh.names or plan.mesh.named != mesh.named:
+        axes = f"axis_names={plan.mesh.names!r}" if plan.mesh.named else "no axis_names"
+        raise PlanMismatchError(f"the plan was made for mesh {plan.mesh!r} but parallelize got {mesh!r}; pass "
+                                f"mesh={plan.mesh.shape!r} with {axes}, or re-plan without plan= for the new mesh")
+    if hints is None:
+        return plan, (plan.hints or None)
+    given = Hints.load(hints).to_json()
+    if given != plan.hints:
+        raise PlanMismatchError(f"hints= {short(given)} differ from the hints the plan was made with "
+                                f"{short(plan.hints)}; leave hints out when passing plan= (the plan carries its "
+                                "hints), or re-plan without plan= to use the new hints")
+    return plan, hints
+
+
+@dataclass(frozen=True, eq=False)
+class CheckPlan:
+    """Runs right after normalize: a plan for another model fails here, before its hints are resolved."""
+
+    plan: Plan
+    name: str = "check_plan"
+
+    def __call__(self, state) -> None:
+        match_rows(self.plan, state.gm.graph, state.mesh)
+
+
+@dataclass(frozen=True, eq=False)
+class ApplyPlan:
+    """The pass, in solve's place: `ApplyPlan(plan)(state)`."""
+
+    plan: Plan
+    name: str = "apply_plan"
+
+    def __call__(self, state) -> None:
+        mesh = state.mesh
+        pairs = match_rows(self.plan, state.gm.graph, mesh)
+        nodes = [node for node, _ in pairs]
+        choices: dict = {n: [] for n in nodes}
+        for node, row in pairs:
+            for axis in range(mesh.ndim):
+                feasible = _axis_candidates(node, axis, mesh, choices)
+                wanted = row.choice[axis]
+                chosen = next((c for c in feasible if c.to_json() == wanted), None)
+                if chosen is None:
+                    text = f"({', '.join(wanted['inputs'])}) -> {wanted['output']}"
+                    raise PlanMismatchError(
+                        f"the plan chooses {text} for node {row.name!r} ({row.op} at {row.path or 'the top level'}) "
+                        f"on mesh axis {mesh.names[axis]!r}, which is not a strategy autoshard can use there "
+                        f"(it can use {', '.join(map(repr, feasible[:6]))}{' ...' if len(feasible) > 6 else ''}): "
+                        "the plan was made for other shapes or hints, by another autoshard version, or edited; "
+                        f"{_REPLAN}")
+                choices[node].append(chosen)
+        grad = needs_grad(state.gm.graph)
+        for node in nodes:
+            record_choice(node, choices[node], grad)
+        state.ilp_stats = []
+
+
+def record_choice(node, chosen, grad) -> None:
+    """Write a node's chosen strategies (one per axis) and what follows from them, exactly as solve does."""
+    node.meta[meta.CHOICE] = chosen
+    node.meta[meta.SPEC] = Spec(c.output for c in chosen)
+    n_in = len(chosen[0].inputs) if chosen else 0
+    node.meta[meta.IN_SPECS] = [Spec(c.inputs[i] for c in chosen) for i in range(n_in)]
+    inputs = tensor_inputs(node) if node.op == "call_function" else []
+    node.meta[meta.GRAD_PARTIAL] = [
+        tuple(a for a, c in enumerate(chosen) if isinstance(c.inputs[i], Replicate) and c.splits_work)
+        if grad.get(inputs[i], False) else () for i in range(n_in)]
+
+
+def match_rows(plan: Plan, graph, mesh) -> list:
+    """(node, row) for every node solve would decide (placeholders and tensor-valued ops), in graph order;
+    the first node where the plan and the graph differ raises PlanMismatchError."""
+    rows = [r for r in plan.rows if r.kind != "comm"]
+    nodes = [n for n in graph.nodes if n.op == "placeholder" or (n.op == "call_function" and is_tensor_value(n))]
+    for index in range(max(len(rows), len(nodes))):
+        row = rows[index] if index < len(rows) else None
+        node = nodes[index] if index < len(nodes) else None
+        problem = _difference(row, node)
+        if problem:
+            raise PlanMismatchError(f"the plan was made for another model or other example inputs: {problem}; "
+                                    f"{_REPLAN}")
+    return list(zip(nodes, rows))
+
+
+def _describe_row(row) -> str:
+    return f"node {row.name!r} ({row.op} at {row.path or 'the top level'}, {row.kind}, {_unsharded(row.type)})"
+
+
+def _unsharded(type_text: str) -> str:
+    """`f32[8@dp, 16@tp]{P@a0}` -> `f32[8, 16]`: the global shape and dtype, whatever the placements."""
+    return re.sub(r"(@\w+)+", "", re.sub(r"\{P@[\w,]+\}$", "", type_text))
+
+
+def _describe_node(node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        typ = describe_type(tuple(val.shape), None, (), dtype_name(val.dtype))
+    else:
+        typ = describe_type((), None, (), "tuple")
+    path = node.meta.get(meta.PATH, "")
+    return f"node {node.name!r} ({_op_name(node)} at {path or 'the top level'}, {node.meta.get(meta.KIND, '')}, {typ})"
+
+
+def _difference(row, node) -> str:
+    """'' when the plan row describes the node; otherwise the first difference, in words."""
+    if node is None:
+        return f"the traced graph ends before the plan's {_describe_row(row)}"
+    here = _describe_node(node)
+    if row is None:
+        return f"the plan ends before the traced graph's {here}"
+    if here != _describe_row(row):
+        return f"the plan has {_describe_row(row)} where the traced graph has {here}"
+    return ""
