@@ -8,7 +8,9 @@ NCCL collectives run instead. Each call is recorded (kind, axis, bytes, forward/
 """
 from __future__ import annotations
 
+import re
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +23,16 @@ from ..mesh import Mesh
 
 class CollectiveTimeout(AutoshardError):
     """A collective did not complete: another rank died, raised, or runs a different plan."""
+
+
+_PHASES = {"fwd": "forward", "bwd": "backward", "sync": "gradient sync"}
+
+
+def backend_reason(exc: BaseException) -> str:
+    """The gist of a gloo/NCCL error: its first line without the source location and the boilerplate."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return re.split(r"\. This (is typically|may indicate)", text)[0].rstrip(". ")
 
 
 @dataclass
@@ -150,11 +162,26 @@ class DistCommunicator(Communicator):
         self.timeout = timeout
 
     def _run(self, what, axis, fn):
+        start = time.monotonic()
         try:
             return fn()
-        except RuntimeError as exc:
-            raise CollectiveTimeout(f"rank {self.rank}: {what} on mesh axis {axis!r} failed: {exc}. Another rank "
-                                    "probably died, raised, or runs a different plan.") from exc
+        except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the group timeout passed
+            raise CollectiveTimeout(self.failure(what, axis, exc, time.monotonic() - start)) from exc
+
+    def failure(self, what: str, axis, exc: BaseException, seconds: float) -> str:
+        """What failed (rank, collective, axis, group, phase), how, and whom to look at."""
+        group = list(self.mesh.axis_group(self.rank, axis)) if axis is not None else list(range(self.mesh.size))
+        peers = [r for r in group if r != self.rank]
+        reason = backend_reason(exc)
+        if "timed out" in reason.lower() or "timeout" in reason.lower():
+            how = f"did not complete within the {self.timeout.total_seconds():g} s timeout ({reason})"
+        else:
+            how = f"failed after {seconds:.1f} s: {reason}"
+        where = f"on mesh axis {axis!r} " if axis is not None else ""
+        phase = _PHASES.get(self.phase, self.phase)
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {', '.join(map(str, peers))}"
+        return (f"rank {self.rank}: {what} {where}(group ranks {group}, {phase}) {how}. {who.capitalize()} died, "
+                "raised, hangs or runs a different plan: look at its error (AUTOSHARD_TIMEOUT_S sets the timeout)")
 
     def all_gather_list(self, tensor, axis, what):
         import torch.distributed as dist

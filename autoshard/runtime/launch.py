@@ -2,8 +2,10 @@
 
 Under torchrun call `init_distributed()` then `communicator_for(mesh)`; for tests and `verify`,
 `run_distributed(task, world_size, *args)` spawns the ranks itself on gloo. Every collective runs
-under the process-group timeout (default 120 s, `AUTOSHARD_TIMEOUT_S`), so a dead rank turns into an
-error on the others instead of a hang.
+under the process-group timeout (default 120 s, `AUTOSHARD_TIMEOUT_S`; also set on DeviceMesh's
+sub-groups), so a dead or stuck rank turns into a CollectiveTimeout on the others naming the rank,
+collective, axis and group instead of a hang; `check_fingerprint` stops ranks that planned different
+programs before their first collective; `run_distributed` raises RanksFailed naming the first cause.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import torch.distributed as dist
 
 from ..errors import AutoshardError
 from ..mesh import Mesh
-from .communicator import DistCommunicator
+from .communicator import CollectiveTimeout, DistCommunicator
 
 _MESHES: dict = {}
+STARTUP_TIMEOUT_S = 60.0  # rendezvous of spawned ranks (many ranks on few cores start slowly)
 
 
 def default_timeout() -> timedelta:
@@ -65,20 +68,46 @@ def communicator_for(mesh: Mesh, exact: bool | None = None, strict_world: bool =
     if rank >= mesh.size:
         return None
     groups = {name: dm.get_group(name) for name in mesh.names}
+    for group in groups.values():
+        _set_timeout(group, default_timeout())
     if exact is None:
         exact = dist.get_backend() == "gloo"
     return DistCommunicator(mesh, rank, groups, mesh_group, exact=exact, timeout=default_timeout())
+
+
+def _set_timeout(group, timeout: timedelta) -> None:
+    """DeviceMesh creates its sub-groups with torch's default timeout (30 min on gloo); ours bounds every
+    collective, so a dead or stuck rank becomes an error on the others within AUTOSHARD_TIMEOUT_S."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        set_timeout(timeout, group)
+
+
+class FingerprintMismatch(AutoshardError):
+    """The ranks of a mesh planned different programs (checked before the first collective)."""
 
 
 def check_fingerprint(comm: DistCommunicator, fingerprint: str) -> None:
     """Every rank of the mesh must have planned the same program before the first collective."""
     group = comm.mesh_group
     gathered = [None] * comm.mesh.size
-    dist.all_gather_object(gathered, fingerprint, group=group)
+    start = time.monotonic()
+    try:
+        dist.all_gather_object(gathered, fingerprint, group=group)
+    except RuntimeError as exc:
+        raise CollectiveTimeout(comm.failure("the plan fingerprint check (all_gather_object)", None, exc,
+                                             time.monotonic() - start)) from exc
     if len(set(gathered)) != 1:
-        by_rank = ", ".join(f"rank {r}: {f}" for r, f in enumerate(gathered))
-        raise AutoshardError(f"ranks planned different programs ({by_rank}); every rank must run the same code "
-                             "with the same model, inputs, mesh and hints")
+        by_fingerprint: dict = {}
+        for r, f in enumerate(gathered):
+            by_fingerprint.setdefault(f, []).append(r)
+        listing = "; ".join(f"{f} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                            for f, rs in sorted(by_fingerprint.items(), key=lambda item: -len(item[1])))
+        raise FingerprintMismatch(
+            f"rank {comm.rank}: the ranks planned different programs (plan fingerprints: {listing}). Every rank "
+            "must call parallelize with the same model, example input shapes, mesh, hints and options (and the same "
+            "autoshard and torch versions); compare prog.plan.dumps() between ranks, or save the plan on one rank "
+            "(prog.plan.save(path)) and pass plan=path to parallelize on every rank")
 
 
 def free_port() -> int:
@@ -100,24 +129,46 @@ def _from_bytes(data: bytes):
 
 def _child(rank, world, port, task, args, results, timeout_s):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["AUTOSHARD_TIMEOUT_S"] = repr(timeout_s)  # collectives run under the launch timeout too
     torch.set_num_threads(1)
+    ok = False
     try:
+        # Rendezvous gets at least STARTUP_TIMEOUT_S; the parent still stops everything soon after a rank dies.
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
+        _set_timeout(dist.group.WORLD, timedelta(seconds=timeout_s))
         results.put((rank, "ok", _to_bytes(task(rank, world, *args))))
-    except BaseException:  # noqa: BLE001  (reported to the parent with the traceback)
-        results.put((rank, "error", traceback.format_exc()))
+        ok = True
+    except BaseException as exc:  # noqa: BLE001  (reported to the parent with the traceback)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        results.put((rank, "error", (type(exc).__name__, first, traceback.format_exc())))
     finally:
-        if dist.is_initialized():
+        if ok and dist.is_initialized():  # after a failure the peers may be gone: tearing down could block
             dist.destroy_process_group()
 
 
-def run_distributed(task, world_size: int, *args, timeout_s: float = 120.0) -> dict:
+# After the first rank fails, the others get the collective timeout plus this long to report their errors.
+FAILURE_GRACE_S = 10.0
+
+
+class RanksFailed(AutoshardError):
+    """`run_distributed`: ranks raised, died or hung. `errors` {rank: (exception type, first line, traceback)},
+    `exit_codes` {rank: code} of ranks that died without reporting, `hung` [ranks stopped after the grace]."""
+
+    def __init__(self, message: str, errors: dict, exit_codes: dict, hung: list):
+        super().__init__(message)
+        self.errors, self.exit_codes, self.hung = errors, exit_codes, hung
+
+
+def run_distributed(task, world_size: int, *args, timeout_s: float | None = None) -> dict:
     """Spawn `world_size` gloo ranks running `task(rank, world, *args)`; return {rank: result}.
 
-    `task` must be importable (a module-level function). A rank that raises or dies makes this raise
-    with that rank's traceback; the other ranks' collectives fail within the timeout.
+    `task` must be importable (a module-level function). `timeout_s` (default AUTOSHARD_TIMEOUT_S, else
+    120) bounds every collective and the process-group setup. A rank that raises, dies or hangs makes this
+    raise RanksFailed promptly: the other ranks' collectives fail within the timeout, and ranks still silent
+    `FAILURE_GRACE_S` after that are stopped. The message names the rank that failed first and how.
     """
+    timeout_s = default_timeout().total_seconds() if timeout_s is None else float(timeout_s)
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -125,32 +176,70 @@ def run_distributed(task, world_size: int, *args, timeout_s: float = 120.0) -> d
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out, errors = {}, {}
+    out, errors, exit_codes, hung = {}, {}, {}, []
     deadline = time.monotonic() + timeout_s + 60
+    failed_at = None
+
+    def take(item):
+        rank, status, value = item
+        if status == "ok":
+            out[rank] = _from_bytes(value)
+        else:
+            errors[rank] = value
+
     try:
-        while len(out) + len(errors) < world_size:
+        while len(out) + len(errors) + len(exit_codes) < world_size:
             try:
-                rank, status, value = results.get(timeout=1.0)
-                if status == "ok":
-                    out[rank] = _from_bytes(value)
-                else:
-                    errors[rank] = value
+                take(results.get(timeout=0.2))
                 continue
             except queue_mod.Empty:
                 pass
-            silent = [r for r in range(world_size) if r not in out and r not in errors]
-            dead = [r for r in silent if procs[r].exitcode is not None]
-            if dead and all(procs[r].exitcode is not None for r in silent):
-                raise AutoshardError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without "
-                                     "reporting a result")
-            if time.monotonic() > deadline:
-                raise AutoshardError(f"ranks {silent} did not finish within {timeout_s + 60:.0f} s")
+            silent = [r for r in range(world_size) if r not in out and r not in errors and r not in exit_codes]
+            exited = [r for r in silent if procs[r].exitcode is not None]
+            if exited:  # a result written just before exiting is in the pipe by now
+                while True:
+                    try:
+                        take(results.get_nowait())
+                    except queue_mod.Empty:
+                        break
+                exit_codes.update({r: procs[r].exitcode for r in exited if r not in out and r not in errors})
+            now = time.monotonic()
+            if failed_at is None and (errors or exit_codes):
+                failed_at = now
+            waited_out = failed_at is not None and now > failed_at + timeout_s + FAILURE_GRACE_S
+            if waited_out or now > deadline:
+                hung = [r for r in range(world_size) if r not in out and r not in errors and r not in exit_codes]
+                break
     finally:
+        failed = bool(errors or exit_codes or hung)
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=2 if failed else 30)
             if p.is_alive():
                 p.kill()
-    if errors:
-        rank = min(errors)
-        raise AutoshardError(f"rank {rank} failed:\n{errors[rank]}")
+    if errors or exit_codes or hung:
+        raise RanksFailed(_failure_report(errors, exit_codes, hung, world_size, timeout_s, failed_at is None),
+                          errors, exit_codes, hung)
     return out
+
+
+def _failure_report(errors, exit_codes, hung, world_size, timeout_s, nothing_failed) -> str:
+    """Root causes first (ranks that died, raised something other than a collective failure, or hung), then
+    the collective failures they caused on the other ranks, then the first cause's traceback."""
+    lines = [f"rank {r} died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) without reporting "
+             "a result: it crashed, was killed (e.g. out of memory) or exited" for r, code in sorted(exit_codes.items())]
+    own = {r: e for r, e in errors.items() if e[0] != "CollectiveTimeout"}
+    lines += [f"rank {r} raised {kind}: {first.removeprefix(f'rank {r}: ')}" for r, (kind, first, _) in sorted(own.items())]
+    if nothing_failed:
+        lines += [f"ranks {hung} did not finish within {timeout_s + 60:g} s (no rank failed; they are stuck or too "
+                  "slow: raise AUTOSHARD_TIMEOUT_S / timeout_s if the task is just long)"]
+    elif hung:
+        lines += [f"rank {r} reported nothing {timeout_s + FAILURE_GRACE_S:g} s after the first failure and was "
+                  "stopped: it hangs outside a collective" for r in hung]
+    lines += [first if first.startswith(f"rank {r}:") else f"rank {r}: {kind}: {first}"
+              for r, (kind, first, _) in sorted(errors.items()) if r not in own]
+    head = f"{len(exit_codes) + len(errors) + len(hung)} of {world_size} ranks failed; " + lines[0]
+    text = "\n  ".join([head, *lines[1:]])
+    first_cause = min(own) if own else (min(errors) if errors else None)
+    if first_cause is not None:
+        text += f"\n\nrank {first_cause}'s traceback:\n{errors[first_cause][2]}"
+    return text
