@@ -65,8 +65,9 @@ def read_json_file(path, what: str, limit: int, error=PlanFileError):
     except OSError as exc:
         raise error(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}; check the path") from exc
     if len(raw) > limit:
-        raise error(f"{what} {str(path)!r} is larger than the limit of {limit} bytes ({limit >> 20} MiB); "
-                    "it is not a file autoshard wrote, or it was padded; check the path")
+        mib = f" ({limit / 2**20:g} MiB)" if limit >= 2**20 else ""
+        raise error(f"{what} {str(path)!r} is larger than the limit of {limit} bytes{mib}; it is not a file "
+                    "autoshard wrote, or it was padded; check the path")
     return parse_json_bytes(raw, f"{what} {str(path)!r}", error)
 
 
