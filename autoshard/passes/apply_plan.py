@@ -62,7 +62,7 @@ class CheckPlan:
     name: str = "check_plan"
 
     def __call__(self, state) -> None:
-        match_rows(self.plan, state.gm.graph, state.mesh)
+        match_rows(self.plan, state.gm.graph)
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +74,7 @@ class ApplyPlan:
 
     def __call__(self, state) -> None:
         mesh = state.mesh
-        pairs = match_rows(self.plan, state.gm.graph, mesh)
+        pairs = match_rows(self.plan, state.gm.graph)
         nodes = [node for node, _ in pairs]
         choices: dict = {n: [] for n in nodes}
         for node, row in pairs:
@@ -109,7 +109,7 @@ def record_choice(node, chosen, grad) -> None:
         if grad.get(inputs[i], False) else () for i in range(n_in)]
 
 
-def match_rows(plan: Plan, graph, mesh) -> list:
+def match_rows(plan: Plan, graph) -> list:
     """(node, row) for every node solve would decide (placeholders and tensor-valued ops), in graph order;
     the first node where the plan and the graph differ raises PlanMismatchError."""
     rows = [r for r in plan.rows if r.kind != "comm"]
