@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -60,11 +59,8 @@ class Hints:
         if len(raw) > MAX_HINT_FILE_BYTES:
             raise HintError(f"hint file {str(path)!r} is {len(raw)} bytes; the limit is {MAX_HINT_FILE_BYTES} "
                             "(4 MiB). Use globs ('layers.*.attn.q.weight') instead of one key per layer")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise HintError(f"hint file {str(path)!r} is not valid JSON: {exc}. Write an object like "
-                            '{"layers.*.attn.q.weight": {"tp": "S(0)"}}') from exc
+        from .plan_io import parse_json_bytes  # strict JSON; every failure is a HintError
+        data = parse_json_bytes(raw, f"hint file {str(path)!r}", HintError)
         return cls.parse(data, source=str(path))
 
     @classmethod
@@ -100,7 +96,7 @@ def _parse_entry(key, value, source) -> HintEntry:
         raise HintError(f"{source}: key {key!r} is not a string")
     if key.startswith("input:"):
         index = key[len("input:"):]
-        if not index.isdigit():
+        if not re.fullmatch(r"[0-9]{1,9}", index):
             raise HintError(f"{source}: key {key!r}: write input:<index>, e.g. 'input:0'")
         return HintEntry(key, "input", index, _placements(key, value, source))
     match = _KEY_RE.match(key)

@@ -60,7 +60,7 @@ def S(dim: int) -> Shard:
     return Shard(dim)
 
 
-_PLACEMENT_RE = re.compile(r"^\s*(?:(R)|(P)|S\(\s*(-?\d+)\s*\))\s*$")
+_PLACEMENT_RE = re.compile(r"^\s*(?:(R)|(P)|S\(\s*(-?[0-9]{1,6})\s*\))\s*$")
 
 
 def parse_placement(text: str, where: str = "") -> Placement:

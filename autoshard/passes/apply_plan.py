@@ -22,12 +22,11 @@ from ..axis_cost import needs_grad
 from ..errors import UserInputError
 from ..hints import Hints
 from ..mesh import Mesh
-from ..placement import Replicate, Spec, describe_type, dtype_name
+from ..placement import describe_type, dtype_name
 from ..plan import Plan, _op_name
 from ..plan_io import PlanMismatchError, short
-from ..strategies import tensor_inputs
 from ..strategies.base import is_tensor_value
-from .solve import _axis_candidates
+from .solve import _axis_candidates, record_choice
 
 _REPLAN = ("pass the plan saved for this model and these example inputs (same shapes and dtypes), or re-plan "
            "without plan=")
@@ -95,18 +94,6 @@ class ApplyPlan:
         for node in nodes:
             record_choice(node, choices[node], grad)
         state.ilp_stats = []
-
-
-def record_choice(node, chosen, grad) -> None:
-    """Write a node's chosen strategies (one per axis) and what follows from them, exactly as solve does."""
-    node.meta[meta.CHOICE] = chosen
-    node.meta[meta.SPEC] = Spec(c.output for c in chosen)
-    n_in = len(chosen[0].inputs) if chosen else 0
-    node.meta[meta.IN_SPECS] = [Spec(c.inputs[i] for c in chosen) for i in range(n_in)]
-    inputs = tensor_inputs(node) if node.op == "call_function" else []
-    node.meta[meta.GRAD_PARTIAL] = [
-        tuple(a for a, c in enumerate(chosen) if isinstance(c.inputs[i], Replicate) and c.splits_work)
-        if grad.get(inputs[i], False) else () for i in range(n_in)]
 
 
 def match_rows(plan: Plan, graph) -> list:

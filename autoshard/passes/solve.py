@@ -71,18 +71,22 @@ def solve(state) -> None:
     else:
         choices = _solve_sequential(nodes, state, models, semi_auto)
     for node in nodes:
-        chosen = choices[node]
-        node.meta[meta.CHOICE] = chosen
-        node.meta[meta.SPEC] = Spec(c.output for c in chosen)
-        n_in = len(chosen[0].inputs) if chosen else 0
-        node.meta[meta.IN_SPECS] = [Spec(c.inputs[i] for c in chosen) for i in range(n_in)]
-        inputs = tensor_inputs(node) if node.op == "call_function" else []
-        node.meta[meta.GRAD_PARTIAL] = [
-            tuple(a for a, c in enumerate(chosen) if isinstance(c.inputs[i], Replicate) and c.splits_work)
-            if grad.get(inputs[i], False) else () for i in range(n_in)]
+        record_choice(node, choices[node], grad)
 
 
 solve.name = "solve"
+
+
+def record_choice(node, chosen, grad) -> None:
+    """Write a node's chosen strategies (one per axis) and what follows from them (also used by apply_plan)."""
+    node.meta[meta.CHOICE] = chosen
+    node.meta[meta.SPEC] = Spec(c.output for c in chosen)
+    n_in = len(chosen[0].inputs) if chosen else 0
+    node.meta[meta.IN_SPECS] = [Spec(c.inputs[i] for c in chosen) for i in range(n_in)]
+    inputs = tensor_inputs(node) if node.op == "call_function" else []
+    node.meta[meta.GRAD_PARTIAL] = [
+        tuple(a for a, c in enumerate(chosen) if isinstance(c.inputs[i], Replicate) and c.splits_work)
+        if grad.get(inputs[i], False) else () for i in range(n_in)]
 
 
 # How much of the later axes' size an earlier axis may count on to shrink memory: all of it first; when
