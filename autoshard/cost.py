@@ -130,19 +130,6 @@ def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link:
     return (1.0 + bwd) * all_to_all_time(nbytes / k, k, link)
 
 
-def conversion_bytes(src: Placement, dst: Placement, nbytes: float, k: int) -> tuple[float, float]:
-    """(forward, backward) bytes moved by the conversion, in the runtime's counting convention."""
-    if src == dst or k == 1:
-        return 0.0, 0.0
-    if isinstance(src, Partial):
-        return (nbytes, 0.0) if isinstance(dst, Replicate) else (nbytes, nbytes)
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return nbytes, 0.0
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return 0.0, nbytes
-    return nbytes / k, nbytes / k
-
-
 @functools.lru_cache(maxsize=65536)
 def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: "HardwareProfile",
                         with_backward: bool = True) -> float:

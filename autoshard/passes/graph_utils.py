@@ -1,7 +1,6 @@
 """Small graph-editing helpers shared by passes."""
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -32,8 +31,3 @@ def refresh_vals(gm: fx.GraphModule) -> None:
 
 def val_of(node: fx.Node):
     return node.meta.get("val")
-
-
-def is_float_tensor(node) -> bool:
-    val = val_of(node) if isinstance(node, fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.is_floating_point()

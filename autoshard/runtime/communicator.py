@@ -70,9 +70,6 @@ class Communicator:
         self.log = CommLog()
         self.phase = "fwd"
 
-    def axis_index(self, axis: str) -> int:
-        return self.mesh.axis(axis)
-
     def axis_rank(self, axis: str) -> int:
         return self.coord[self.mesh.axis(axis)]
 
