@@ -90,3 +90,11 @@ def test_plan_html_has_a_row_per_tensor_and_a_column_per_axis():
     html = prog.plan._repr_html_()
     assert html.count("<tr>") == len(prog.plan.rows) + 1
     assert "<th>a0 (2)</th>" in html and "<th>collective</th>" in html
+
+
+def test_plan_filter_by_module_glob():
+    prog = _gpt2_plan(mesh=(2,))
+    rows = prog.plan.filter("layers.0.mlp")
+    assert rows and all(r.path.startswith("layers.0.mlp") for r in rows)
+    assert {r.path for r in prog.plan.filter("layers.*.attn.q")} >= {"layers.0.attn.q", "layers.1.attn.q"}
+    assert prog.plan.filter("no.such") == []
