@@ -172,22 +172,68 @@ class Plan:
     def __repr__(self) -> str:
         return self.summary() + "\n\n" + self.table()
 
+    def row_costs(self) -> dict:
+        """{node name: predicted {"seconds", "memory_bytes", "sync_s"} per step and rank} from the predict
+        pass; empty for a plan loaded from JSON (which keeps only decisions and totals).
+
+        >>> # prog.plan.row_costs()["linear_default"]["seconds"]  -> forward+backward compute seconds
+        """
+        if self._state is None:
+            return {}
+        from .passes.predict import NODE_COST
+        return {n.name: n.meta[NODE_COST] for n in self._state.gm.graph.nodes if NODE_COST in n.meta}
+
+    def diff(self, other: "Plan"):
+        """What changed from this plan to `other`: placements, collectives, predicted time/memory/bytes.
+
+        >>> # print(prog_dp.plan.diff(prog_tp.plan))   # or display it in a notebook (HTML)
+        """
+        from .plan_diff import diff_plans
+        return diff_plans(self, other)
+
+    def draw(self, collapse=(), color_by: str = "placement"):
+        """The sharded graph as a picture (SVG in notebooks, text in terminals); see `autoshard.viz`.
+
+        >>> # prog.plan.draw(collapse=["layers.1"], color_by="stage").save("graph.svg")
+        """
+        from .viz import draw_graph
+        return draw_graph(self, collapse=collapse, color_by=color_by)
+
+    def to_svg(self, collapse=(), color_by: str = "placement") -> str:
+        """The sharded graph as SVG text (graphviz when its `dot` binary is installed, else a built-in layout).
+
+        >>> # open("graph.svg", "w").write(prog.plan.to_svg())
+        """
+        return self.draw(collapse, color_by).svg
+
+    def draw_mesh(self):
+        """The device mesh as a picture: each axis's size and what the plan uses it for.
+
+        >>> # prog.plan.draw_mesh()
+        """
+        from .viz import draw_mesh
+        return draw_mesh(self.mesh, self.axis_roles())
+
     def _repr_html_(self) -> str:
-        """Notebook view: the summary, then one row per tensor with its placement on each mesh axis."""
+        """Notebook view: the summary, then one row per tensor with its placement on each mesh axis, its
+        pipeline stage (blank without a pipeline), collective, bytes, and predicted time and memory."""
         from html import escape
-        head = ["node", "op", "module", "type"] + [f"{n} ({s})" for n, s in zip(self.mesh.names, self.mesh.shape)] + \
-            ["collective", "fwd bytes", "bwd bytes"]
+        head = ["node", "op", "module path", "type"] + [f"{n} ({s})" for n, s in zip(self.mesh.names, self.mesh.shape)] \
+            + ["stage", "collective", "fwd bytes", "bwd bytes", "predicted time (s)", "predicted memory (B)"]
+        costs = self.row_costs()
         body = []
         for r in self.rows:
             placements = Spec.parse(r.spec)
-            cells = [r.name, r.op, r.path, r.type, *[repr(p) for p in placements],
-                     f"{r.collective}@{r.axis}" if r.collective else "", r.bytes_fwd or "", r.bytes_bwd or ""]
+            cost = costs.get(r.name)
+            stage = getattr(r, "stage", None)  # rows carry a stage only in pipeline plans
+            cells = [r.name, r.op, r.path, r.type, *[repr(p) for p in placements], "" if stage is None else stage,
+                     f"{r.collective}@{r.axis}" if r.collective else "", r.bytes_fwd or "", r.bytes_bwd or "",
+                     f"{cost['seconds'] + cost['sync_s']:.3g}" if cost else "", int(cost["memory_bytes"]) if cost else ""]
             body.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
         summary = "<br>".join(escape(line) for line in self.summary().splitlines())
         return (f"<div><p><code>{summary}</code></p><table><thead><tr>"
                 + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
                 + "".join(body) + "</tbody></table></div>")
-
 
 def _op_name(node) -> str:
     if node.op == "placeholder":
