@@ -1,0 +1,1 @@
+"""Benchmark-only models: hand-written parallel implementations the benchmarks compare autoshard with."""
