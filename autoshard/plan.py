@@ -50,6 +50,8 @@ class Plan:
     hints: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
     _state: object = field(default=None, repr=False, compare=False)
+    pipeline: dict = field(default_factory=dict)  # a pipelined program: axis, stages, schedule, cut, stage table
+    search: dict = field(default_factory=dict)  # an unnamed mesh: the axis-role candidates and why one won
 
     @classmethod
     def from_state(cls, state) -> "Plan":
@@ -102,7 +104,9 @@ class Plan:
         return {"version": PLAN_VERSION, "mesh": self.mesh.to_json(), "hints": self.hints,
                 "nodes": [r.__dict__ for r in self.rows],
                 "grad_reduce": {k: list(v) for k, v in self.grad_reduce.items()},
-                "predicted": self.predicted}
+                "predicted": self.predicted,
+                **({"pipeline": self.pipeline} if self.pipeline else {}),
+                **({"search": self.search} if self.search else {})}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
@@ -191,7 +195,7 @@ class Plan:
         from .plan_diff import diff_plans
         return diff_plans(self, other)
 
-    def draw(self, collapse=(), color_by: str = "placement"):
+    def draw(self, collapse=(), color_by: str = "auto"):
         """The sharded graph as a picture (SVG in notebooks, text in terminals); see `autoshard.viz`.
 
         >>> # prog.plan.draw(collapse=["layers.1"], color_by="stage").save("graph.svg")
@@ -199,7 +203,7 @@ class Plan:
         from .viz import draw_graph
         return draw_graph(self, collapse=collapse, color_by=color_by)
 
-    def to_svg(self, collapse=(), color_by: str = "placement") -> str:
+    def to_svg(self, collapse=(), color_by: str = "auto") -> str:
         """The sharded graph as SVG text (graphviz when its `dot` binary is installed, else a built-in layout).
 
         >>> # open("graph.svg", "w").write(prog.plan.to_svg())
