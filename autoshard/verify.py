@@ -46,6 +46,9 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float) -> dict:
 
 def rank_run(module, inputs, steps: int, lr: float) -> dict:
     """One rank's training run on its module; returns its local results and collective counts."""
+    if getattr(module, "pipelined", False):
+        from .runtime.pipeline import pipeline_rank_run
+        return pipeline_rank_run(module, inputs, steps, lr)
     local_inputs = module.local_inputs(*inputs)
     params = dict(module.named_local_parameters())
     opt = torch.optim.SGD(params.values(), lr=lr) if params else None
@@ -129,7 +132,8 @@ def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
     for kind in ("grads", "params"):
         for fqn, expected in ref[kind].items():
             name = program.canonical_param(fqn)
-            got = program.assemble({r: res[kind][name] for r, res in ranks.items()}, program.param_spec(name))
+            blocks = {r: res[kind][name] for r, res in ranks.items() if name in res[kind]}  # pipelines: owners
+            got = program.assemble(blocks, program.param_spec(name))
             track(kind, fqn, rel_diff(got, expected))
     report.collectives = ranks[0]["counts"]
     report.predicted = program.plan.predicted
@@ -139,12 +143,22 @@ def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1, **kwargs):
     """Parallelize in float64, train in the simulator and on one device; return the VerifyReport."""
     from .program import parallelize
-    from .runtime.simulator import run_ranks
     model, inputs = to_double(model, inputs)
     program = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=loss_fn, **kwargs)
     ref = reference_run(model, inputs, loss_fn, steps, lr)
-    ranks = run_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
+    ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
     return compare(program, ref, ranks, steps), program
+
+
+def simulate_ranks(program, fn) -> dict:
+    """`fn(module)` on every rank in this process; a pipeline runs one thread per intra-op rank (all its
+    stages in order), its results keyed by the global rank of pp coordinate 0."""
+    from .runtime.simulator import run_ranks
+    if getattr(program, "config", None) is None:
+        return run_ranks(program, fn)
+    from .pipeline_program import _InnerView
+    results = run_ranks(_InnerView(program), fn)
+    return {program.mesh.rank(program._full_coord(r)): res for r, res in results.items()}
 
 
 def load_factory(spec: str):
@@ -206,7 +220,7 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     program = parallelize(copy.deepcopy(model), mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
     ref = reference_run(model, inputs, loss_fn, steps, lr)
     if simulate:
-        ranks = run_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
+        ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
     else:
         args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options)
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)

@@ -43,11 +43,15 @@ def annotate(state) -> None:
             _apply_input(entry, placeholders, state, sources)
         elif entry.target_kind == "output":
             _apply_output(entry, ops, state, sources)
+        elif entry.target_kind == "module_input":
+            _apply_module_input(entry, ops, state, sources)
         elif entry.target_kind == "shard":
             _apply_split_counts(entry, ops, state, sources)
-        elif entry.target_kind == "stage":
-            raise HintError(f"hint {entry.key!r}: pipeline stage hints are not supported by this version; "
-                            "remove the ':stage' keys (pipeline parallelism is planned, see the issues)")
+        elif entry.target_kind == "stage":  # cut_stages reads them; they need a pipeline axis
+            if "pipeline" not in state.options:
+                raise HintError(f"hint {entry.key!r} puts modules into a pipeline stage but the mesh has no pipeline "
+                                f"axis; name a mesh axis 'pp' (mesh axes: {list(state.mesh.names)}) or remove the "
+                                "':stage' keys")
     for node in ops:
         if node.target is torch.ops.autoshard.constrain.default:
             _apply_constrain(node, state, sources)
@@ -132,6 +136,32 @@ def _apply_output(entry, ops, state, sources):
         for node in module_outputs(ops, module):
             for axis, placement in entry.placements.items():
                 _set(node, entry.key, axis, placement, state, sources, "output")
+
+
+def _apply_module_input(entry, ops, state, sources):
+    """`<module>:input`: the placement each op inside the module needs of an activation made outside it
+    (parameters and buffers excluded: their hints are parameter keys)."""
+    modules = sorted(match_paths(entry.pattern, _module_paths(ops)))
+    if not modules:
+        raise unknown_target_error(entry, _module_paths(ops), "module")
+    mesh = state.mesh
+    for module in modules:
+        inside = {n for n in ops if (n.meta.get(meta.PATH, "") + ".").startswith(module + ".")}
+        for node in inside:
+            for pos, producer in enumerate(tensor_inputs(node)):
+                if producer in inside or producer.meta.get(meta.KIND) in ("param", "buffer"):
+                    continue
+                shape = tuple(producer.meta["val"].shape)
+                for axis_name, placement in entry.placements.items():
+                    axis = mesh.axis(axis_name)
+                    where = f"input {pos} of {_describe(node)}"
+                    placement = check_placement_for(entry.key, "input", axis_name, placement, shape, where)
+                    wanted = node.meta.setdefault(INPUT_HINT, {}).setdefault(axis, {})
+                    if wanted.get(pos, placement) != placement:
+                        raise HintError(f"hints {sources[(node, axis, pos)]!r} and {entry.key!r} contradict on {where} "
+                                        f"axis {axis_name!r}: {wanted[pos]!r} vs {placement!r}; keep one of them")
+                    wanted[pos] = placement
+                    sources[(node, axis, pos)] = entry.key
 
 
 def _apply_split_counts(entry, ops, state, sources):

@@ -18,6 +18,7 @@ from ..flops import is_matmul_like, node_bytes, node_flops
 from ..placement import Shard
 
 COMM_COST = "autoshard.comm_cost"
+NODE_COST = "autoshard.node_cost"  # {"seconds", "memory_bytes", "sync_s"}: what one node adds (cut_stages sums them)
 
 
 def local_bytes(node, spec, mesh) -> int:
@@ -32,7 +33,7 @@ def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
     src = local_bytes(node, node.args[0].meta[meta.SPEC], mesh)
     dst = local_bytes(node, node.meta[meta.SPEC], mesh)
     fwd, bwd = {"all_reduce": (src, 0), "grad_all_reduce": (0, src), "all_gather": (dst, 0), "chunk": (0, src),
-                "reduce_scatter": (src, src), "all_to_all": (src, dst)}[op]
+                "reduce_scatter": (src, src), "all_to_all": (src, dst), "all_gather_sum_grad": (dst, dst)}[op]
     return fwd, bwd if has_grad else 0
 
 
@@ -43,6 +44,8 @@ def _collective_time(op, fwd, bwd, k, link) -> float:
         return all_gather_time(fwd + bwd, k, link)
     if op == "reduce_scatter":
         return reduce_scatter_time(fwd, k, link) + all_gather_time(bwd, k, link)
+    if op == "all_gather_sum_grad":
+        return all_gather_time(fwd, k, link) + reduce_scatter_time(bwd, k, link)
     return all_to_all_time(fwd, k, link) + all_to_all_time(bwd, k, link)
 
 
@@ -66,23 +69,30 @@ def predict(state) -> None:
             per_axis[info["axis"]]["fwd"] += fwd
             per_axis[info["axis"]]["bwd"] += bwd
             comm += seconds
+            node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": 0, "sync_s": 0.0}
             continue
         kept = local_bytes(node, spec, mesh)
         if node.op == "placeholder":
             is_param = node.meta.get(meta.KIND) == "param" and grad.get(node)
-            memory += kept * (2 + opt_factor if is_param else 1)
+            held = kept * (2 + opt_factor if is_param else 1)
+            memory += held
+            sync = 0.0
             for axis_name in state.grad_reduce.get(node.meta.get(meta.PATH), ()):
                 axis = mesh.axis(axis_name)
                 per_axis[axis_name]["sync"] += kept
-                comm += all_reduce_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis))
+                sync += all_reduce_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis))
+            comm += sync
+            node.meta[NODE_COST] = {"seconds": 0.0, "memory_bytes": held, "sync_s": sync}
             continue
         split = math.prod(mesh.shape[a] for a, c in enumerate(node.meta.get(meta.CHOICE, [])) if c.divides_compute)
         if is_matmul_like(node):
-            compute += 3 * node_flops(node) / profile.peak_flops / split
+            seconds = 3 * node_flops(node) / profile.peak_flops / split
         else:
-            compute += 3 * node_bytes(node) / profile.memory_bandwidth / split
-        if grad.get(node):
-            memory += kept
+            seconds = 3 * node_bytes(node) / profile.memory_bandwidth / split
+        compute += seconds
+        saved = kept if grad.get(node) else 0
+        memory += saved
+        node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": saved, "sync_s": 0.0}
     state.predicted = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
                        "comm_bytes_per_step": per_axis, "memory_bytes_per_rank": int(memory)}
 

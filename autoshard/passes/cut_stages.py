@@ -1,0 +1,281 @@
+"""cut_stages: the pipeline stage of every node, from the user's annotations or a cost-balanced cut.
+
+Reads `state.options["pipeline"]` (a PipelineConfig: number of stages, micro-batches, schedule, the
+user's StageAnnotations or None) and, for the automatic cut, `autoshard.node_cost` written by
+`predict` (so the communication that insert_comm actually emitted is balanced too). Writes
+`autoshard.stage` on every node and `state.pipeline_stages` (one summary dict per stage).
+Invariant: along every edge the producer's stage <= the consumer's; every stage has work; a
+multi-output node and its getitems share a stage (a tuple never crosses a stage boundary).
+
+Runs after `predict` rather than before insert_comm (DESIGN.md's order) for that reason: the cut
+balances the plan's real collectives, not an estimate of them.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import operator
+
+import torch
+
+from .. import meta
+from ..errors import PlanError, UserInputError
+from .predict import NODE_COST, local_bytes
+
+STAGE = "autoshard.stage"
+AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidate cut; above, module boundaries
+
+
+def cut_stages(state) -> None:
+    config = state.options["pipeline"]
+    nodes = [n for n in state.gm.graph.nodes if n.op == "call_function"]
+    if config.annotations is not None:
+        stage = _from_annotations(nodes, config.annotations, config.num_stages)
+    else:
+        stage = auto_cut(state, nodes, config)
+    _fill_and_check(state.gm.graph, nodes, stage, config.num_stages)
+    state.pipeline_stages = stage_summary(state, config)
+
+
+cut_stages.name = "cut_stages"
+
+
+def module_stack(node) -> list[str]:
+    """Module paths of a node, outermost first (model-relative, '' omitted)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [p for p in (meta._strip_root(path) for path, _ in stack.values()) if p]
+
+
+# ----------------------------------------------------------------------------------------- annotations
+
+def _from_annotations(nodes, annotations, num_stages) -> dict:
+    if annotations.split_points:
+        return _from_split_points(nodes, annotations, num_stages)
+    stage, used = {}, set()
+    for node in nodes:
+        for path in reversed(module_stack(node)):  # the innermost annotated module wins
+            hits = {k for glob, k in annotations.module_stages.items() if path == glob or fnmatch.fnmatchcase(path, glob)}
+            if len(hits) > 1:
+                raise UserInputError(f"module {path!r} gets pipeline stages {sorted(hits)} from {annotations.source}; "
+                                     "give each module one stage")
+            if hits:
+                stage[node] = hits.pop()
+                used.update(g for g in annotations.module_stages if path == g or fnmatch.fnmatchcase(path, g))
+                break
+    known = sorted({p for n in nodes for p in module_stack(n)})
+    for glob in annotations.module_stages:
+        if glob not in used and not any(fnmatch.fnmatchcase(p, glob) or p == glob for p in known):
+            close = difflib.get_close_matches(glob, known, n=3)
+            raise UserInputError(f"stage annotation {glob!r} ({annotations.source}) matches no module that runs in "
+                                 f"the model" + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                                 f"; modules are e.g. {known[:6]}"))
+    numbers = sorted(set(annotations.module_stages.values()))
+    if numbers != list(range(num_stages)):
+        raise UserInputError(f"{annotations.source} name pipeline stages {numbers} but the pipeline has {num_stages} "
+                             f"stages (0..{num_stages - 1}: pp axis size x virtual stages per rank); number the "
+                             "stages 0, 1, ... in execution order, one per stage")
+    return stage
+
+
+def _from_split_points(nodes, annotations, num_stages) -> dict:
+    cuts = []
+    for path, where in annotations.split_points:
+        idx = [i for i, n in enumerate(nodes) if path in module_stack(n)]
+        if not idx:
+            known = sorted({p for n in nodes for p in module_stack(n)})
+            close = difflib.get_close_matches(path, known, n=3)
+            raise UserInputError(f"split point {path!r} names no module that runs in the model"
+                                 + (f"; did you mean {', '.join(map(repr, close))}?" if close else ""))
+        cuts.append(min(idx) if where == "beginning" else max(idx) + 1)
+    if cuts != sorted(set(cuts)) or (cuts and (cuts[0] == 0 or cuts[-1] >= len(nodes))):
+        raise UserInputError(f"split points {[p for p, _ in annotations.split_points]} are not in execution order "
+                             "(or one makes an empty stage); list them in the order the modules run")
+    if len(cuts) + 1 != num_stages:
+        raise UserInputError(f"{len(cuts)} split points make {len(cuts) + 1} stages but the pipeline has "
+                             f"{num_stages} (pp axis size x virtual stages per rank); give {num_stages - 1} split points")
+    stage, k = {}, 0
+    for i, node in enumerate(nodes):
+        while k < len(cuts) and i >= cuts[k]:
+            k += 1
+        stage[node] = k
+    return stage
+
+
+def _fill_and_check(graph, nodes, stage, num_stages) -> None:
+    """Unannotated nodes follow their inputs (or, with none, their first user); then check the order."""
+    for node in nodes:
+        if node not in stage:
+            ins = [stage[i] for i in node.all_input_nodes if i in stage]
+            if ins:
+                stage[node] = max(ins)
+    for node in reversed(nodes):
+        if node not in stage:
+            users = [stage[u] for u in node.users if u in stage]
+            stage[node] = min(users) if users else 0
+    for node in nodes:
+        if node.target is operator.getitem:  # a tuple never crosses a stage boundary
+            stage[node] = stage[node.args[0]]
+    for node in nodes:
+        for src in node.all_input_nodes:
+            if src in stage and stage[src] > stage[node]:
+                raise UserInputError(
+                    f"pipeline stages out of execution order: {_where(node)} (stage {stage[node]}) uses a value "
+                    f"computed in {_where(src)} (stage {stage[src]}); a stage may only use values of earlier "
+                    "stages: number the stages in the order the modules run")
+    present = sorted(set(stage.values()))
+    if present != list(range(num_stages)):
+        empty = sorted(set(range(num_stages)) - set(present))
+        raise UserInputError(f"pipeline stage(s) {empty} get no operations (of {num_stages} stages); annotate fewer "
+                             "stages, use a smaller pp axis, or let autoshard cut automatically")
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.meta[STAGE] = stage[node]
+        elif node.op == "placeholder":
+            users = [stage[u] for u in node.users if u in stage]
+            node.meta[STAGE] = min(users) if users and node.meta.get(meta.KIND) != "input" else 0
+        elif node.op == "output":
+            node.meta[STAGE] = num_stages - 1
+
+
+def _where(node) -> str:
+    stack = module_stack(node)
+    return f"module {stack[-1]!r} (node {node.name})" if stack else f"node {node.name}"
+
+
+# ----------------------------------------------------------------------------------------- automatic cut
+
+def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
+    """Per cut position k (before nodes[k], k = 0..n): bytes of the values crossing it, bytes of their
+    gradients, and whether the position is allowed (no tuple crosses it)."""
+    n = len(nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    fwd, bwd, bad = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
+    grads = state.grad_flags
+    for node in state.gm.graph.nodes:
+        if node.op == "call_function":
+            first = index[node] + 1
+        elif node.op == "placeholder" and node.meta.get(meta.KIND) == "input":
+            first = 0  # user inputs enter at stage 0 and are carried to their users
+        else:
+            continue
+        uses = [index.get(u, n) for u in node.users]  # the output node counts as after the last op
+        if not uses:
+            continue
+        last = max(uses)
+        if last < first:
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            size = local_bytes(node, node.meta[meta.SPEC], state.mesh)
+            for arr, amount in ((fwd, size), (bwd, size if grads.get(node) else 0)):
+                arr[first] += amount
+                arr[last + 1] -= amount
+        else:
+            bad[first] += 1
+            bad[last + 1] -= 1
+    out_f, out_b, ok, f, b, x = [], [], [], 0, 0, 0
+    for k in range(n + 1):
+        f, b, x = f + fwd[k], b + bwd[k], x + bad[k]
+        out_f.append(f)
+        out_b.append(b)
+        ok.append(x == 0)
+    return out_f, out_b, ok
+
+
+def candidate_positions(nodes, ok) -> list[int]:
+    """Where a cut may go: every allowed position for small graphs, else where the block (the first two
+    components of the innermost module path, e.g. 'layers.3') changes."""
+    n = len(nodes)
+    if n <= AUTO_CUT_ALL_POSITIONS:
+        return [k for k in range(1, n) if ok[k]]
+
+    def block(node):
+        stack = module_stack(node)
+        return ".".join(stack[-1].split(".")[:2]) if stack else ""
+
+    return [k for k in range(1, n) if ok[k] and block(nodes[k]) != block(nodes[k - 1])]
+
+
+def auto_cut(state, nodes, config) -> dict:
+    """Contiguous stages minimising (max stage time, total crossing bytes) by dynamic programming over
+    the candidate positions; stage time = compute + intra-op communication + boundary transfers."""
+    from ..axis_cost import needs_grad
+    state.grad_flags = needs_grad(state.gm.graph)
+    fwd_bytes, bwd_bytes, ok = boundary_bytes(state, nodes)
+    seconds = [n.meta.get(NODE_COST, {}).get("seconds", 0.0) for n in nodes]
+    prefix = [0.0]
+    for s in seconds:
+        prefix.append(prefix[-1] + s)
+    link = config.link
+    n, stages = len(nodes), config.num_stages
+    positions = [0] + candidate_positions(nodes, ok) + [n]
+    if len(positions) - 1 < stages:
+        raise PlanError(f"the model has {len(positions) - 1} places to cut but the pipeline needs {stages} stages; "
+                        "use fewer stages (a smaller pp axis or fewer virtual stages)")
+
+    def transfer(k) -> float:
+        if k in (0, n):
+            return 0.0
+        return 2 * link.alpha + (fwd_bytes[k] + bwd_bytes[k]) / link.bandwidth
+
+    def stage_time(a, b) -> float:
+        return prefix[b] - prefix[a] + transfer(a) + transfer(b)
+
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * len(positions) for _ in range(stages + 1)]
+    back = [[0] * len(positions) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0)
+    for s in range(1, stages + 1):
+        for j in range(s, len(positions)):
+            for i in range(s - 1, j):
+                prev = best[s - 1][i]
+                if prev == inf:
+                    continue
+                a, b = positions[i], positions[j]
+                cand = (max(prev[0], stage_time(a, b)), prev[1] + (fwd_bytes[b] if b < n else 0))
+                if cand < best[s][j]:
+                    best[s][j], back[s][j] = cand, i
+    cuts, j = [], len(positions) - 1
+    for s in range(stages, 0, -1):
+        i = back[s][j]
+        cuts.append(positions[i])
+        j = i
+    cuts = sorted(cuts)[1:]
+    stage, k = {}, 0
+    for i, node in enumerate(nodes):
+        while k < len(cuts) and i >= cuts[k]:
+            k += 1
+        stage[node] = k
+    return stage
+
+
+def stage_summary(state, config) -> list[dict]:
+    """Per stage: ops, modules, predicted forward/backward seconds per micro-batch, memory, bytes sent."""
+    from ..axis_cost import needs_grad
+    grads = getattr(state, "grad_flags", None) or needs_grad(state.gm.graph)
+    out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
+            "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0} for s in range(config.num_stages)]
+    for node in state.gm.graph.nodes:
+        cost = node.meta.get(NODE_COST, {})
+        if node.op == "placeholder":
+            if node.meta.get(meta.KIND) in ("param", "buffer"):
+                for s in sorted({u.meta[STAGE] for u in node.users if STAGE in u.meta}):
+                    out[s]["param_bytes"] += cost.get("memory_bytes", 0)
+                    out[s]["sync_s"] += cost.get("sync_s", 0.0)
+            continue
+        if node.op != "call_function":
+            continue
+        row = out[node.meta[STAGE]]
+        row["ops"] += 1
+        row["seconds"] += cost.get("seconds", 0.0)
+        row["activation_bytes"] += cost.get("memory_bytes", 0)
+        stack = module_stack(node)
+        if stack:
+            row["first_module"] = row["first_module"] or stack[-1]
+            row["last_module"] = stack[-1]
+        later = [u for u in node.users if u.meta.get(STAGE, -1) > node.meta[STAGE]]
+        if later and isinstance(node.meta.get("val"), torch.Tensor):
+            row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
+    for row in out:
+        row["fwd_s"], row["bwd_s"] = row["seconds"] / 3, 2 * row["seconds"] / 3  # backward ~ 2x forward
+    return out

@@ -1,0 +1,155 @@
+"""Pipeline parallelism: options, the micro-batch program, and `parallelize_pipeline`.
+
+A pipelined program is an intra-op program on the mesh without the `pp` axis, traced at the
+micro-batch shape (batch / micro-batches), whose nodes `cut_stages` assigns to `pp size x virtual`
+stages; each rank of the pp axis runs its stages' GraphModules under a torch.distributed.pipelining
+schedule (autoshard/runtime/pipeline.py). Every micro-batch's loss is a mean over its own batch, so
+the step's loss is the mean over micro-batches and the gradients are summed then divided by their
+number: equal to one full-batch step for batch-mean losses (the default loss and cross-entropy).
+
+>>> import autoshard
+>>> from autoshard.zoo import gpt2
+>>> model, inputs, loss_fn = gpt2()
+>>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
+...                              pipeline={"microbatches": 2, "schedule": "gpipe"})
+>>> prog.plan.pipeline["stages"]
+2
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .cost import DEFAULT_PROFILE, Link
+from .errors import UserInputError
+from .mesh import Mesh
+from .stages import StageAnnotations, collect_annotations
+
+# Our names -> torch.distributed.pipelining schedule class names (get_schedule_class).
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B", "loopedbfs": "LoopedBFS",
+             "interleavedzerobubble": "InterleavedZeroBubble", "zbvzerobubble": "ZBVZeroBubble"}
+MULTI_STAGE = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"}
+V_STYLE = {"ZBVZeroBubble"}  # stage s on pp rank s for s < p, then back: 2p-1-s
+OPTION_KEYS = {"axis", "microbatches", "schedule", "virtual_stages", "balance", "split_points"}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the pipeline is: its mesh axis and size, stages per rank, schedule, micro-batches, cut."""
+
+    axis: str
+    pp_size: int
+    microbatches: int
+    schedule: str = "1F1B"
+    virtual: int = 1
+    annotations: StageAnnotations | None = None
+    link: Link = Link(5e-6, 2.0e11)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_size * self.virtual
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp coordinate that runs `stage`."""
+        if self.schedule in V_STYLE:
+            block, pos = divmod(stage, self.pp_size)
+            return pos if block % 2 == 0 else self.pp_size - 1 - pos
+        return stage % self.pp_size
+
+    def stages_of(self, pp_coord: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.stage_rank(s) == pp_coord]
+
+    def to_json(self) -> dict:
+        return {"axis": self.axis, "pp_size": self.pp_size, "microbatches": self.microbatches,
+                "schedule": self.schedule, "virtual_stages": self.virtual, "stages": self.num_stages,
+                "cut": self.annotations.source if self.annotations else "automatic"}
+
+
+def schedule_name(name) -> str:
+    key = str(name).replace("_", "").replace("-", "").replace(" ", "").lower()
+    key = {"zerobubble": "interleavedzerobubble", "zb": "interleavedzerobubble", "zbv": "zbvzerobubble",
+           "interleaved": "interleaved1f1b"}.get(key, key)
+    if key not in SCHEDULES:
+        raise UserInputError(f"unknown pipeline schedule {name!r}; choose one of "
+                             f"{sorted(set(SCHEDULES.values()))} (case-insensitive)")
+    return SCHEDULES[key]
+
+
+def check_options(options) -> dict:
+    if options is None or options is True:
+        return {}
+    if not isinstance(options, dict):
+        raise UserInputError("pipeline= takes a dict such as {'microbatches': 4, 'schedule': '1f1b'}; got "
+                             f"{type(options).__name__}")
+    unknown = set(options) - OPTION_KEYS
+    if unknown:
+        raise UserInputError(f"unknown pipeline option(s) {sorted(unknown)}; known: {sorted(OPTION_KEYS)}")
+    return dict(options)
+
+
+def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, profile) -> PipelineConfig:
+    """Check the user's pipeline options against the mesh and the batch; fill defaults."""
+    schedule = schedule_name(options.get("schedule", "1f1b"))
+    default_virtual = 2 if schedule in MULTI_STAGE else 1
+    virtual = options.get("virtual_stages", default_virtual)
+    if not isinstance(virtual, int) or virtual < 1:
+        raise UserInputError(f"virtual_stages must be an int >= 1, got {virtual!r}")
+    if schedule not in MULTI_STAGE and virtual != 1:
+        raise UserInputError(f"schedule {schedule} runs one stage per rank; virtual_stages={virtual} needs an "
+                             "interleaved schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)")
+    if schedule in V_STYLE and virtual != 2:
+        raise UserInputError(f"schedule {schedule} runs exactly 2 stages per rank; set virtual_stages=2")
+    p = mesh.shape[mesh.axis(axis)]
+    m = options.get("microbatches", 2 * p)
+    if not isinstance(m, int) or m < 1:
+        raise UserInputError(f"microbatches must be an int >= 1, got {m!r}")
+    if batch % m:
+        raise UserInputError(f"the batch of {batch} (dim 0 of the inputs) does not split into {m} micro-batches; "
+                             f"choose microbatches dividing {batch}")
+    if schedule in MULTI_STAGE and m % p:
+        raise UserInputError(f"schedule {schedule} needs the micro-batches ({m}) to be a multiple of the pp axis "
+                             f"size ({p})")
+    link = profile.link(mesh.shape, mesh.axis(axis))
+    return PipelineConfig(axis, p, m, schedule, virtual, annotations, link)
+
+
+def batch_size(example_inputs) -> int:
+    sizes = {tuple(x.shape)[:1] for x in example_inputs if isinstance(x, torch.Tensor)}
+    if len(sizes) != 1 or () in sizes:
+        raise UserInputError("pipelining splits every input along dim 0 into micro-batches, so every input needs "
+                             f"the same dim 0 (the batch); got shapes {[tuple(x.shape) for x in example_inputs]}")
+    return sizes.pop()[0]
+
+
+def microbatch_inputs(example_inputs, m: int) -> tuple:
+    return tuple(x[: x.shape[0] // m] for x in example_inputs)
+
+
+def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
+    keep = [i for i, name in enumerate(mesh.names) if name != axis]
+    return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.names[i] for i in keep))
+
+
+def inner_profile(profile, mesh: Mesh, axis: str):
+    """The profile for the mesh without the pp axis: each remaining axis keeps its link of the full mesh."""
+    links = tuple(profile.link(mesh.shape, i) for i, name in enumerate(mesh.names) if name != axis)
+    return dataclasses.replace(profile, axis_links=links)
+
+
+def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, hints, loss_fn, debug,
+                         compile_options: dict):
+    """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut."""
+    from .pipeline_program import PipelineProgram
+    from .program import compile_state
+    options = check_options(options)
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    annotations = collect_annotations(model, hints, options.get("balance"), options.get("split_points"))
+    profile = compile_options.get("profile") or DEFAULT_PROFILE
+    config = make_config(mesh, axis, options, annotations, batch_size(example_inputs), profile)
+    sub = inner_mesh(mesh, axis)
+    opts = dict(compile_options, profile=inner_profile(profile, mesh, axis), pipeline=config)
+    state, history = compile_state(model, sub, microbatch_inputs(example_inputs, config.microbatches), hints,
+                                   loss_fn, debug, opts, pipeline=True)
+    return PipelineProgram(state, history, mesh, config)

@@ -1,0 +1,157 @@
+"""PipelineProgram: a pipelined Program — per-rank stage GraphModules, plan with stage table, simulator.
+
+Rank r of the full mesh has a pp coordinate (which stages it runs) and an intra-op rank on the mesh
+without the pp axis (which shards it holds); its stage modules are that intra-op rank's GraphModule
+split by `autoshard.stage`. Everything a verify run needs (`assemble`, `param_spec`, `output_specs`)
+has the same meaning as on Program, on global tensors of the full batch.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import meta
+from .errors import UserInputError
+from .passes.codegen import build_rank_module
+from .passes.cut_stages import STAGE
+from .passes.split_stages import split_stages
+from .placement import unshard_tensors
+from .program import Program
+
+
+class StageGraphs(list):
+    """One rank's stage GraphModules (a list of StageGraph), printed one after the other."""
+
+    def __repr__(self) -> str:
+        return "\n\n".join(repr(s) for s in self)
+
+
+class PipelineProgram(Program):
+    """The pipelined program on `mesh` (full mesh, pp axis included)."""
+
+    def __init__(self, state, history, mesh, config):
+        super().__init__(state, history)
+        self.inner_mesh = state.mesh
+        self.mesh = mesh
+        self.config = config
+        self.pp_axis = mesh.axis(config.axis)
+        self.tied_params = self._tied_params()
+
+    @functools.cached_property
+    def plan(self):
+        from .pipeline_search import predicted_step
+        plan = super().plan
+        stages = self.state.pipeline_stages
+        plan.pipeline = {**self.config.to_json(), "stage_table": stages,
+                         "predicted_step_s": predicted_step(stages, self.config.microbatches, self.config.virtual),
+                         "tied_params": {k: list(v) for k, v in sorted(self.tied_params.items())},
+                         "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)]}
+        for row, node in zip(plan.rows, (n for n in self.state.gm.graph.nodes if meta.SPEC in n.meta)):
+            row.stage = node.meta.get(STAGE)
+        return plan
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"PipelineProgram({self.mesh!r}, {c.num_stages} stages over {c.axis!r}, {c.schedule}, "
+                f"{c.microbatches} micro-batches, fingerprint={self.plan.fingerprint})\n{self.plan.summary()}")
+
+    def _tied_params(self) -> dict:
+        """Parameter FQN -> the stages using it, for parameters used by more than one stage."""
+        out = {}
+        for node in self.state.gm.graph.nodes:
+            if node.op == "placeholder" and node.meta.get(meta.KIND) == "param":
+                stages = sorted({u.meta[STAGE] for u in node.users if STAGE in u.meta})
+                if len(stages) > 1:
+                    out[node.meta[meta.PATH]] = tuple(stages)
+        return out
+
+    # ---------------------------------------------------------------------------------------- ranks
+    def inner_rank(self, rank: int) -> int:
+        coord = list(self.mesh.coord(rank))
+        del coord[self.pp_axis]
+        return self.inner_mesh.rank(tuple(coord))
+
+    def pp_coord(self, rank: int) -> int:
+        return self.mesh.coord(rank)[self.pp_axis]
+
+    def stages_of(self, rank: int) -> list[int]:
+        return self.config.stages_of(self.pp_coord(rank))
+
+    def graph(self, rank: int) -> StageGraphs:
+        """Rank `rank`'s stage GraphModules (local shards, local shapes, visible collectives)."""
+        if not isinstance(rank, int) or not 0 <= rank < self.mesh.size:
+            raise UserInputError(f"rank {rank!r} is outside the mesh {self.mesh!r} (ranks 0..{self.mesh.size - 1})")
+        stages = split_stages(super().graph(self.inner_rank(rank)), self.config.num_stages)
+        return StageGraphs(stages[s] for s in self.stages_of(rank))
+
+    def all_stage_graphs(self, inner_rank: int) -> list:
+        """Every stage of one intra-op rank, sharing one fresh set of parameter shards."""
+        return split_stages(build_rank_module(self.state, inner_rank), self.config.num_stages)
+
+    def module(self, rank: int, comm):
+        """Rank `rank`'s trainable pipeline module; `comm` is its communicator on the full mesh."""
+        from .runtime.pipeline import PipelineRankModule
+        return PipelineRankModule(self, rank, comm)
+
+    # ---------------------------------------------------------------------------------------- data
+    def check_inputs(self, inputs) -> None:
+        """Full-batch inputs: like the example inputs, with dim 0 = micro-batch size x micro-batches."""
+        m = self.config.microbatches
+        if len(inputs) == len(self.input_specs) and all(isinstance(x, torch.Tensor) and x.dim() for x in inputs):
+            if any(x.shape[0] % m for x in inputs):
+                raise UserInputError(f"the batch ({[x.shape[0] for x in inputs]}) must split into {m} micro-batches")
+            return super().check_inputs([x[: x.shape[0] // m] for x in inputs])
+        return super().check_inputs(inputs)
+
+    def microbatches(self, inputs) -> list[tuple]:
+        """The full batch as `microbatches` global micro-batches (dim 0 chunks, in order)."""
+        m = self.config.microbatches
+        return [tuple(x.chunk(m, 0)[i] for x in inputs) for i in range(m)]
+
+    def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
+        """The global tensor from ranks' blocks (one rank per intra-op coordinate counts); blocks that are
+        lists hold one block per micro-batch and assemble to their concatenation along dim 0."""
+        by_coord = {}
+        for rank, block in sorted(blocks_by_rank.items()):
+            if block is not None:
+                by_coord.setdefault(self.inner_mesh.coord(self.inner_rank(rank)), block)
+        first = next(iter(by_coord.values()))
+        if isinstance(first, list):
+            parts = [unshard_tensors({c: b[i] for c, b in by_coord.items()}, spec, self.inner_mesh.shape)
+                     for i in range(len(first))]
+            return torch.cat(parts) if parts[0].dim() else torch.stack(parts).mean()
+        return unshard_tensors(by_coord, spec, self.inner_mesh.shape)
+
+    def simulate(self, *inputs, timeout_s: float = 60.0):
+        """Run the pipeline in this process: one thread per intra-op rank runs every stage of every
+        micro-batch in order (GPipe order; the schedule changes timing, not values)."""
+        from .runtime.pipeline import simulated_rank_step
+        from .runtime.simulator import run_ranks
+        self.check_inputs(inputs)
+        results = run_ranks(_InnerView(self), lambda module: simulated_rank_step(module, inputs, train=False),
+                            timeout_s=timeout_s)
+        ranks = {self.mesh.rank(self._full_coord(r)): res for r, res in results.items()}
+        flat = [self.assemble({r: res[i] for r, res in ranks.items()}, spec)
+                for i, spec in enumerate(self.output_specs)]
+        outputs = pytree.tree_unflatten(flat[1:], self.output_spec) if self.output_spec is not None else flat[1:]
+        return flat[0], outputs
+
+    def _full_coord(self, inner_rank: int, pp: int = 0) -> tuple:
+        coord = list(self.inner_mesh.coord(inner_rank))
+        coord.insert(self.pp_axis, pp)
+        return tuple(coord)
+
+
+class _InnerView:
+    """What the thread simulator needs: the intra-op mesh, and a module per intra-op rank that runs all
+    stages (the pp ranks of one intra-op coordinate, in one thread)."""
+
+    def __init__(self, program: PipelineProgram):
+        self.program = program
+        self.mesh = program.inner_mesh
+
+    def module(self, inner_rank, comm):
+        from .runtime.pipeline import SequentialStages
+        return SequentialStages(self.program, inner_rank, comm)

@@ -1,0 +1,238 @@
+"""Pipeline runtime: a rank's stage modules under torch.distributed.pipelining schedules.
+
+`PipelineRankModule` (real ranks) wraps each of its stages in a `PipelineStage` on the pp axis's
+process group and runs the chosen schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, ZBVZeroBubble); the stages' own collectives run on the other axes' groups
+through the intra-op communicator. Gradients: summed over micro-batches by autograd, reduced on
+their partial axes (`sync_grads`), tied parameters summed across the pp ranks holding a copy, then
+divided by the micro-batch count (so a step equals one full-batch step of a batch-mean loss; the
+schedule's own scaling is off because a tied parameter shared by two local stages would be
+scaled twice). Each stage's forward/backward chunks are timed for the measured timeline.
+`SequentialStages` runs all stages of one intra-op rank in order: the in-process simulator.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..placement import local_shape, shard_tensor
+from .collectives import use_communicator
+from .communicator import DistCommunicator
+from .rank_module import RankModule
+
+
+class _StagesModule(RankModule):
+    """Shared by the real and simulated pipeline ranks: stage graphs, local parameters, grad sync."""
+
+    pipelined = True
+
+    def __init__(self, program, stage_graphs, comm):
+        super().__init__(torch.nn.ModuleList([s.gm for s in stage_graphs]), comm, program)
+        self.stage_graphs = stage_graphs
+
+    def named_local_parameters(self):
+        seen = set()
+        for fqn, attr in self._program.attr_names.items():
+            if fqn not in self._program.traced.params or fqn in seen:
+                continue
+            for stage in self.stage_graphs:
+                if hasattr(stage.gm, attr):
+                    seen.add(fqn)
+                    yield fqn, getattr(stage.gm, attr)
+                    break
+
+    def local_microbatches(self, *global_inputs) -> list[tuple]:
+        """This rank's block of every micro-batch, by the plan's input specs."""
+        self._program.check_inputs(global_inputs)
+        coord, shape = self.comm.coord, self.comm.mesh.shape
+        return [tuple(shard_tensor(x, spec, coord, shape) for x, spec in zip(mb, self._program.input_specs))
+                for mb in self._program.microbatches(global_inputs)]
+
+    def scale_grads(self) -> None:
+        m = self._program.config.microbatches
+        for _, param in self.named_local_parameters():
+            if param.grad is not None:
+                param.grad.div_(m)
+
+
+class SequentialStages(_StagesModule):
+    """Every stage of one intra-op rank, run in order for each micro-batch (one thread = one pp column)."""
+
+    def __init__(self, program, inner_rank, comm):
+        super().__init__(program, program.all_stage_graphs(inner_rank), comm)
+
+    def run_microbatch(self, local_inputs):
+        values = tuple(local_inputs)
+        with use_communicator(self.comm):
+            for stage in self.stage_graphs:
+                values = tuple(stage.gm(*values))
+        return values  # (loss, *outputs)
+
+
+def simulated_rank_step(module: SequentialStages, inputs, train: bool = True) -> list:
+    """One step over all micro-batches: [loss (mean), then per output its list of micro-batch blocks]."""
+    losses, outputs = [], []
+    for local in module.local_microbatches(*inputs):
+        module.comm.phase = "fwd"
+        loss, *outs = module.run_microbatch(local)
+        if train and loss.requires_grad:
+            module.comm.phase = "bwd"
+            with use_communicator(module.comm):
+                loss.backward()
+        losses.append(loss.detach())
+        outputs.append([o.detach() for o in outs])
+    if train:
+        module.sync_grads()
+        module.scale_grads()
+    return [torch.stack(losses).mean(), *[list(blocks) for blocks in zip(*outputs)]]
+
+
+class PipelineRankModule(_StagesModule):
+    """A real rank's stages of the pipeline; `train_step(*global_inputs)` runs one schedule step."""
+
+    def __init__(self, program, rank, comm: DistCommunicator):
+        inner_rank = program.inner_rank(rank)
+        inner = DistCommunicator(program.inner_mesh, inner_rank, {a: comm.groups[a] for a in program.inner_mesh.names},
+                                 comm.mesh_group, exact=comm.exact, timeout=comm.timeout)
+        stages = program.all_stage_graphs(inner_rank)
+        super().__init__(program, [stages[s] for s in program.stages_of(rank)], inner)
+        self.full_comm = comm
+        self.global_rank = rank
+        self.pp_group = comm.groups[program.config.axis]
+        self.timeline: list[tuple] = []  # (stage, "F"|"B"|"W", micro-batch, start_s, end_s)
+        self._schedule = None
+        self._outputs: list = []
+
+    # ------------------------------------------------------------------------- building the schedule
+    def _examples(self, names, flags):
+        state_nodes = {n.name: n for n in self._program.state.gm.graph.nodes}
+        out = []
+        for name in names:
+            node = state_nodes[name]
+            val = node.meta["val"]
+            shape = local_shape(val.shape, node.meta["autoshard.spec"], self._program.inner_mesh.shape)
+            t = torch.zeros(shape, dtype=val.dtype)
+            out.append(t.requires_grad_() if flags.get(node) else t)
+        return tuple(out)
+
+    def _build_schedule(self):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+        from ..axis_cost import needs_grad
+        config = self._program.config
+        flags = needs_grad(self._program.state.gm.graph)
+        device = torch.device("cuda", torch.cuda.current_device()) if not self.comm.exact else torch.device("cpu")
+        stages = []
+        for sg in self.stage_graphs:
+            stage = PipelineStage(sg.gm, sg.index, config.num_stages, device,
+                                  input_args=self._examples(sg.inputs, flags),
+                                  output_args=self._examples(sg.outputs, flags), group=self.pp_group)
+            self._instrument(stage)
+            stages.append(stage)
+        cls = get_schedule_class(config.schedule)
+
+        def loss_fn(output, _target):
+            self._outputs.append([o.detach() for o in output[1:]])
+            return output[0]
+
+        single = issubclass(cls, PipelineScheduleSingle)
+        self._schedule = cls(stages[0] if single else stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._stages = stages
+
+    def _instrument(self, stage):
+        """Time each chunk's forward/backward (the measured timeline) and tag collectives fwd/bwd."""
+        for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                             ("backward_weight_one_chunk", "W")):
+            original = getattr(stage, method)
+
+            def timed(chunk, *args, _original=original, _kind=kind, _index=stage.stage_index, **kwargs):
+                self.comm.phase = "fwd" if _kind == "F" else "bwd"
+                start = time.perf_counter()
+                try:
+                    return _original(chunk, *args, **kwargs)
+                finally:
+                    self.timeline.append((_index, _kind, chunk, start, time.perf_counter()))
+            setattr(stage, method, timed)
+
+    # ------------------------------------------------------------------------- one step
+    def train_step(self, *global_inputs):
+        """One training step over all micro-batches: (loss or None, outputs or None) on this rank; the
+        loss and outputs exist on the rank holding the last stage. Gradients are ready afterwards."""
+        config = self._program.config
+        local = self.local_microbatches(*global_inputs)
+        if self._schedule is None:
+            self._build_schedule()
+        self._outputs.clear()
+        self.timeline.clear()
+        losses: list = []
+        first = any(sg.index == 0 for sg in self.stage_graphs)
+        args = tuple(torch.cat([mb[i] for mb in local]) for i in range(len(local[0]))) if first else ()
+        target = torch.zeros(config.microbatches)
+        self.step_start = time.perf_counter()
+        with use_communicator(self.comm):
+            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.step_end = time.perf_counter()
+        self.comm.phase = "sync"
+        self.sync_grads()
+        self.sync_tied_grads()
+        self.scale_grads()
+        self.comm.phase = "fwd"
+        if not losses:
+            return None, None
+        outputs = [list(blocks) for blocks in zip(*self._outputs)]
+        return torch.stack([loss.detach() for loss in losses]).mean(), outputs
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of parameters used by stages on different pp ranks (zeros where absent)."""
+        program = self._program
+        params = dict(self.named_local_parameters())
+        for fqn, stages in sorted(program.tied_params.items()):
+            holders = {program.config.stage_rank(s) for s in stages}
+            if len(holders) < 2:
+                continue  # every copy is on one rank: they share one Parameter, one gradient
+            param = params.get(fqn)
+            if param is not None and param.grad is not None:
+                grad = param.grad
+            else:
+                spec = program.param_spec(fqn)
+                grad = torch.zeros(local_shape(program.traced.params[fqn].shape, spec, program.inner_mesh.shape),
+                                   dtype=program.state.traced.params[fqn].dtype)
+            self.full_comm.log.record(program.config.axis, "all_reduce", grad.numel() * grad.element_size(), "sync")
+            total = self.full_comm.all_reduce(grad, program.config.axis)
+            if param is not None:
+                if param.grad is None:
+                    param.grad = total
+                else:
+                    param.grad.copy_(total)
+
+
+def pipeline_rank_run(module, inputs, steps: int, lr: float) -> dict:
+    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps."""
+    params = dict(module.named_local_parameters())
+    opt = torch.optim.SGD(params.values(), lr=lr) if params else None
+    module.comm.log.clear()
+    n_outputs = len(module._program.output_specs) - 1
+    losses, outputs, grads, counts = [], None, None, None
+    for step in range(steps):
+        module.zero_grad()
+        if isinstance(module, SequentialStages):
+            loss, *outs = simulated_rank_step(module, inputs)
+        else:
+            loss, outs = module.train_step(*inputs)
+        losses.append(loss)
+        if step == 0:
+            outputs = list(outs) if outs is not None else [None] * n_outputs
+            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+            counts = module.comm.log.summary()
+            full = getattr(module, "full_comm", None)
+            if full is not None:
+                for axis, kinds in full.log.summary().items():
+                    counts.setdefault(axis, {}).update(kinds)
+        if opt is not None:
+            opt.step()
+    return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts,
+            "params": {k: p.detach().clone() for k, p in params.items()},
+            "timeline": list(getattr(module, "timeline", [])),
+            "step_s": getattr(module, "step_end", 0.0) - getattr(module, "step_start", 0.0)}
