@@ -60,16 +60,19 @@ class History(list):
 def run_passes(state: CompileState, passes: list[Callable], verify: bool = False,
                describe: Callable | None = None) -> History:
     """Run `passes` on `state`; return their history. `describe(state)` renders the graph text."""
+    from ..progress import StepProgress
     from .verifier import verify_state
     history = History()
-    for pass_ in passes:
-        start = time.perf_counter()
-        pass_(state)
-        seconds = time.perf_counter() - start
-        text = describe(state) if describe is not None else state.gm.graph.python_code("self").src
-        history.append(HistoryEntry(pass_name(pass_), seconds, text))
-        if verify:
-            verify_state(state, after=pass_name(pass_))
+    with StepProgress(len(passes), "autoshard planning") as progress:  # a bar only for passes over 1 s
+        for pass_ in passes:
+            start = time.perf_counter()
+            with progress.step(pass_name(pass_)):
+                pass_(state)
+            seconds = time.perf_counter() - start
+            text = describe(state) if describe is not None else state.gm.graph.python_code("self").src
+            history.append(HistoryEntry(pass_name(pass_), seconds, text))
+            if verify:
+                verify_state(state, after=pass_name(pass_))
     return history
 
 
