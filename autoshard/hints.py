@@ -1,7 +1,9 @@
 """Sharding hints: the JSON/dict format of DESIGN.md, parsed and checked against the traced graph.
 
 Keys: a parameter-path glob (`layers.*.attn.q.weight`), a module-path glob with `:output`
-(`layers.*.mlp:output`), or `input:<i>`. Values map axis names to `"S(d)"`, `"R"` or `"P"`.
+(`layers.*.mlp:output`) or `:input` (the activations entering the module, as its ops consume them:
+`layers.*.mlp.fc1:input` R on tp gathers before a column-parallel matmul), or `input:<i>`.
+Values map axis names to `"S(d)"`, `"R"` or `"P"`.
 A module glob with `:shard` takes MindSpore-style split counts for the module's one op:
 `{"in_strategy": [[2, 1], [4, 1]]}`. Unmentioned axes are free.
 
@@ -22,7 +24,7 @@ from .errors import HintError
 from .placement import Partial, Placement, Shard, parse_placement
 
 MAX_HINT_FILE_BYTES = 4 << 20
-_KEY_RE = re.compile(r"^(?P<target>[A-Za-z0-9_.*?\[\]\-]+)(?::(?P<suffix>output|stage|shard))?$")
+_KEY_RE = re.compile(r"^(?P<target>[A-Za-z0-9_.*?\[\]\-]+)(?::(?P<suffix>output|input|stage|shard))?$")
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class HintEntry:
     """One key of the hint file: what it targets and the placements or split counts it asks for."""
 
     key: str
-    target_kind: str  # "param" | "output" | "input" | "shard" | "stage"
+    target_kind: str  # "param" | "output" | "module_input" | "input" | "shard" | "stage"
     pattern: str
     placements: dict = field(default_factory=dict)  # axis name -> Placement
     split_counts: tuple = ()
@@ -101,7 +103,7 @@ def _parse_entry(key, value, source) -> HintEntry:
         return HintEntry(key, "input", index, _placements(key, value, source))
     match = _KEY_RE.match(key)
     if match is None:
-        raise HintError(f"{source}: key {key!r} is not a parameter glob, '<module glob>:output', "
+        raise HintError(f"{source}: key {key!r} is not a parameter glob, '<module glob>:output', '<module glob>:input', "
                         "'<module glob>:shard', '<module glob>:stage' or 'input:<i>'; write e.g. "
                         "'layers.*.attn.q.weight', 'layers.*.mlp:output' or 'input:0'")
     suffix = match.group("suffix")
@@ -118,7 +120,7 @@ def _parse_entry(key, value, source) -> HintEntry:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise HintError(f"{source}: {key!r} maps to a pipeline stage number (int >= 0), got {value!r}")
         return HintEntry(key, "stage", match.group("target"), {}, (value,))
-    kind = "output" if suffix == "output" else "param"
+    kind = {"output": "output", "input": "module_input"}.get(suffix, "param")
     return HintEntry(key, kind, match.group("target"), _placements(key, value, source))
 
 

@@ -24,6 +24,7 @@ from .mesh import Mesh
 from .passes.annotate import annotate
 from .passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
 from .passes.codegen import attr_names, build_rank_module, codegen
+from .passes.fuse_comm import fuse_comm
 from .passes.insert_comm import insert_comm
 from .passes.manager import CompileState, History, run_passes
 from .passes.normalize import normalize
@@ -34,7 +35,7 @@ from .placement import describe_type, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
 
-PASSES = [normalize, annotate, strategies, solve, insert_comm, predict, codegen]
+PASSES = [normalize, annotate, strategies, solve, insert_comm, fuse_comm, predict, codegen]
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,

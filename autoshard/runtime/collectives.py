@@ -10,6 +10,8 @@ S(d) <-> S(d), P <-> R, R <-> R. So each forward redistribution has a fixed back
   all_gather     S -> R     chunk
   chunk          R -> S     all_gather
   reduce_scatter P -> S     all_gather
+  all_gather_sum_grad S->R  reduce_scatter  (the consumer splits its work, so the gathered tensor's
+                                             gradient comes back partial: Megatron-SP's g-bar)
   all_to_all     S(d)->S(e) all_to_all S(e)->S(d)
 
 The functions find the calling rank's communicator via `use_communicator` (set by the rank module
@@ -117,6 +119,20 @@ class _ReduceScatter(torch.autograd.Function):
         return out, None, None, None
 
 
+class _AllGatherSumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        out = comm.all_gather(x, axis, dim)
+        comm.log.record(axis, "all_gather", _nbytes(out), "fwd")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.comm.log.record(ctx.axis, "reduce_scatter", _nbytes(grad), "bwd")
+        return ctx.comm.reduce_scatter(grad.contiguous(), ctx.axis, ctx.dim), None, None, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, axis, gather_dim, scatter_dim):
@@ -156,10 +172,17 @@ def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     return _ReduceScatter.apply(x, current(), axis, dim)
 
 
+def all_gather_sum_grad(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """S(dim) -> R on `axis` for a consumer that splits its work (backward: reduce_scatter of the
+    partial gradient, i.e. all_gather + grad_all_reduce fused)."""
+    return _AllGatherSumGrad.apply(x, current(), axis, dim)
+
+
 def all_to_all(x: torch.Tensor, axis: str, gather_dim: int, scatter_dim: int) -> torch.Tensor:
     """S(gather_dim) -> S(scatter_dim) on `axis` (backward: the reverse all_to_all)."""
     return _AllToAll.apply(x, current(), axis, gather_dim, scatter_dim)
 
 
 COLLECTIVES = {"all_reduce": all_reduce, "grad_all_reduce": grad_all_reduce, "all_gather": all_gather,
-               "chunk": chunk, "reduce_scatter": reduce_scatter, "all_to_all": all_to_all}
+               "chunk": chunk, "reduce_scatter": reduce_scatter, "all_to_all": all_to_all,
+               "all_gather_sum_grad": all_gather_sum_grad}

@@ -44,6 +44,33 @@ def megatron(model: str, axis: str = "tp") -> dict:
     return {key: {axis: placement} for key, placement in _MEGATRON[model].items()}
 
 
+# Megatron-SP (Korthikanti et al. 2022): the residual stream and the norm/dropout regions are
+# sharded along the sequence (dim 1) on the tp axis, from each row-parallel matmul's output to the
+# next column-parallel matmul's input, which is gathered (R); row matmuls take their input split on
+# the contracted (last) dim. The solver then puts an all-gather before
+# each column matmul and a reduce-scatter after each row matmul; fuse_comm gives the all-gather its
+# dual backward (reduce-scatter), the reduce-scatter's is an all-gather.
+_SEQUENCE_REGIONS = {
+    "gpt2": ["layers.*.ln1", "layers.*.ln2", "layers.*.attn.proj", "layers.*.mlp.fc2", "ln_f"],
+    "llama": ["layers.*.attn_norm", "layers.*.ffn_norm", "norm"],  # wo/w2 output the partial sum itself
+}
+_COLUMN_MODULES = {"gpt2": ["layers.*.attn.[qkv]", "layers.*.mlp.fc1"],
+                   "llama": ["layers.*.attn.[qkv]", "layers.*.mlp.w[13]"]}
+_ROW_MODULES = {"gpt2": ["layers.*.attn.proj", "layers.*.mlp.fc2"], "llama": ["layers.*.attn.wo", "layers.*.mlp.w2"]}
+
+
+def megatron_sp(model: str, axis: str = "tp") -> dict:
+    """Megatron tensor parallel plus sequence parallel on mesh axis `axis` (gpt2, llama)."""
+    if model not in _SEQUENCE_REGIONS:
+        raise KeyError(f"megatron_sp has sequence regions for {sorted(_SEQUENCE_REGIONS)}, not {model!r}; "
+                       "write ':output' hints with S(1) on the tp axis for your model's norm/residual modules")
+    hints = megatron(model, axis)
+    hints.update({f"{m}:output": {axis: "S(1)"} for m in _SEQUENCE_REGIONS[model]})
+    hints.update({f"{m}:input": {axis: "R"} for m in _COLUMN_MODULES[model]})
+    hints.update({f"{m}:input": {axis: "S(2)"} for m in _ROW_MODULES[model]})
+    return hints
+
+
 def data_parallel(model: str, axes=("dp",)) -> dict:
     """Batch sharding of every input over `axes` (nested when several)."""
     return {f"input:{i}": {axis: "S(0)" for axis in axes} for i in range(NUM_INPUTS[model])}

@@ -1,0 +1,46 @@
+"""fuse_comm: an all-gather whose gradient comes back partial on the same axis becomes one collective.
+
+Reads the collective nodes insert_comm made (`autoshard.comm`). Writes: every `grad_all_reduce` on
+axis a whose chain of collectives (single-user comm nodes back towards the producer) contains an
+`all_gather` on a is removed, and that all_gather becomes `all_gather_sum_grad` (forward all-gather,
+backward reduce-scatter). This is the duality pair of sequence parallelism (Megatron-SP's g / g-bar)
+and of 2-D/3-D tensor parallelism: gathering the input of an op that splits its work must cost a
+reduce-scatter in backward, not an all-reduce plus a free chunk (twice the bytes).
+Why it is exact: the gradient's all-reduce on a commutes with the collectives on other axes between
+the two nodes, and all-reduce followed by this rank's chunk is a reduce-scatter.
+Invariant: the values and gradients every rank computes are unchanged; specs are unchanged.
+"""
+from __future__ import annotations
+
+from .. import meta
+from ..runtime.collectives import COLLECTIVES
+
+
+def fuse_comm(state) -> None:
+    graph = state.gm.graph
+    for node in list(graph.nodes):
+        info = node.meta.get(meta.COMM)
+        if not info or info["op"] != "grad_all_reduce":
+            continue
+        gather = _gather_on_axis(node.args[0], info["axis"])
+        if gather is None:
+            continue
+        gather.target = COLLECTIVES["all_gather_sum_grad"]
+        gather.meta[meta.COMM] = {**gather.meta[meta.COMM], "op": "all_gather_sum_grad"}
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+    graph.lint()
+    state.gm.recompile()
+
+
+fuse_comm.name = "fuse_comm"
+
+
+def _gather_on_axis(value, axis):
+    """The all_gather on `axis` in the single-user chain of collectives ending at `value`, or None."""
+    while value.meta.get(meta.KIND) == "comm" and len(value.users) == 1:
+        info = value.meta[meta.COMM]
+        if info["axis"] == axis:
+            return value if info["op"] == "all_gather" else None
+        value = value.args[0]
+    return None
