@@ -24,6 +24,7 @@ from .mesh import Mesh
 from .passes.annotate import annotate
 from .passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
 from .passes.codegen import attr_names, build_rank_module, codegen
+from .passes.cut_stages import cut_stages
 from .passes.fuse_comm import fuse_comm
 from .passes.insert_comm import insert_comm
 from .passes.manager import CompileState, History, run_passes
@@ -39,7 +40,7 @@ PASSES = [normalize, annotate, strategies, solve, insert_comm, fuse_comm, predic
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
-                profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None) -> "Program":
+                profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None) -> "Program":
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -49,22 +50,39 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
     `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
     applied after checking they were made for this mesh, these hints, this model and these input shapes.
+    `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
+    axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
+    mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
     """
+    unnamed = axis_names is None and not isinstance(mesh, Mesh)
     mesh = Mesh.of(mesh, axis_names)
+    if hints is not None and not isinstance(hints, (dict, Hints)):
+        hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
+    options = {"profile": load_profile(profile), "memory_budget": memory_budget,
+               "optimizer_state_factor": optimizer_state_factor}
+    from .pipeline_search import choose_pipeline
+    choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
+                             unnamed=unnamed, debug=debug)
+    if choice is not None:
+        return choice
+    state, history = compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan)
+    return Program(state, history)
+
+
+def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan=None, pipeline=False):
+    """Trace and run the passes (cut_stages too for a pipeline's micro-batch program): (state, history)."""
     passes = PASSES
     if plan is not None:
         plan, hints = resolve_plan(plan, mesh, hints)
         passes = [q for p in PASSES for q in ([p, CheckPlan(plan)] if p is normalize else
                                               [ApplyPlan(plan)] if p is solve else [p])]
-    if hints is not None and not isinstance(hints, (dict, Hints)):
-        hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
+    if pipeline:
+        passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
     debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     traced = trace(model, example_inputs, loss_fn)
-    options = {"profile": load_profile(profile), "memory_budget": memory_budget,
-               "optimizer_state_factor": optimizer_state_factor}
     state = CompileState(traced.gm, mesh, traced, hints, options)
     history = run_passes(state, passes, verify=debug, describe=describe_graph)
-    return Program(state, history)
+    return state, history
 
 
 def describe_graph(state) -> str:
