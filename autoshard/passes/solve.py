@@ -262,6 +262,8 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism
             matrix = edges.setdefault(key, [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])])
             wants = [tuple(cv[a].inputs[pos] for a in axes) for cv in combos[v]]
             priced: dict = {}  # (have, want) -> cost: many candidate pairs share one conversion
+            # A conversion into an input placement the user asked for (`<module>:input`) is not penalized.
+            penalize = semi_auto and not any(pos in wanted for wanted in v.meta.get(INPUT_HINT, {}).values())
             for a, have in enumerate(outs[u]):
                 for b, want in enumerate(wants):
                     if have == want or matrix[a][b] == INF:
@@ -269,7 +271,7 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism
                     cost = priced.get((have, want))
                     if cost is None:
                         cost = priced[(have, want)] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
-                                                                 models, others, semi_auto, mesh, profile)
+                                                                 models, others, penalize, mesh, profile)
                     matrix[a][b] += cost
     budget = state.options.get("memory_budget")
     if budget is None:

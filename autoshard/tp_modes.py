@@ -1,0 +1,145 @@
+"""ColossalAI's tensor-parallel modes as hints: 1D (Megatron), 2D (SUMMA / Optimus, arXiv 2104.05343),
+2.5D (Tesseract, arXiv 2105.14500) and 3D (arXiv 2105.14450).
+
+No special layers: each mode is a placement of every linear's weight, input and output over two or
+three mesh axes, and the solver/insert_comm derive the collectives. Activations are [batch, seq, hidden].
+
+2D on (row, col), q x q: a weight [out, in] is split in q x q blocks (in over row, out over col); an
+  activation has its batch over row and hidden over col. A linear all-gathers its input over col and
+  its weight over row (SUMMA's row and column broadcasts), multiplies locally and needs no reduction;
+  backward reduce-scatters both gradients (the duality of the gathers).
+2.5D on (dep, row, col), d x q x q: 2D inside each depth slice, the batch further split over dep,
+  weights replicated over dep (their gradients all-reduced there, like data parallelism).
+3D on (x, y, z), q x q x q: a linear all-gathers its input over one axis, its weight over z, and
+  reduce-scatters its output over the third axis; consecutive linears swap the roles of x and y (as
+  ColossalAI's Linear3D does), so a column/row pair returns the activation to its layout:
+  block activations [b@z, s@x, h@y] -> column output [b@z, s, h@(x,y)] -> row output [b@z, s@x, h@y].
+
+>>> tp = colossal_hints("gpt2", dict(tensor=dict(size=4, mode="2d")))
+>>> tp.mesh_shape, tp.axis_names
+((2, 2), ('row', 'col'))
+>>> tp.hints["layers.*.attn.q.weight"]
+{'row': 'S(1)', 'col': 'S(0)'}
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import UserInputError
+
+MODES = ("1d", "2d", "2.5d", "3d")
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """What a ColossalAI `parallel=` config means here: hints plus the mesh they are written for."""
+
+    mode: str
+    mesh_shape: tuple
+    axis_names: tuple
+    hints: dict
+
+
+# Where the residual stream is pinned to the mode's activation layout (hidden split, not batch: the
+# papers' layout, whose norms reduce statistics across the hidden split). Zoo models only; GPT-2's
+# fused layer_norm cannot split the hidden dim, so it is pinned at the sub-blocks' outputs instead.
+_RESIDUAL = {"gpt2": [("layers.*.attn", "output"), ("layers.*.mlp", "output")],
+             "llama": [("layers.*.attn_norm", "input"), ("layers.*.ffn_norm", "input"), ("norm", "input"),
+                       ("layers.*.attn_norm.weight", "hidden"), ("layers.*.ffn_norm.weight", "hidden"),
+                       ("norm.weight", "hidden")]}
+_RESIDUAL_LAYOUT = {"2d": {"row": "S(0)", "col": "S(2)"}, "2.5d": {"dep": "S(0)", "row": "S(0)", "col": "S(2)"},
+                    "3d": {"x": "S(1)", "y": "S(2)", "z": "S(0)"}}
+
+
+def _layouts(mode: str):
+    """(weight, input) placements of column and row linears, and the model input's, per mode. Outputs
+    follow (the linear's strategy is fixed by its operands); where the partial sums are reduced, and
+    whether by reduce-scatter, is the solver's choice."""
+    if mode == "1d":  # Megatron: the weights alone fix the plan
+        return ({"tp": "S(0)"}, None), ({"tp": "S(1)"}, None), {}
+    if mode == "2d":
+        summa = ({"row": "S(1)", "col": "S(0)"}, {"row": "S(0)", "col": "R"})
+        return summa, summa, {"row": "S(0)"}
+    if mode == "2.5d":
+        tesseract = ({"dep": "R", "row": "S(1)", "col": "S(0)"}, {"dep": "S(0)", "row": "S(0)", "col": "R"})
+        return tesseract, tesseract, {"dep": "S(0)", "row": "S(0)"}
+    column = ({"x": "S(0)", "y": "S(1)", "z": "S(0)"}, {"x": "R", "y": "S(2)", "z": "S(0)"})
+    row = ({"x": "S(1)", "y": "S(0)", "z": "S(0)"}, {"x": "S(2)", "y": "R", "z": "S(0)"})
+    return column, row, {"z": "S(0)"}
+
+
+def mesh_for(mode: str, size: int, depth: int | None = None) -> tuple[tuple, tuple]:
+    """Mesh shape and axis names of a ColossalAI tensor config (errors say which sizes are valid)."""
+    if mode == "1d":
+        return (size,), ("tp",)
+    if mode == "2d":
+        q = math.isqrt(size)
+        if q * q != size or q < 2:
+            raise UserInputError(f"tensor mode '2d' needs a square size (4, 9, 16, ...), got size={size}")
+        return (q, q), ("row", "col")
+    if mode == "2.5d":
+        if not depth or size % depth or math.isqrt(size // depth) ** 2 != size // depth:
+            raise UserInputError(f"tensor mode '2.5d' needs depth= with size = depth * q * q (e.g. size=8, "
+                                 f"depth=2), got size={size}, depth={depth}")
+        q = math.isqrt(size // depth)
+        return (depth, q, q), ("dep", "row", "col")
+    q = round(size ** (1 / 3))
+    if q ** 3 != size or q < 2:
+        raise UserInputError(f"tensor mode '3d' needs a cubic size (8, 27, 64, ...), got size={size}")
+    return (q, q, q), ("x", "y", "z")
+
+
+def linear_roles(model) -> tuple[list[str], list[str]]:
+    """Module globs of the column (first of a pair) and row (second) linears of a zoo model."""
+    from .zoo.hints import _MEGATRON
+    name = model if isinstance(model, str) else type(model).__name__.lower()
+    if name not in _MEGATRON or name == "resnet":
+        raise UserInputError(f"colossal_hints knows the linear layers of the zoo models {sorted(set(_MEGATRON) - {'resnet'})}"
+                             f", not {name!r}; pass column=[module globs] and row=[module globs] (the first and "
+                             "second linear of each pair, e.g. column=['layers.*.mlp.fc1'], row=['layers.*.mlp.fc2'])")
+    table = _MEGATRON[name]
+    column = [k[: -len(".weight")] for k, p in table.items() if k.endswith(".weight") and p == "S(0)"]
+    row = [k[: -len(".weight")] for k, p in table.items() if k.endswith(".weight") and p == "S(1)"]
+    return column, row
+
+
+def colossal_hints(model, parallel: dict, column=None, row=None) -> TensorParallelPlan:
+    """ColossalAI's `parallel=dict(data=N, tensor=dict(size=S, mode='1d'|'2d'|'2.5d'|'3d', depth=D))`
+    as autoshard hints and the mesh they need (a data axis "dp" goes first when data > 1).
+
+    `model` is a zoo model (name or instance) or any model with `column`/`row` module globs given."""
+    if not isinstance(parallel, dict) or not isinstance(parallel.get("tensor"), dict):
+        raise UserInputError(f"parallel= must look like dict(tensor=dict(size=8, mode='3d')), got {parallel!r:.80}")
+    unknown = set(parallel) - {"data", "tensor", "pipeline"}
+    if unknown or parallel.get("pipeline", 1) not in (1, None):
+        raise UserInputError(f"parallel= supports data= and tensor= here (got keys {sorted(parallel)}); give "
+                             "pipeline stages with ':stage' hints or pipeline= instead")
+    tensor = parallel["tensor"]
+    mode, size, depth = str(tensor.get("mode", "1d")), tensor.get("size"), tensor.get("depth")
+    if mode not in MODES or not isinstance(size, int) or size < 1:
+        raise UserInputError(f"tensor=dict(size=..., mode=...) needs an int size and mode in {MODES}, got {tensor!r}")
+    shape, names = mesh_for(mode, size, depth)
+    if column is None or row is None:
+        column, row = linear_roles(model)
+    col_layout, row_layout, batch = _layouts(mode)
+    hints: dict = {}
+    for globs, (weight, inp) in ((column, col_layout), (row, row_layout)):
+        for glob in globs:
+            hints[f"{glob}.weight"] = dict(weight)
+            if inp is not None:
+                hints[f"{glob}:input"] = dict(inp)
+    name = model if isinstance(model, str) else type(model).__name__.lower()
+    for glob, where in _RESIDUAL.get(name, []) if mode in _RESIDUAL_LAYOUT else []:
+        layout = _RESIDUAL_LAYOUT[mode]
+        if where == "hidden":  # a norm's weight [hidden] is split like the residual's hidden dim
+            hints[glob] = {axis: "S(0)" if p == "S(2)" else "R" for axis, p in layout.items()}
+        else:
+            hints[f"{glob}:{where}"] = dict(layout)
+    data = parallel.get("data") or 1
+    if data > 1:
+        shape, names = (data, *shape), ("dp", *names)
+        batch = {"dp": "S(0)", **batch}
+    if batch:
+        hints["input:0"] = batch
+    return TensorParallelPlan(mode, tuple(shape), tuple(names), hints)
