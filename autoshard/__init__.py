@@ -11,7 +11,10 @@ from .mesh import Mesh
 from .placement import P, R, S, Partial, Replicate, Shard, Spec
 from .plan import Plan
 from .program import Program, parallelize
+from .checkpoint import load_checkpoint, save_checkpoint
+from .viz import plot_timeline
 
 __all__ = ["parallelize", "Program", "Plan", "Mesh", "Spec", "S", "R", "P", "Shard", "Replicate", "Partial",
-           "AutoshardError", "ExportError", "HintError", "PlanError", "UserInputError", "constrain"]
+           "AutoshardError", "ExportError", "HintError", "PlanError", "UserInputError", "constrain",
+           "save_checkpoint", "load_checkpoint", "plot_timeline"]
 __version__ = "0.1.0"
