@@ -126,6 +126,13 @@ class Program:
     def __repr__(self) -> str:
         return f"Program({self.mesh!r}, fingerprint={self.plan.fingerprint})\n{self.plan.summary()}"
 
+    def draw(self, collapse=(), color_by: str = "auto"):
+        """The sharded graph as a picture, like `prog.plan.draw(...)`: SVG in notebooks, text in terminals.
+
+        >>> # prog.draw(collapse=["layers.1"]).save("graph.svg")
+        """
+        return self.plan.draw(collapse, color_by)
+
     def graph(self, rank: int) -> torch.fx.GraphModule:
         """Rank `rank`'s GraphModule: local parameter shards, local shapes, visible collectives (cached)."""
         if not isinstance(rank, int) or not 0 <= rank < self.mesh.size:
