@@ -1,12 +1,36 @@
-"""`python -m benchmarks [--quick]`: run every benchmark and write benchmarks/RESULTS.md."""
-import sys
+"""`python -m benchmarks [--quick] [--only NAME[,NAME]]`: run the benchmarks, write benchmarks/RESULTS.md.
 
-from . import planning
+Each benchmark is a module of this package with `main(quick: bool)` that measures and writes its own
+section of RESULTS.md (report.write_section) and its CSV. To add one (the pipeline benchmarks 4 and 5
+are to come this way), write the module and add its name to BENCHMARKS, in the order of the issue.
+"""
+import importlib
+import sys
+import time
+
+BENCHMARKS = [
+    "plan_quality",      # 1. bytes and memory of autoshard's plans vs torch's (gloo ranks)
+    "runtime_overhead",  # 2. step time vs hand-written Megatron, DTensor, single device (gloo ranks)
+    "planning",          # 3. planning time vs model, depth and mesh size (meta weights)
+    # 4. "pipeline_bubbles" and 5. "planning_at_scale": added by the pipeline work (issue 4).
+]
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    planning.main(quick=quick)
+    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), None)
+    if "--only" in sys.argv:
+        only = sys.argv[sys.argv.index("--only") + 1]
+    names = only.split(",") if only else BENCHMARKS
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
+    start = time.perf_counter()
+    for name in names:
+        began = time.perf_counter()
+        importlib.import_module(f"benchmarks.{name}").main(quick=quick)
+        print(f"[benchmarks] {name}: {time.perf_counter() - began:.0f} s", flush=True)
+    print(f"[benchmarks] all: {time.perf_counter() - start:.0f} s; matplotlib is not used (tables and CSV only)")
 
 
 if __name__ == "__main__":

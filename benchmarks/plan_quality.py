@@ -29,6 +29,7 @@ SHAPES = {"gpt2": dict(batch=8, seq=16, dim=512, n_heads=8),
           "llama": dict(batch=8, seq=16, dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1024)}
 MESHES = [((2,), ("tp",)), ((4,), ("tp",)), ((8,), ("tp",)), ((2, 2), ("dp", "tp")), ((2, 4), ("dp", "tp"))]
 QUICK_MESHES = [((2,), ("tp",))]
+TORCH_PLANS = ("torch Megatron (parallelize_module)", "DDP", "FSDP2 (fully_shard)")
 
 # Forward and backward collective kinds of each planned collective (the duality rule's backward).
 _PLANNED_KINDS = {"all_reduce": ("all_reduce", None), "grad_all_reduce": (None, "all_reduce"),
@@ -51,9 +52,9 @@ def predicted_bytes(plan) -> tuple[int, float]:
     return logical, wire
 
 
-def plan_autoshard(model_name: str, mesh_shape, axis_names, folder: str) -> list[dict]:
+def plan_autoshard(model_name: str, shape: dict, mesh_shape, axis_names, folder: str) -> list[dict]:
     """The Megatron-hinted plan and the automatic plan under the Megatron plan's memory: jobs for the ranks."""
-    factory, shape = FACTORIES[model_name], SHAPES[model_name]
+    factory = FACTORIES[model_name]
     hints = plan_hints(model_name, axis_names, batch_axes=axis_names[:-1], tp_axis=axis_names[-1])
     model, inputs, loss_fn = factory(**shape)
     megatron = autoshard.parallelize(model, mesh_shape, inputs, loss_fn=loss_fn, axis_names=axis_names, hints=hints)
@@ -66,7 +67,7 @@ def plan_autoshard(model_name: str, mesh_shape, axis_names, folder: str) -> list
         path = os.path.join(folder, f"{model_name}-{'x'.join(map(str, mesh_shape))}-{len(jobs)}.json")
         prog.plan.save(path)
         logical, wire = predicted_bytes(prog.plan)
-        jobs.append(dict(model=model_name, variant=variant, plan=path, predicted_logical=logical,
+        jobs.append(dict(model=model_name, shape=shape, variant=variant, plan=path, predicted_logical=logical,
                          predicted_wire=wire, predicted_memory=prog.plan.predicted["memory_bytes_per_rank"]))
     return jobs
 
@@ -91,11 +92,11 @@ def rank_task(rank, world, mesh_shape, axis_names, jobs):
     from .torch_baselines import ddp, fsdp, megatron_dtensor
     results = {}
     for i, job in enumerate(jobs):
-        model, inputs, loss_fn = FACTORIES[job["model"]](**SHAPES[job["model"]])
+        model, inputs, loss_fn = FACTORIES[job["model"]](**job["shape"])
         variant = job["variant"]
         if variant.startswith("autoshard"):
             trainer = autoshard_trainer(model, inputs, loss_fn, rank, mesh_shape, axis_names, plan=job["plan"])
-        elif variant == "torch Megatron (parallelize_module)":
+        elif variant == TORCH_PLANS[0]:
             trainer = megatron_dtensor(job["model"], model, inputs, loss_fn, mesh_shape, axis_names)
         elif variant == "DDP":
             trainer = ddp(model, inputs, loss_fn)
@@ -105,7 +106,7 @@ def rank_task(rank, world, mesh_shape, axis_names, jobs):
     return results
 
 
-def measure(meshes, models) -> list[dict]:
+def measure(meshes, models, shapes=None) -> list[dict]:
     rows = []
     dp_baselines_done: set = set()  # DDP / FSDP depend only on the number of ranks
     with tempfile.TemporaryDirectory() as folder:
@@ -115,10 +116,10 @@ def measure(meshes, models) -> list[dict]:
                 world *= n
             jobs = []
             for model_name in models:
-                jobs += plan_autoshard(model_name, mesh_shape, axis_names, folder)
-                jobs.append(dict(model=model_name, variant="torch Megatron (parallelize_module)"))
-                if world not in dp_baselines_done:
-                    jobs += [dict(model=model_name, variant="DDP"), dict(model=model_name, variant="FSDP2 (fully_shard)")]
+                shape = (shapes or SHAPES)[model_name]
+                jobs += plan_autoshard(model_name, shape, mesh_shape, axis_names, folder)
+                jobs += [dict(model=model_name, shape=shape, variant=v) for v in TORCH_PLANS
+                         if v == TORCH_PLANS[0] or world not in dp_baselines_done]
             dp_baselines_done.add(world)
             per_rank = run_distributed(rank_task, world, mesh_shape, axis_names, jobs, timeout_s=600)
             for i, job in enumerate(jobs):
@@ -136,7 +137,6 @@ def measure(meshes, models) -> list[dict]:
 
 
 MiB = 2**20
-TORCH_PLANS = ("torch Megatron (parallelize_module)", "DDP", "FSDP2 (fully_shard)")
 
 
 def _best_torch(rows, row) -> dict:

@@ -43,8 +43,13 @@ def write_section(name: str, title: str, body: str, headers=None, rows=None) -> 
         text = text.rstrip("\n") + "\n\n" + section
     RESULTS.write_text(text)
     if rows is not None:
-        with open(HERE / f"{name}.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(headers)
-            writer.writerows(rows)
+        write_csv(name, headers, rows)
     print(section)
+
+
+def write_csv(name: str, headers, rows) -> None:
+    """benchmarks/<name>.csv beside RESULTS.md."""
+    with open(HERE / f"{name}.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(headers)
+        writer.writerows(rows)

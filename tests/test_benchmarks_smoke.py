@@ -1,0 +1,36 @@
+"""The smallest configuration of each benchmark runs end to end (so the benchmarks cannot silently rot).
+Nothing is timed or judged here and RESULTS.md is not written; `python -m benchmarks` does that."""
+import pytest
+
+from benchmarks import planning, plan_quality, runtime_overhead
+
+TINY_GPT2 = {"gpt2": dict(batch=4, seq=8, dim=32, n_heads=4)}
+
+
+@pytest.fixture(autouse=True)
+def no_pass_verifier(monkeypatch):
+    """The suite verifies every compile (AUTOSHARD_DEBUG); the benchmarks measure compiles as users run them."""
+    monkeypatch.setenv("AUTOSHARD_DEBUG", "0")
+
+
+def test_plan_quality_smallest():
+    rows = plan_quality.measure([((2,), ("tp",))], ["gpt2"], shapes=TINY_GPT2)
+    assert {r["variant"] for r in rows} == {"autoshard auto", "autoshard + Megatron hints", *plan_quality.TORCH_PLANS}
+    auto = next(r for r in rows if r["variant"] == "autoshard auto")
+    assert auto["counted_logical"] == auto["commlog"]  # the dispatcher counter sees what CommLog records
+    body, headers, csv_rows = plan_quality.report(rows)
+    assert "gpt2" in body and len(csv_rows) == len(rows) and len(headers) == len(csv_rows[0])
+
+
+def test_runtime_overhead_smallest():
+    rows = runtime_overhead.measure((2,), {64: (1, 1)})
+    assert set(rows[0]["times"]) == {"single device", "hand-written Megatron", "DTensor parallelize_module",
+                                     "autoshard"}
+    body, _, _ = runtime_overhead.report(rows)
+    assert "| 2     | 64" in body
+
+
+def test_planning_smallest():
+    result = planning.run(dict(model="llama", batch=2, seq=16, dim=64, n_heads=8, n_kv_heads=4, n_layers=2,
+                               ffn_dim=128, vocab_size=64, mesh=[2], memory_budget=float("inf")))
+    assert result["plan_s"] > 0 and result["ilp"] and result["ilp"][0]["variables"] > 0
