@@ -32,6 +32,7 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F
              "interleavedzerobubble": "InterleavedZeroBubble", "zbvzerobubble": "ZBVZeroBubble"}
 MULTI_STAGE = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"}
 V_STYLE = {"ZBVZeroBubble"}  # stage s on pp rank s for s < p, then back: 2p-1-s
+SOLO_AXIS = "stage_device"  # the intra-op axis of a mesh that is only a pipeline
 OPTION_KEYS = {"axis", "microbatches", "schedule", "virtual_stages", "balance", "split_points"}
 
 
@@ -129,12 +130,15 @@ def microbatch_inputs(example_inputs, m: int) -> tuple:
 
 def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
     keep = [i for i, name in enumerate(mesh.names) if name != axis]
+    if not keep:  # a pure pipeline: each stage on one device (a size-1 axis keeps the passes uniform)
+        return Mesh((1,), (SOLO_AXIS,))
     return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.names[i] for i in keep))
 
 
 def inner_profile(profile, mesh: Mesh, axis: str):
     """The profile for the mesh without the pp axis: each remaining axis keeps its link of the full mesh."""
-    links = tuple(profile.link(mesh.shape, i) for i, name in enumerate(mesh.names) if name != axis)
+    links = tuple(profile.link(mesh.shape, i) for i, name in enumerate(mesh.names) if name != axis) \
+        or (profile.intra_node,)
     return dataclasses.replace(profile, axis_links=links)
 
 

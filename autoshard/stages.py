@@ -68,6 +68,9 @@ def collect_annotations(model: nn.Module, hints=None, balance=None, split_points
     attrs = _module_attributes(model)
     if attrs:
         found.append(StageAnnotations(attrs, source="module stage attributes (pipeline_stage / autoshard.stage)"))
+    if isinstance(hints, dict):
+        from .hints import Hints
+        hints = Hints.parse(hints)
     from_hints = {e.pattern: e.split_counts[0] for e in getattr(hints, "entries", []) if e.target_kind == "stage"}
     if from_hints:
         found.append(StageAnnotations(from_hints, source="':stage' hints"))

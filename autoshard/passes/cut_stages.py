@@ -196,50 +196,61 @@ def candidate_positions(nodes, ok) -> list[int]:
     return [k for k in range(1, n) if ok[k] and block(nodes[k]) != block(nodes[k - 1])]
 
 
+class CutCosts:
+    """The automatic cut's cost model over the op sequence `nodes`: stage time of ops [a, b) = their
+    compute + intra-op communication + the transfers across both ends (forward values and gradients)."""
+
+    def __init__(self, state, nodes, config):
+        from ..axis_cost import needs_grad
+        state.grad_flags = needs_grad(state.gm.graph)
+        self.n = len(nodes)
+        self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
+        self.prefix = [0.0]
+        for node in nodes:
+            self.prefix.append(self.prefix[-1] + node.meta.get(NODE_COST, {}).get("seconds", 0.0))
+        self.link = config.link
+        self.positions = [0] + candidate_positions(nodes, self.allowed) + [self.n]
+
+    def transfer(self, k: int) -> float:
+        if k in (0, self.n):
+            return 0.0
+        return 2 * self.link.alpha + (self.fwd_bytes[k] + self.bwd_bytes[k]) / self.link.bandwidth
+
+    def stage_time(self, a: int, b: int) -> float:
+        return self.prefix[b] - self.prefix[a] + self.transfer(a) + self.transfer(b)
+
+    def max_stage_time(self, cuts) -> float:
+        bounds = [0, *cuts, self.n]
+        return max(self.stage_time(a, b) for a, b in zip(bounds, bounds[1:]))
+
+
 def auto_cut(state, nodes, config) -> dict:
     """Contiguous stages minimising (max stage time, total crossing bytes) by dynamic programming over
-    the candidate positions; stage time = compute + intra-op communication + boundary transfers."""
-    from ..axis_cost import needs_grad
-    state.grad_flags = needs_grad(state.gm.graph)
-    fwd_bytes, bwd_bytes, ok = boundary_bytes(state, nodes)
-    seconds = [n.meta.get(NODE_COST, {}).get("seconds", 0.0) for n in nodes]
-    prefix = [0.0]
-    for s in seconds:
-        prefix.append(prefix[-1] + s)
-    link = config.link
-    n, stages = len(nodes), config.num_stages
-    positions = [0] + candidate_positions(nodes, ok) + [n]
+    the candidate positions (exact over them: O(stages x positions^2))."""
+    costs = CutCosts(state, nodes, config)
+    positions, n, stages = costs.positions, costs.n, config.num_stages
     if len(positions) - 1 < stages:
         raise PlanError(f"the model has {len(positions) - 1} places to cut but the pipeline needs {stages} stages; "
                         "use fewer stages (a smaller pp axis or fewer virtual stages)")
-
-    def transfer(k) -> float:
-        if k in (0, n):
-            return 0.0
-        return 2 * link.alpha + (fwd_bytes[k] + bwd_bytes[k]) / link.bandwidth
-
-    def stage_time(a, b) -> float:
-        return prefix[b] - prefix[a] + transfer(a) + transfer(b)
-
     inf = (float("inf"), float("inf"))
     best = [[inf] * len(positions) for _ in range(stages + 1)]
     back = [[0] * len(positions) for _ in range(stages + 1)]
     best[0][0] = (0.0, 0)
     for s in range(1, stages + 1):
         for j in range(s, len(positions)):
+            b = positions[j]
+            crossing = costs.fwd_bytes[b] if b < n else 0
             for i in range(s - 1, j):
                 prev = best[s - 1][i]
                 if prev == inf:
                     continue
-                a, b = positions[i], positions[j]
-                cand = (max(prev[0], stage_time(a, b)), prev[1] + (fwd_bytes[b] if b < n else 0))
+                cand = (max(prev[0], costs.stage_time(positions[i], b)), prev[1] + crossing)
                 if cand < best[s][j]:
                     best[s][j], back[s][j] = cand, i
     cuts, j = [], len(positions) - 1
     for s in range(stages, 0, -1):
-        i = back[s][j]
-        cuts.append(positions[i])
-        j = i
+        j = back[s][j]
+        cuts.append(positions[j])
     cuts = sorted(cuts)[1:]
     stage, k = {}, 0
     for i, node in enumerate(nodes):

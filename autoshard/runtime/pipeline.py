@@ -94,7 +94,7 @@ class PipelineRankModule(_StagesModule):
 
     def __init__(self, program, rank, comm: DistCommunicator):
         inner_rank = program.inner_rank(rank)
-        inner = DistCommunicator(program.inner_mesh, inner_rank, {a: comm.groups[a] for a in program.inner_mesh.names},
+        inner = DistCommunicator(program.inner_mesh, inner_rank, {a: comm.groups.get(a) for a in program.inner_mesh.names},
                                  comm.mesh_group, exact=comm.exact, timeout=comm.timeout)
         stages = program.all_stage_graphs(inner_rank)
         super().__init__(program, [stages[s] for s in program.stages_of(rank)], inner)

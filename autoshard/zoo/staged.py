@@ -1,0 +1,38 @@
+"""Zoo models with pipeline stages annotated in the model itself (the MindSpore way).
+
+`gpt2_staged` marks its modules with `autoshard.stage(module, k)`; `llama_staged` sets MindSpore's
+`cell.pipeline_stage = k` attribute. Both split the layers evenly over `stages`, embeddings in the
+first stage and the final norm and head in the last: ready for `parallelize(..., axis_names=("pp", ...))`.
+
+>>> model, inputs, loss_fn = gpt2_staged()
+>>> model.layers[1]._autoshard_stage
+1
+"""
+from ..stages import stage
+from .gpt2 import gpt2
+from .llama import llama
+
+
+def _layer_stage(i: int, n_layers: int, stages: int) -> int:
+    return i * stages // n_layers
+
+
+def gpt2_staged(stages: int = 2, **sizes):
+    model, inputs, loss_fn = gpt2(**sizes)
+    for module in (model.wte, model.wpe, model.drop):
+        stage(module, 0)
+    for i, layer in enumerate(model.layers):
+        stage(layer, _layer_stage(i, len(model.layers), stages))
+    stage(model.ln_f, stages - 1)
+    stage(model.lm_head, stages - 1)
+    return model, inputs, loss_fn
+
+
+def llama_staged(stages: int = 2, **sizes):
+    model, inputs, loss_fn = llama(**sizes)
+    model.tok_embeddings.pipeline_stage = 0
+    for i, layer in enumerate(model.layers):
+        layer.pipeline_stage = _layer_stage(i, len(model.layers), stages)
+    model.norm.pipeline_stage = stages - 1
+    model.output.pipeline_stage = stages - 1
+    return model, inputs, loss_fn

@@ -1,0 +1,193 @@
+"""Tier 1: stage annotations (all notations), their errors, and the automatic cut against brute force."""
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard import meta
+from autoshard.errors import HintError, UserInputError
+from autoshard.passes import cut_stages as cut_mod
+from autoshard.passes.cut_stages import STAGE, CutCosts
+from autoshard.zoo import gpt2, llama
+from autoshard.zoo.staged import gpt2_staged, llama_staged
+
+DP = {"input:0": {"dp": "S(0)"}}
+
+
+def _plan(model, inputs, loss_fn, pipeline=None, hints=DP, mesh=(2, 2), names=("pp", "dp"), **kw):
+    return autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, axis_names=names, hints=hints,
+                                 pipeline=pipeline, **kw)
+
+
+def _stages(prog):
+    return {n.name: n.meta[STAGE] for n in prog.state.gm.graph.nodes if n.op == "call_function"}
+
+
+def test_every_notation_gives_the_same_cut():
+    """balance, split points, ':stage' hints, autoshard.stage() and MindSpore's pipeline_stage agree."""
+    model, inputs, loss_fn = gpt2()
+    # top-level sequence: wte, wpe, drop, layers.0 | layers.1, ln_f, lm_head
+    by_balance = _plan(model, inputs, loss_fn, {"balance": [4, 3]})
+    by_split = _plan(model, inputs, loss_fn, {"split_points": ["layers.1"]})
+    by_split_end = _plan(model, inputs, loss_fn, {"split_points": {"layers.0": "end"}})
+    stage_hints = dict(DP, **{"w*:stage": 0, "drop:stage": 0, "layers.0:stage": 0, "layers.1:stage": 1,
+                              "ln_f:stage": 1, "lm_head:stage": 1})
+    by_hints = _plan(model, inputs, loss_fn, hints=stage_hints)
+    by_attr = _plan(*gpt2_staged())
+    reference = _stages(by_balance)
+    assert set(reference.values()) == {0, 1}
+    for other in (by_split, by_split_end, by_hints, by_attr):
+        assert _stages(other) == reference
+    assert by_balance.plan.pipeline["cut"] == "balance=[4, 3]"
+
+
+def test_mindspore_attribute_and_module_stage_table():
+    prog = _plan(*llama_staged())
+    table = prog.plan.pipeline["stage_table"]
+    assert table[0]["first_module"] == "tok_embeddings" and table[1]["last_module"] == "output"
+    assert all(row["ops"] > 0 for row in table)
+
+
+def test_tied_embedding_in_two_stages_is_listed():
+    prog = _plan(*gpt2_staged())
+    assert prog.tied_params == {"wte.weight": (0, 1)}
+    assert prog.plan.pipeline["tied_params"] == {"wte.weight": [0, 1]}
+
+
+def test_stage_graphs_carry_values_through_and_end_with_the_loss():
+    prog = _plan(*gpt2(n_layers=2), mesh=(4,), names=("pp",), hints=None,
+                 pipeline={"balance": [3, 1, 1, 2], "microbatches": 4})
+    graphs = prog.all_stage_graphs(0)
+    assert len(graphs) == 4
+    assert graphs[0].inputs == ["ids"] or len(graphs[0].inputs) == 1
+    # the token ids are needed by the loss in the last stage: carried through every stage
+    ids = graphs[0].inputs[0]
+    assert all(ids in g.inputs for g in graphs[1:])
+    assert len(graphs[-1].outputs) == 2  # (loss, logits)
+    assert prog.graph(rank=3)[0].index == 3
+
+
+def test_split_stage_modules_compute_the_rank_program():
+    """Chaining the stage modules gives exactly the unsplit rank module's loss and logits."""
+    model, inputs, loss_fn = gpt2()
+    prog = _plan(model, inputs, loss_fn, {"split_points": ["layers.1"]}, mesh=(2,), names=("pp",), hints=None)
+    whole = prog.state.gm  # global program == rank program on a 1-device intra-op mesh
+    from autoshard.passes.codegen import build_rank_module
+    from autoshard.runtime.collectives import use_communicator
+    from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+    gm = build_rank_module(prog.state, 0)
+    stages = prog.all_stage_graphs(0)
+    mb = tuple(x[: x.shape[0] // prog.config.microbatches] for x in inputs)
+    comm = ThreadCommunicator(ThreadHub(prog.inner_mesh, 5.0), 0)
+    with use_communicator(comm):
+        expected = gm(*mb)
+        values = mb
+        for s in stages:
+            values = tuple(s.gm(*values))
+    assert whole is not None and len(values) == len(expected)
+    for a, b in zip(values, expected):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pipeline, hints, message", [
+    ({"balance": [3, 3]}, DP, r"balance=\[3, 3\] covers 6 layers but the model's top-level sequence has 7"),
+    ({"balance": [7]}, DP, r"name pipeline stages \[0\] but the pipeline has 2 stages"),
+    ({"split_points": ["layers.9"]}, DP, r"split point 'layers.9' names no module .* did you mean"),
+    ({"split_points": ["layers.1", "layers.0"]}, DP, r"not in execution order"),
+    ({"balance": [4, 3], "split_points": ["layers.1"]}, DP, r"more than one notation"),
+    ({"schedule": "bogus"}, DP, r"unknown pipeline schedule 'bogus'"),
+    ({"schedule": "gpipe", "virtual_stages": 2}, DP, r"virtual_stages=2 needs an interleaved schedule"),
+    ({"schedule": "zbv", "virtual_stages": 3}, DP, r"runs exactly 2 stages per rank"),
+    ({"microbatches": 3}, DP, r"batch of 8 .* does not split into 3 micro-batches"),
+    ({"micro_batches": 2}, DP, r"unknown pipeline option\(s\) \['micro_batches'\]"),
+    (None, dict(DP, **{"layers.0:stage": 1, "layers.1:stage": 0}), r"out of execution order: .*layers\.1"),
+    (None, dict(DP, **{"layerz.*:stage": 0}), r"'layerz.\*' .* matches no module"),
+])
+def test_bad_pipeline_input_is_a_clear_error(pipeline, hints, message):
+    model, inputs, loss_fn = gpt2()
+    with pytest.raises(UserInputError, match=message):
+        _plan(model, inputs, loss_fn, pipeline, hints=hints)
+
+
+def test_stage_hints_without_a_pipeline_axis():
+    model, inputs, loss_fn = gpt2()
+    with pytest.raises(HintError, match=r"'layers.0:stage' puts modules into a pipeline stage but the mesh has no "
+                                        r"pipeline axis; name a mesh axis 'pp'"):
+        autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+                              hints={"layers.0:stage": 0})
+
+
+def test_pipeline_options_need_a_pipeline_axis():
+    model, inputs, loss_fn = gpt2()
+    with pytest.raises(UserInputError, match=r"no pipeline axis: name a mesh axis 'pp'"):
+        autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), pipeline={"microbatches": 2})
+
+
+class Unequal(nn.Module):
+    """A big embedding, small blocks of different widths and a big head: unequal stage costs."""
+
+    def __init__(self, vocab=512, dim=32, widths=(32, 64, 16, 96, 48)):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, w), nn.GELU(), nn.Linear(w, dim)) for w in widths)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _brute_force(costs, stages):
+    allowed = [k for k in range(1, costs.n) if costs.allowed[k]]
+    return min(costs.max_stage_time(cuts) for cuts in itertools.combinations(allowed, stages - 1))
+
+
+def _auto(stages):
+    model = Unequal()
+    ids = torch.randint(0, 512, (12, 64))
+    return autoshard.parallelize(model, (stages,), (ids,), axis_names=("pp",),
+                                 pipeline={"microbatches": stages}, profile="cpu")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_automatic_cut_is_optimal_over_every_position(stages):
+    prog = _auto(stages)
+    nodes = [n for n in prog.state.gm.graph.nodes if n.op == "call_function"]
+    costs = CutCosts(prog.state, nodes, prog.config)
+    cuts = [i for i in range(1, len(nodes)) if nodes[i].meta[STAGE] != nodes[i - 1].meta[STAGE]]
+    assert len(cuts) == stages - 1
+    assert costs.max_stage_time(cuts) <= _brute_force(costs, stages) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_module_boundary_cut_within_ten_percent_of_optimal(monkeypatch, stages):
+    """Big graphs only cut between blocks; on this unequal model that stays within 10% of the optimum."""
+    monkeypatch.setattr(cut_mod, "AUTO_CUT_ALL_POSITIONS", 0)
+    prog = _auto(stages)
+    nodes = [n for n in prog.state.gm.graph.nodes if n.op == "call_function"]
+    monkeypatch.setattr(cut_mod, "AUTO_CUT_ALL_POSITIONS", 10**6)
+    costs = CutCosts(prog.state, nodes, prog.config)
+    cuts = [i for i in range(1, len(nodes)) if nodes[i].meta[STAGE] != nodes[i - 1].meta[STAGE]]
+    optimum = _brute_force(costs, stages)
+    assert costs.max_stage_time(cuts) <= 1.10 * optimum, (costs.max_stage_time(cuts), optimum)
+
+
+def test_predicted_step_follows_the_1f1b_formula():
+    prog = _auto(2)
+    table = prog.plan.pipeline["stage_table"]
+    m = prog.config.microbatches
+    expected = sum(r["seconds"] for r in table) + (m - 1) * max(r["seconds"] for r in table) + \
+        max(r["sync_s"] for r in table)
+    assert prog.plan.pipeline["predicted_step_s"] == pytest.approx(expected)
+
+
+def test_pipeline_plan_fingerprint_depends_on_the_schedule():
+    model, inputs, loss_fn = llama()
+    a = _plan(model, inputs, loss_fn, {"schedule": "gpipe", "microbatches": 2})
+    b = _plan(model, inputs, loss_fn, {"schedule": "1f1b", "microbatches": 2})
+    assert a.plan.fingerprint != b.plan.fingerprint
+    assert meta.SPEC in next(iter(a.state.gm.graph.nodes)).meta
