@@ -13,8 +13,9 @@ from .plan import Plan
 from .program import Program, parallelize
 from .checkpoint import load_checkpoint, save_checkpoint
 from .viz import plot_timeline
+from .stages import stage
 
 __all__ = ["parallelize", "Program", "Plan", "Mesh", "Spec", "S", "R", "P", "Shard", "Replicate", "Partial",
            "AutoshardError", "ExportError", "HintError", "PlanError", "UserInputError", "constrain",
-           "save_checkpoint", "load_checkpoint", "plot_timeline"]
+           "save_checkpoint", "load_checkpoint", "plot_timeline", "stage"]
 __version__ = "0.1.0"
