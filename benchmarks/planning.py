@@ -115,7 +115,8 @@ def mesh_scaling(quick: bool):
     headers = ["mesh", "devices", "plan s (after import/build)", "solve s", "plan s per mesh axis", "ILP variables",
                "ILP constraints", "ILP per axis: variables/constraints"]
     met = max(per_axis) <= 1.25 * per_axis[0]
-    body = (f"Planning time vs mesh size ({MESH_SCALING_LAYERS}-layer Llama-3-8B shape, meta weights, no memory bound); "
+    body = (f"Planning time vs mesh size ({MESH_SCALING_LAYERS}-layer Llama-3-8B shape, meta weights, no memory "
+            "bound); "
             "target: time grows with the number of mesh axes, not with devices (plan s per mesh axis at most 1.25x "
             f"that of the {rows[0][1]}-device mesh) — {'met' if met else 'NOT met'} (largest ratio "
             f"{max(per_axis) / per_axis[0]:.2f}; {rows[-1][2]} s at {rows[-1][1]} devices vs {rows[0][2]} s at "
