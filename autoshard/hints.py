@@ -5,7 +5,8 @@ Keys: a parameter-path glob (`layers.*.attn.q.weight`), a module-path glob with 
 `layers.*.mlp.fc1:input` R on tp gathers before a column-parallel matmul), or `input:<i>`.
 Values map axis names to `"S(d)"`, `"R"` or `"P"`.
 A module glob with `:shard` takes MindSpore-style split counts for the module's one op:
-`{"in_strategy": [[2, 1], [4, 1]]}`. Unmentioned axes are free.
+`{"in_strategy": [[2, 1], [4, 1]]}`. Unmentioned axes are free. The top-level key `"zero"` asks for
+ZeRO on a data-parallel axis: `{"zero": {"dp": 3}}` (stage 1, 2 or 3; autoshard/passes/zero.py).
 
 >>> hints = Hints.parse({"layers.*.mlp.fc1.weight": {"tp": "S(0)"}, "input:0": {"dp": "S(0)"}})
 >>> hints.entries[0].target_kind
@@ -43,6 +44,7 @@ class Hints:
     """Parsed hints, still in user terms (axis names, globs); `annotate` resolves them on a graph."""
 
     entries: list[HintEntry] = field(default_factory=list)
+    zero: dict = field(default_factory=dict)  # {axis name: ZeRO stage}, at most one axis
 
     @classmethod
     def load(cls, path) -> "Hints":
@@ -74,10 +76,12 @@ class Hints:
         if not isinstance(data, dict):
             raise HintError(f"{source} must be a JSON object mapping keys to {{axis: placement}}, "
                             f"got {type(data).__name__}")
-        entries = [_parse_entry(key, value, source) for key, value in data.items()]
-        return cls(entries)
+        entries = [_parse_entry(key, value, source) for key, value in data.items() if key != ZERO_KEY]
+        zero = parse_zero(data[ZERO_KEY], f"{source} key 'zero'") if ZERO_KEY in data else {}
+        return cls(entries, zero)
 
     def __bool__(self) -> bool:
+        """Sharding constraints given (ZeRO alone leaves the plan fully automatic)."""
         return bool(self.entries)
 
     def axis_names(self) -> set[str]:
@@ -90,7 +94,27 @@ class Hints:
                 out[e.key] = {"in_strategy": [list(c) for c in e.split_counts]}
             else:
                 out[e.key] = {axis: repr(p) for axis, p in e.placements.items()}
+        if self.zero:
+            out[ZERO_KEY] = dict(self.zero)
         return out
+
+
+ZERO_KEY = "zero"
+ZERO_STAGES = (1, 2, 3)
+
+
+def parse_zero(value, source: str = "zero") -> dict:
+    """`{"dp": 3}` -> {"dp": 3}: one mesh axis name mapped to a ZeRO stage (1, 2 or 3)."""
+    example = 'write e.g. {"dp": 3} (stage 1: optimizer state sharded, 2: also gradients, 3: also parameters)'
+    if not isinstance(value, dict) or len(value) != 1:
+        raise HintError(f"{source} must map one data-parallel mesh axis name to a ZeRO stage, got {value!r:.80}; "
+                        f"{example}")
+    (axis, stage), = value.items()
+    if not isinstance(axis, str) or not axis:
+        raise HintError(f"{source}: {axis!r} is not a mesh axis name; {example}")
+    if type(stage) is not int or stage not in ZERO_STAGES:
+        raise HintError(f"{source}: ZeRO stage {stage!r:.40} for axis {axis!r} is not 1, 2 or 3; {example}")
+    return {axis: stage}
 
 
 def _parse_entry(key, value, source) -> HintEntry:

@@ -32,15 +32,17 @@ from .passes.normalize import normalize
 from .passes.predict import predict
 from .passes.solve import solve
 from .passes.strategies import strategies
+from .passes.zero import AllowPlannedZeroShards, zero as zero_pass
 from .placement import describe_type, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
 
-PASSES = [normalize, annotate, strategies, solve, insert_comm, fuse_comm, predict, codegen]
+PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, predict, codegen]
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
-                profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None) -> "Program":
+                profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
+                zero=None) -> "Program":
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -50,6 +52,9 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
     `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
     applied after checking they were made for this mesh, these hints, this model and these input shapes.
+    `zero` (1, 2, 3, or {axis name: stage}) applies ZeRO on the data-parallel axis: stage 1 shards the
+    optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
+    autoshard.runtime.zero.ZeroOptimizer). Without it, ZeRO is chosen when only it fits `memory_budget`.
     `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
     axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
     mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
@@ -59,7 +64,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     options = {"profile": load_profile(profile), "memory_budget": memory_budget,
-               "optimizer_state_factor": optimizer_state_factor}
+               "optimizer_state_factor": optimizer_state_factor, "zero": zero}
     from .pipeline_search import choose_pipeline
     choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
                              unnamed=unnamed, debug=debug)
@@ -75,7 +80,7 @@ def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, p
     if plan is not None:
         plan, hints = resolve_plan(plan, mesh, hints)
         passes = [q for p in PASSES for q in ([p, CheckPlan(plan)] if p is normalize else
-                                              [ApplyPlan(plan)] if p is solve else [p])]
+                                              [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
     if pipeline:
         passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
     debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
@@ -111,6 +116,7 @@ class Program:
         self.traced = state.traced
         self.history = history
         self.grad_reduce = state.grad_reduce
+        self.zero = getattr(state, "zero", None)  # ZeroConfig: the runtime shards optimizer state (and more)
         self.attr_names = attr_names(state)
         self._graphs: dict = {}
         self.output_spec = self.traced.output_spec

@@ -1,8 +1,9 @@
 """Train the parallel program and the single-device model side by side and compare them.
 
-Both run N SGD steps in float64 from the same weights on the same full batch. Compared: the loss of
-every step, the outputs and gradients of the first step, and the parameters after the last step
-(largest relative difference each). `verify_simulated` runs all ranks in this process;
+Both run N optimizer steps (SGD, or Adam; a ZeRO program steps a ZeroOptimizer) in float64 from the
+same weights on the same full batch. Compared: the loss of every step, the outputs and gradients of
+the first step, and the parameters after the last step (largest relative difference each).
+`verify_simulated` runs all ranks in this process;
 `autoshard.runtime.launch` runs the same rank function on real process groups.
 """
 from __future__ import annotations
@@ -22,11 +23,25 @@ def to_double(model, inputs):
     return model, inputs
 
 
-def reference_run(model, inputs, loss_fn, steps: int, lr: float) -> dict:
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+
+
+def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offload: bool = False):
+    """`optimizer` ("sgd" or "adam") over `params`; for a rank module of a ZeRO program, its ZeroOptimizer."""
+    if not params:
+        return None
+    opt = OPTIMIZERS[optimizer](params, lr=lr)
+    if module is not None and getattr(module._program, "zero", None) is not None:
+        from .runtime.zero import ZeroOptimizer
+        return ZeroOptimizer(module, opt, offload=offload)
+    return opt
+
+
+def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd") -> dict:
     """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}."""
     from .frontend import default_loss
     params = dict(model.named_parameters())
-    opt = torch.optim.SGD(params.values(), lr=lr) if params else None
+    opt = make_optimizer(list(params.values()), lr, optimizer)
     losses, outputs, grads = [], None, None
     for step in range(steps):
         model.zero_grad()
@@ -44,14 +59,15 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float) -> dict:
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
 
-def rank_run(module, inputs, steps: int, lr: float) -> dict:
-    """One rank's training run on its module; returns its local results and collective counts."""
+def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False) -> dict:
+    """One rank's training run on its module; returns its local results and collective counts (of the
+    first step, optimizer step included: ZeRO all-gathers parameters there)."""
     if getattr(module, "pipelined", False):
         from .runtime.pipeline import pipeline_rank_run
         return pipeline_rank_run(module, inputs, steps, lr)
     local_inputs = module.local_inputs(*inputs)
     params = dict(module.named_local_parameters())
-    opt = torch.optim.SGD(params.values(), lr=lr) if params else None
+    opt = make_optimizer(list(params.values()), lr, optimizer, module, offload)
     module.comm.log.clear()
     losses, outputs, grads, counts = [], None, None, None
     for step in range(steps):
@@ -65,10 +81,12 @@ def rank_run(module, inputs, steps: int, lr: float) -> dict:
         losses.append(loss.detach().clone())
         if step == 0:
             outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
-            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-            counts = module.comm.log.summary()
+            grads = opt.full_grads() if hasattr(opt, "full_grads") else \
+                {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
         if opt is not None:
             opt.step()
+        if step == 0:
+            counts = module.comm.log.summary()
     return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts,
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
@@ -140,13 +158,14 @@ def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
     return report
 
 
-def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1, **kwargs):
+def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
+                     optimizer: str = "sgd", offload: bool = False, **kwargs):
     """Parallelize in float64, train in the simulator and on one device; return the VerifyReport."""
     from .program import parallelize
     model, inputs = to_double(model, inputs)
     program = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=loss_fn, **kwargs)
-    ref = reference_run(model, inputs, loss_fn, steps, lr)
-    ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
+    ref = reference_run(model, inputs, loss_fn, steps, lr, optimizer)
+    ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
     return compare(program, ref, ranks, steps), program
 
 
@@ -191,7 +210,8 @@ def build_case(factory_spec: str):
     return model, inputs, (made[2] if len(made) == 3 else None)
 
 
-def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None):
+def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
+                     offload=False):
     """What each real rank runs for `verify`: plan, check fingerprints, train, return local results."""
     from .mesh import Mesh
     from .program import parallelize
@@ -203,13 +223,13 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
     model, inputs, loss_fn = build_case(factory_spec)
     program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **(options or {}))
     check_fingerprint(comm, program.plan.fingerprint)
-    result = rank_run(program.module(rank, comm), inputs, steps, lr)
+    result = rank_run(program.module(rank, comm), inputs, steps, lr, optimizer, offload)
     result["fingerprint"] = program.plan.fingerprint
     return result
 
 
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
-                   runner=None, simulate: bool = False, **options):
+                   runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False, **options):
     """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device."""
     from .mesh import Mesh
     from .program import parallelize
@@ -218,11 +238,12 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     mesh = Mesh.of(mesh, axis_names)
     model, inputs, loss_fn = build_case(factory_spec)
     program = parallelize(copy.deepcopy(model), mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
-    ref = reference_run(model, inputs, loss_fn, steps, lr)
+    ref = reference_run(model, inputs, loss_fn, steps, lr, optimizer)
     if simulate:
-        ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr))
+        ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
     else:
-        args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options)
+        args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
+                optimizer, offload)
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
         ranks = {r: res for r, res in results.items() if res is not None}
     return compare(program, ref, ranks, steps), program

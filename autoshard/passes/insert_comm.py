@@ -9,15 +9,17 @@ Duality rule: a replicated input of an op that splits its work on an axis gets a
 there. For activations a `grad_all_reduce` node (identity forward, all-reduce backward) restores
 the replicated gradient; one node per (producer, spec) serves every consumer, so q/k/v projections of
 one input cost one backward all-reduce. A parameter whose every use is direct and partial on an axis
-is instead reduced after backward by the bucketed grad sync. Invariant: every edge's producer spec
-equals its consumer's required spec, and every gradient arrives in its dual placement.
+is instead reduced after backward by the bucketed grad sync. A ZeRO-3 parameter (stored S(d) on the
+ZeRO axis) is gathered by its own `param_all_gather` right before each use, which also reduce-scatters
+its gradient. Invariant: every edge's producer spec equals its consumer's required spec, and every
+gradient arrives in its dual placement.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
 from .. import meta
-from ..placement import Spec
+from ..placement import Shard, Spec
 from ..redistribute import plan_redistribute
 from ..runtime.collectives import COLLECTIVES
 from ..strategies import tensor_inputs
@@ -42,11 +44,12 @@ def insert_comm(state) -> None:
         deferred = _deferred_axes(producer, src, producer_uses)
         if deferred:
             state.grad_reduce[producer.meta[meta.PATH]] = tuple(names[a] for a in deferred)
+        zero_axis = _zero_gather_axis(state, producer, src)
         for node, pos, want, partial in producer_uses:
             in_graph_partial = tuple(a for a in partial if a not in deferred)
-            key = (producer, want, in_graph_partial)
+            key = (producer, want, in_graph_partial) + ((node,) if zero_axis is not None else ())
             if key not in cache:
-                cache[key] = _build_chain(graph, producer, src, want, in_graph_partial, names, node)
+                cache[key] = _build_chain(graph, producer, src, want, in_graph_partial, names, node, zero_axis)
             new_input = cache[key]
             if new_input is not producer:
                 _replace_input(node, pos, producer, new_input)
@@ -67,12 +70,28 @@ def _deferred_axes(producer, src, producer_uses) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
-def _build_chain(graph, producer, src: Spec, want: Spec, partial_axes, names, consumer):
+def _zero_gather_axis(state, producer, src: Spec):
+    """The ZeRO-3 axis when `producer` is a parameter stored sharded there (gathered per use), else None."""
+    zero = getattr(state, "zero", None)
+    if zero is None or zero.stage != 3 or producer.op != "placeholder" or producer.meta.get(meta.KIND) != "param":
+        return None
+    axis = state.mesh.axis(zero.axis)
+    return axis if isinstance(src[axis], Shard) else None
+
+
+def _build_chain(graph, producer, src: Spec, want: Spec, partial_axes, names, consumer, zero_axis=None):
     value, spec = producer, src
     anchor = consumer
     for step in plan_redistribute(src, want):
         spec = step.apply(spec)
         args = [value, names[step.axis]]
+        if step.op == "all_gather" and step.axis == zero_axis:
+            # ZeRO-3: gathered right before this use, re-gathered in backward; a partial gradient is
+            # reduce-scattered by the same node (all_gather + grad_all_reduce fused, the duality pair).
+            args += [step.dim, zero_axis in partial_axes]
+            partial_axes = tuple(a for a in partial_axes if a != zero_axis)
+            value = _comm_node(graph, anchor, "param_all_gather", args, spec, producer, consumer)
+            continue
         if step.op == "all_to_all":
             args += [step.dim, step.to_dim]
         elif step.dim is not None:

@@ -16,6 +16,7 @@ from ..axis_cost import needs_grad
 from ..cost import DEFAULT_PROFILE, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from ..flops import is_matmul_like, node_bytes, node_flops
 from ..placement import Shard
+from ..zero_cost import apply_zero, gather_bytes
 
 COMM_COST = "autoshard.comm_cost"
 NODE_COST = "autoshard.node_cost"  # {"seconds", "memory_bytes", "sync_s"}: what one node adds (cut_stages sums them)
@@ -32,6 +33,9 @@ def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
     op = node.meta[meta.COMM]["op"]
     src = local_bytes(node, node.args[0].meta[meta.SPEC], mesh)
     dst = local_bytes(node, node.meta[meta.SPEC], mesh)
+    if op == "param_all_gather":
+        fwd, bwd = gather_bytes(node, dst)
+        return fwd, bwd if has_grad else 0
     fwd, bwd = {"all_reduce": (src, 0), "grad_all_reduce": (0, src), "all_gather": (dst, 0), "chunk": (0, src),
                 "reduce_scatter": (src, src), "all_to_all": (src, dst), "all_gather_sum_grad": (dst, dst)}[op]
     return fwd, bwd if has_grad else 0
@@ -40,7 +44,7 @@ def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
 def _collective_time(op, fwd, bwd, k, link) -> float:
     if op in ("all_reduce", "grad_all_reduce"):
         return all_reduce_time(fwd + bwd, k, link)
-    if op in ("all_gather", "chunk"):
+    if op in ("all_gather", "chunk", "param_all_gather"):
         return all_gather_time(fwd + bwd, k, link)
     if op == "reduce_scatter":
         return reduce_scatter_time(fwd, k, link) + all_gather_time(bwd, k, link)
@@ -95,6 +99,7 @@ def predict(state) -> None:
         node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": saved, "sync_s": 0.0}
     state.predicted = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
                        "comm_bytes_per_step": per_axis, "memory_bytes_per_rank": int(memory)}
+    apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
 
 
 predict.name = "predict"

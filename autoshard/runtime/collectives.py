@@ -186,3 +186,14 @@ def all_to_all(x: torch.Tensor, axis: str, gather_dim: int, scatter_dim: int) ->
 COLLECTIVES = {"all_reduce": all_reduce, "grad_all_reduce": grad_all_reduce, "all_gather": all_gather,
                "chunk": chunk, "reduce_scatter": reduce_scatter, "all_to_all": all_to_all,
                "all_gather_sum_grad": all_gather_sum_grad}
+
+
+def param_all_gather(x: torch.Tensor, axis: str, dim: int, reduce_grad: bool) -> torch.Tensor:
+    """ZeRO-3: a parameter shard S(dim) -> R on `axis` right before its use (backward: reduce_scatter of
+    the partial gradient when `reduce_grad`, else this rank's chunk); backward re-gathers the parameter
+    instead of keeping the gathered copy (autoshard/runtime/zero_gather.py)."""
+    from .zero_gather import ParamAllGather
+    return ParamAllGather.apply(x, current(), axis, dim, reduce_grad)
+
+
+COLLECTIVES["param_all_gather"] = param_all_gather

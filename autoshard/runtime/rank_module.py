@@ -3,16 +3,21 @@
 `forward(*local_inputs)` returns `(loss, outputs)` of this rank (local shards; the loss may be a
 partial sum on batch-sharded axes, which is the right thing to call `.backward()` on: its gradient
 is 1 on every rank). After backward, `sync_grads()` reduces the gradients that came back partial on
-some mesh axes (the duality rule), bucketed per axis set.
+some mesh axes (the duality rule), bucketed per axis set; with ZeRO-2/3 the ZeroOptimizer
+(autoshard/runtime/zero.py) reduce-scatters the gradients of replicated parameters on the ZeRO axis.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.utils._pytree as pytree
 
+from ..errors import UserInputError
 from ..placement import shard_tensor
 from .collectives import use_communicator
 from .communicator import Communicator
+from .zero_gather import GatheredMemory, save_shards_for_backward
 
 BUCKET_BYTES = 25 << 20
 
@@ -24,9 +29,14 @@ class RankModule(torch.nn.Module):
         self.comm = comm
         self.rank = comm.rank
         self._program = program
+        self.zero_optimizer = None  # set by ZeroOptimizer: it owns the ZeRO axis's gradient reduction
+        self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
 
     def forward(self, *local_inputs):
-        with use_communicator(self.comm):
+        zero = getattr(self._program, "zero", None)
+        regather = save_shards_for_backward(self.gathered_memory) if zero is not None and zero.stage == 3 \
+            else contextlib.nullcontext()
+        with use_communicator(self.comm), regather:
             flat = self.gm(*local_inputs)
         loss, outputs = flat[0], list(flat[1:])
         spec = self._program.output_spec
@@ -48,9 +58,12 @@ class RankModule(torch.nn.Module):
 
     def sync_grads(self) -> None:
         """All-reduce partial gradients on exactly their partial axes (bucketed, fixed order)."""
+        scattered = self._zero_scattered()
         groups: dict = {}
         for fqn, param in self.named_local_parameters():
             axes = self._program.grad_reduce.get(fqn)
+            if fqn in scattered:  # reduce-scattered on the ZeRO axis below, after the other axes
+                axes = tuple(a for a in axes if a != self._program.zero.axis)
             if axes and param.grad is not None:
                 groups.setdefault(axes, []).append(param)
         for axes, params in groups.items():
@@ -64,6 +77,19 @@ class RankModule(torch.nn.Module):
                     n = p.grad.numel()
                     p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                     offset += n
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.reduce_gradients()
+
+    def _zero_scattered(self) -> set:
+        """Parameters whose gradient the ZeroOptimizer reduce-scatters (ZeRO-2/3 needs one to train)."""
+        zero = getattr(self._program, "zero", None)
+        if zero is None or zero.stage < 2:
+            return set()
+        if self.zero_optimizer is None:
+            raise UserInputError(f"this program shards gradients ({zero!r}): wrap the optimizer before training, "
+                                 "opt = autoshard.runtime.zero.ZeroOptimizer(module, torch.optim.Adam("
+                                 "module.parameters(), ...)), then backward, module.sync_grads(), opt.step()")
+        return self.zero_optimizer.managed()
 
 
 def _buckets(params):

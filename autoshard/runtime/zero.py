@@ -1,0 +1,245 @@
+"""ZeroOptimizer: any elementwise torch optimizer stepping on this rank's shards (ZeRO stages 1-3).
+
+>>> opt = ZeroOptimizer(module, torch.optim.Adam(module.parameters(), lr=1e-3))   # doctest: +SKIP
+>>> loss.backward(); module.sync_grads(); opt.step(); module.zero_grad()          # doctest: +SKIP
+
+The wrapped optimizer's param_groups survive with their options (a scheduler may change `lr` on
+`opt.param_groups`); each parameter is replaced by its master shard on this rank of the ZeRO axis:
+- a parameter the plan stores sharded there (ZeRO-3, spec S(d)) is its own shard: the optimizer steps
+  the parameter in place (or a master copy, for offload or low precision);
+- a replicated one is flattened, padded to a multiple of the axis size k and cut in k chunks; this rank
+  steps chunk r. Stage 1 takes it from the all-reduced gradient; stage 2 (and ZeRO-3's replicated
+  leftovers) reduce-scatter the gradient in `reduce_gradients` (called by `RankModule.sync_grads`) and
+  free the full one. After the step the chunks are all-gathered back into the parameter.
+Communication is bucketed in a rank-major layout ([k, sum of chunks]): one reduce-scatter / all-gather
+per bucket gives every rank its chunk of every parameter.
+
+Master shards are float32 at least (float16/bfloat16 parameters get float32 masters) and live on the
+parameters' device, or on the CPU with `offload=True` (optimizer state too: gradient shards go there,
+updated parameters come back). Only elementwise optimizers are exact on shards: LBFGS, Adafactor and
+SparseAdam are refused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserInputError
+from ..placement import Shard
+
+BUCKET_BYTES = 25 << 20
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
+
+
+@dataclass
+class _Entry:
+    """One parameter: its shard on this rank (`master`) and how its gradient reaches it."""
+
+    fqn: str
+    param: torch.nn.Parameter
+    owned: bool  # the parameter is itself this rank's shard (ZeRO-3)
+    reduce: bool  # its gradient is partial on the ZeRO axis after backward
+    chunk: int  # elements per rank of the padded flat parameter (replicated parameters)
+    master: torch.Tensor
+    grad_shard: torch.Tensor | None = None
+
+
+class ZeroOptimizer:
+    """`optimizer` (built on `module.parameters()`) stepping on the shards of `module`'s ZeRO axis."""
+
+    def __init__(self, module, optimizer: torch.optim.Optimizer, offload: bool = False):
+        program = module._program
+        self.config = getattr(program, "zero", None)
+        if self.config is None:
+            raise UserInputError("ZeroOptimizer needs a program planned with ZeRO: parallelize(..., zero=1, 2 or 3)")
+        kind = type(optimizer).__name__
+        if kind in _NOT_ELEMENTWISE:
+            raise UserInputError(f"{kind} is not elementwise (it couples values across a parameter), so stepping it "
+                                 "on shards would differ from one device; use Adam, AdamW, SGD or another "
+                                 "elementwise torch optimizer with ZeRO")
+        if optimizer.state:
+            raise UserInputError("wrap the optimizer in ZeroOptimizer before its first step (it already holds state)")
+        self.module, self.comm, self.offload = module, module.comm, offload
+        self.axis = self.config.axis
+        self.k = self.comm.axis_size(self.axis)
+        self.rank = self.comm.axis_rank(self.axis)
+        axis_index = program.mesh.axis(self.axis)
+        names = {id(p): fqn for fqn, p in module.named_local_parameters()}
+        self.entries: list[_Entry] = []
+        groups = []
+        for g, group in enumerate(optimizer.param_groups):
+            masters = []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise UserInputError(f"param_groups[{g}] holds a tensor of shape {tuple(p.shape)} that is not a "
+                                         "parameter of this rank module; build the optimizer on module.parameters()")
+                fqn = names[id(p)]
+                owned = isinstance(program.param_spec(fqn)[axis_index], Shard)
+                entry = self._entry(fqn, p, owned, self.axis in program.grad_reduce.get(fqn, ()))
+                self.entries.append(entry)
+                masters.append(entry.master)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+        self.optim = _same_optimizer(optimizer, groups)
+        module.zero_optimizer = self  # sync_grads hands it the gradients to reduce-scatter
+
+    @property
+    def param_groups(self) -> list:
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def __repr__(self) -> str:
+        where = "cpu (offload)" if self.offload else "the parameters' device"
+        return (f"ZeroOptimizer({type(self.optim).__name__}, ZeRO-{self.config.stage} on {self.axis!r} "
+                f"(rank {self.rank} of {self.k}), {len(self.entries)} parameters, master shards on {where})")
+
+    def _entry(self, fqn, p, owned, reduce) -> _Entry:
+        dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+        device = torch.device("cpu") if self.offload else p.device
+        if owned:
+            chunk = p.numel()
+            keep = not self.offload and dtype == p.dtype
+            master = p if keep else p.detach().to(device, dtype, copy=True)
+        else:
+            chunk = math.ceil(p.numel() / self.k)
+            master = self._flat_chunk(p.detach(), chunk).to(device, dtype, copy=True)
+        return _Entry(fqn, p, owned, reduce, chunk, master)
+
+    def _flat_chunk(self, t: torch.Tensor, chunk: int) -> torch.Tensor:
+        """This rank's chunk of `t` flattened and zero-padded to k * chunk elements."""
+        flat = t.reshape(-1)
+        start = self.rank * chunk
+        piece = flat[start:start + chunk]
+        if piece.numel() < chunk:
+            piece = torch.cat([piece, piece.new_zeros(chunk - piece.numel())])
+        return piece
+
+    def _flat_entries(self):
+        return [e for e in self.entries if not e.owned]
+
+    def managed(self) -> set[str]:
+        """FQNs whose gradient on the ZeRO axis this optimizer reduces (stage >= 2)."""
+        return {e.fqn for e in self._flat_entries() if e.reduce} if self.config.stage >= 2 else set()
+
+    def reduce_gradients(self) -> None:
+        """Stage >= 2: reduce-scatter the partial gradients of replicated parameters into this rank's chunks
+        (bucketed) and free the full gradients; replicated gradients just keep their chunk."""
+        if self.config.stage < 2:
+            return
+        flat = [e for e in self._flat_entries() if e.param.grad is not None]
+        for bucket in _buckets([e for e in flat if e.reduce], lambda e: e.param.grad):
+            rows = torch.cat([_padded_rows(e.param.grad, self.k, e.chunk) for e in bucket], dim=1)
+            self.comm.log.record(self.axis, "reduce_scatter", rows.numel() * rows.element_size(), "sync")
+            mine = self.comm.reduce_scatter(rows, self.axis, 0).reshape(-1)
+            for e, piece in zip(bucket, mine.split([e.chunk for e in bucket])):
+                e.grad_shard = piece
+        for e in flat:
+            if not e.reduce:
+                e.grad_shard = self._flat_chunk(e.param.grad.detach(), e.chunk).clone()
+            e.param.grad = None
+
+    def _grad_shard(self, e: _Entry):
+        if e.owned or self.config.stage == 1:
+            if e.param.grad is None:
+                return None
+            return e.param.grad if e.owned else self._flat_chunk(e.param.grad, e.chunk)
+        return e.grad_shard
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for e in self.entries:
+            grad = self._grad_shard(e)
+            if e.master is not e.param:
+                e.master.grad = None if grad is None else grad.to(e.master.device, e.master.dtype)
+        self.optim.step()
+        for e in self.entries:
+            if e.owned and e.master is not e.param:
+                e.param.copy_(e.master.to(e.param.device, e.param.dtype))
+        stepped = [e for e in self._flat_entries() if e.master.grad is not None]
+        for bucket in _buckets(stepped, lambda e: e.param):
+            mine = torch.cat([e.master.to(e.param.device, e.param.dtype) for e in bucket]).unsqueeze(0)
+            rows = self.comm.all_gather(mine, self.axis, 0)  # [k, sum of chunks]
+            self.comm.log.record(self.axis, "all_gather", rows.numel() * rows.element_size(), "sync")
+            for e, cols in zip(bucket, rows.split([e.chunk for e in bucket], dim=1)):
+                e.param.copy_(cols.reshape(-1)[:e.param.numel()].view_as(e.param))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
+        for e in self.entries:
+            e.grad_shard = None
+            if e.master is not e.param:
+                e.master.grad = None
+
+    def full_grads(self) -> dict:
+        """{FQN: this rank's whole local gradient} for checking (gathers the chunks; not logged)."""
+        out = {}
+        for e in self.entries:
+            grad = self._grad_shard(e)
+            if grad is None:
+                continue
+            if e.owned or self.config.stage == 1:
+                out[e.fqn] = e.param.grad.detach().clone()
+                continue
+            rows = self.comm.all_gather(grad.unsqueeze(0), self.axis, 0)
+            out[e.fqn] = rows.reshape(-1)[:e.param.numel()].view_as(e.param).clone()
+        return out
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds: {"params", "grads", "optimizer"} (master copies count as optimizer state)."""
+        params = [p for _, p in self.module.named_local_parameters()]
+        grads = [p.grad for p in params if p.grad is not None] + \
+                [e.grad_shard for e in self.entries if e.grad_shard is not None] + \
+                [e.master.grad for e in self.entries if e.master is not e.param and e.master.grad is not None]
+        state = [e.master for e in self.entries if e.master is not e.param]
+        state += [v for s in self.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        seen: set = set()
+        return {"params": unique_bytes(params, seen), "grads": unique_bytes(grads, seen),
+                "optimizer": unique_bytes(state, seen)}
+
+
+def unique_bytes(tensors, seen: set) -> int:
+    """Bytes of the storages behind `tensors` not counted yet (views and aliases count once)."""
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _padded_rows(grad: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
+    flat = grad.reshape(-1)
+    if flat.numel() < k * chunk:
+        flat = torch.cat([flat, flat.new_zeros(k * chunk - flat.numel())])
+    return flat.view(k, chunk)
+
+
+def _buckets(entries, tensor_of):
+    """Runs of entries of one dtype up to BUCKET_BYTES (same order on every rank)."""
+    bucket, size = [], 0
+    for e in entries:
+        t = tensor_of(e)
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != tensor_of(bucket[0]).dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(e)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _same_optimizer(optimizer, groups):
+    """A new optimizer of the wrapped one's class and defaults over `groups` (each with its own options)."""
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError as exc:
+        raise UserInputError(f"cannot rebuild {type(optimizer).__name__} on the shards from its defaults "
+                             f"({exc}); ZeroOptimizer supports optimizers whose constructor takes "
+                             "(params, **defaults), as every torch.optim optimizer does") from exc

@@ -1,0 +1,128 @@
+"""ZeRO-3's parameter gather: all-gathered just before use, never kept from forward to backward.
+
+`ParamAllGather` (collective `param_all_gather`): forward all-gathers a parameter shard S(d) -> R on the
+ZeRO axis; backward reduce-scatters its gradient (partial there, as the consumer splits the batch: the
+duality rule) or takes this rank's chunk of a replicated one. Autograd would keep the gathered copy alive
+for the consumers' backward (a matmul saves its weight), so the rank module runs forward inside
+`save_shards_for_backward()`: a saved tensor that is a gathered parameter (or a view of one) is saved as
+a handle holding only the shard, and backward re-gathers it once, on first use, dropping the copy when
+the parameter's gradient is reduce-scattered. `GatheredMemory` measures the bytes of gathered copies
+alive at once (ZeRO-3's transient memory).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+
+_LOCAL = threading.local()  # the simulator runs one rank per thread
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class GatheredMemory:
+    """Bytes of gathered parameter copies alive now and at most (peak) since `reset`."""
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        self.peak = self.live
+
+    def track(self, tensor: torch.Tensor) -> None:
+        nbytes = _nbytes(tensor)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+class _Handle:
+    """What backward needs to re-gather one parameter: its shard and where to gather it."""
+
+    __slots__ = ("shard", "comm", "axis", "dim", "full", "memory")
+
+    def __init__(self, shard, comm, axis, dim, memory):
+        self.shard, self.comm, self.axis, self.dim, self.memory = shard, comm, axis, dim, memory
+        self.full = None
+
+    def regather(self) -> torch.Tensor:
+        if self.full is None:
+            self.full = self.comm.all_gather(self.shard, self.axis, self.dim)
+            self.comm.log.record(self.axis, "all_gather", _nbytes(self.full), "bwd")
+            if self.memory is not None:
+                self.memory.track(self.full)
+        return self.full
+
+
+class _SavedView:
+    """A saved gathered parameter (or view of it): handle plus the view's geometry."""
+
+    __slots__ = ("handle", "size", "stride", "offset")
+
+    def __init__(self, handle, t):
+        self.handle, self.size, self.stride, self.offset = handle, t.size(), t.stride(), t.storage_offset()
+
+
+class ParamAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim, reduce_grad):
+        gathered = getattr(_LOCAL, "gathered", None)
+        memory = gathered[1] if gathered is not None else None
+        out = comm.all_gather(x, axis, dim)
+        comm.log.record(axis, "all_gather", _nbytes(out), "fwd")
+        handle = _Handle(x.detach(), comm, axis, dim, memory)
+        if gathered is not None:
+            gathered[0][id(out)] = (weakref.ref(out), handle)
+        if memory is not None:
+            memory.track(out)
+        ctx.handle, ctx.reduce_grad = handle, reduce_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        handle = ctx.handle
+        handle.full = None  # every consumer's backward has run: the re-gathered copy can go
+        comm, axis, dim = handle.comm, handle.axis, handle.dim
+        if ctx.reduce_grad:
+            comm.log.record(axis, "reduce_scatter", _nbytes(grad), "bwd")
+            shard = comm.reduce_scatter(grad.contiguous(), axis, dim)
+        else:
+            shard = grad.chunk(comm.axis_size(axis), dim)[comm.axis_rank(axis)].contiguous()
+        return shard, None, None, None, None
+
+
+def _pack(t: torch.Tensor):
+    gathered = getattr(_LOCAL, "gathered", None)
+    if gathered is None:
+        return t
+    base = t if t._base is None else t._base
+    entry = gathered[0].get(id(base))
+    if entry is None or entry[0]() is not base:
+        return t
+    return _SavedView(entry[1], t)
+
+
+def _unpack(saved):
+    if isinstance(saved, _SavedView):
+        return saved.handle.regather().as_strided(saved.size, saved.stride, saved.offset)
+    return saved
+
+
+@contextlib.contextmanager
+def save_shards_for_backward(memory: GatheredMemory | None = None):
+    """Run a ZeRO-3 forward: gathered parameters are saved for backward as shards (re-gathered there)."""
+    previous = getattr(_LOCAL, "gathered", None)
+    _LOCAL.gathered = ({}, memory)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _LOCAL.gathered = previous
