@@ -18,7 +18,9 @@ True
 """
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass, field
 from html import escape
@@ -170,12 +172,21 @@ def draw_graph(plan, collapse=(), color_by: str = "auto", engine: str = "auto",
         raise UserInputError(GRAPHVIZ_HINT.replace("drawing with autoshard's built-in layout", "use "
                                                    "engine='builtin'"))
     if engine == "auto" and not has_dot:
-        warnings.warn(GRAPHVIZ_HINT, stacklevel=2)
+        warnings.warn(GRAPHVIZ_HINT, stacklevel=_user_stacklevel())
     if engine != "builtin" and has_dot:
         svg = graphviz_graph(boxes, legend).pipe(format="svg", encoding="utf-8")
     else:
         svg = _builtin_svg(boxes, legend)
     return Picture(svg, text)
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first caller outside autoshard, so a warning names the user's line."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def graph_text(boxes, mesh) -> str:
