@@ -23,6 +23,7 @@ from .hints import Hints
 from .mesh import Mesh
 from .passes.annotate import annotate
 from .passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
+from .passes.checkpoint import checkpoint as checkpoint_pass
 from .passes.codegen import attr_names, build_rank_module, codegen
 from .passes.cut_stages import cut_stages
 from .passes.fuse_comm import fuse_comm
@@ -37,12 +38,12 @@ from .placement import describe_type, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
 
-PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, predict, codegen]
+PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, checkpoint_pass, predict, codegen]
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
-                zero=None) -> "Program":
+                zero=None, checkpoint=None, parallel=None) -> "Program":
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -55,16 +56,25 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     `zero` (1, 2, 3, or {axis name: stage}) applies ZeRO on the data-parallel axis: stage 1 shards the
     optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
     autoshard.runtime.zero.ZeroOptimizer). Without it, ZeRO is chosen when only it fits `memory_budget`.
+    `checkpoint` (module globs, e.g. ["layers.*"], or "auto": repeated layers while the prediction exceeds
+    `memory_budget`) recomputes those regions' activations in backward (autoshard/passes/checkpoint.py).
+    `parallel` takes ColossalAI's config, e.g. dict(tensor=dict(size=8, mode='3d')), as hints and mesh
+    axis names (autoshard/tp_modes.py; `mesh` may then be None).
     `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
     axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
     mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
     """
+    if parallel is not None:
+        from .tp_modes import apply_parallel_config
+        mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
     unnamed = axis_names is None and not isinstance(mesh, Mesh)
     mesh = Mesh.of(mesh, axis_names)
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     options = {"profile": load_profile(profile), "memory_budget": memory_budget,
-               "optimizer_state_factor": optimizer_state_factor, "zero": zero}
+               "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint}
+    if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
+        options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
     from .pipeline_search import choose_pipeline
     choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
                              unnamed=unnamed, debug=debug)

@@ -143,3 +143,16 @@ def colossal_hints(model, parallel: dict, column=None, row=None) -> TensorParall
     if batch:
         hints["input:0"] = batch
     return TensorParallelPlan(mode, tuple(shape), tuple(names), hints)
+
+
+def apply_parallel_config(model, parallel: dict, mesh, axis_names, hints):
+    """`parallelize(..., parallel=...)`: the mesh, axis names and hints (user hints win) of the config."""
+    tp = colossal_hints(model, parallel)
+    if mesh is not None and tuple(mesh) != tp.mesh_shape:
+        raise UserInputError(f"parallel={parallel!r} needs mesh {tp.mesh_shape} (axes {tp.axis_names}), but mesh="
+                             f"{tuple(mesh)} was given; pass mesh=None (or the matching shape)")
+    if axis_names is not None and tuple(axis_names) != tp.axis_names:
+        raise UserInputError(f"parallel={parallel!r} names the mesh axes {tp.axis_names}; drop axis_names="
+                             f"{tuple(axis_names)} or rename them to match")
+    merged = {**tp.hints, **(hints or {})}
+    return tp.mesh_shape, tp.axis_names, merged

@@ -15,6 +15,7 @@ from .. import meta
 from ..errors import PlanError
 from ..placement import local_shape, shard_tensor
 from ..strategies.base import REGISTRY
+from .checkpoint import wrap_regions
 
 
 def codegen(state) -> None:
@@ -75,7 +76,7 @@ def build_rank_module(state, rank: int) -> fx.GraphModule:
         env[node] = new
     gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}")
     gm.meta["autoshard.rank"] = rank
-    return gm
+    return wrap_regions(gm)  # activation checkpointing: regions become recomputed submodules
 
 
 def _localize_args(new: fx.Node, node: fx.Node, mesh) -> None:

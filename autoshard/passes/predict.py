@@ -16,6 +16,7 @@ from ..axis_cost import needs_grad
 from ..cost import DEFAULT_PROFILE, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
 from ..flops import is_matmul_like, node_bytes, node_flops
 from ..placement import Shard
+from .checkpoint import account_recompute
 from ..zero_cost import apply_zero, gather_bytes
 
 COMM_COST = "autoshard.comm_cost"
@@ -100,6 +101,7 @@ def predict(state) -> None:
     state.predicted = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
                        "comm_bytes_per_step": per_axis, "memory_bytes_per_rank": int(memory)}
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
+    account_recompute(state)  # activation checkpointing: recompute time, activations not kept
 
 
 predict.name = "predict"

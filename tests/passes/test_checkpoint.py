@@ -1,0 +1,93 @@
+"""Activation checkpointing: regions recompute in backward, save fewer activations, change no value."""
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import UserInputError
+from autoshard.passes.checkpoint import CHECKPOINT, Recomputed
+from autoshard.runtime.simulator import run_ranks
+from autoshard.verify import to_double, verify_simulated
+from autoshard.zoo import gpt2, llama
+from autoshard.zoo.hints import plan_hints
+
+MESH, NAMES = (2, 2), ("dp", "tp")
+
+
+def _plan(factory, name, **kwargs):
+    model, inputs, loss_fn = factory()
+    model, inputs = to_double(model, inputs)
+    hints = plan_hints(name, NAMES, ("dp",), "tp")
+    return autoshard.parallelize(model, MESH, inputs, loss_fn=loss_fn, axis_names=NAMES, hints=hints, **kwargs), inputs
+
+
+def _saved_bytes_and_grads(prog, inputs):
+    """Per rank: bytes autograd keeps for backward (saved_tensors_hooks; a checkpointed region keeps its
+    activation inputs instead), the loss and the gradients after one backward."""
+    def step(module):
+        seen, kept = set(), [0]
+
+        def keep(t):
+            if not isinstance(t, torch.nn.Parameter) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                kept[0] += t.untyped_storage().nbytes()
+
+        def region_inputs(_module, args):
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    keep(a)
+        hooks = [m.register_forward_pre_hook(region_inputs) for m in module.modules() if isinstance(m, Recomputed)]
+        local = module.local_inputs(*inputs)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+            loss, _ = module(*local)
+        for h in hooks:
+            h.remove()
+        loss.backward()
+        return kept[0], loss.detach(), {k: p.grad.clone() for k, p in module.named_local_parameters()}
+    return run_ranks(prog, step)
+
+
+@pytest.mark.parametrize("factory,name", [(gpt2, "gpt2"), (llama, "llama")])
+def test_checkpointing_every_block_saves_memory_and_changes_nothing(factory, name):
+    plain, inputs = _plan(factory, name)
+    ckpt, _ = _plan(factory, name, checkpoint=["layers.*"])
+    assert ckpt.state.checkpoint_regions == [f"layers.{i}" for i in range(factory()[0].cfg.n_layers)]
+    before, after = _saved_bytes_and_grads(plain, inputs), _saved_bytes_and_grads(ckpt, inputs)
+    for rank in before:
+        assert after[rank][0] < 0.7 * before[rank][0], (rank, before[rank][0], after[rank][0])
+        assert torch.equal(after[rank][1], before[rank][1])
+        for fqn, grad in before[rank][2].items():
+            torch.testing.assert_close(after[rank][2][fqn], grad, rtol=1e-12, atol=1e-14)
+    # The cost model sees it too: less memory, more time (recompute).
+    assert ckpt.plan.predicted["memory_bytes_per_rank"] < plain.plan.predicted["memory_bytes_per_rank"]
+    assert ckpt.plan.predicted["step_time_s"] > plain.plan.predicted["step_time_s"]
+    assert ckpt.plan.predicted["recompute_s"] > 0
+
+
+def test_recomputed_collectives_are_counted_as_predicted():
+    model, inputs, loss_fn = gpt2()
+    report, prog = verify_simulated(model, inputs, loss_fn, mesh=MESH, axis_names=NAMES,
+                                    hints=plan_hints("gpt2", NAMES, ("dp",), "tp"), checkpoint=["layers.*"])
+    assert report.ok, report
+    tp = report.collectives["tp"]["all_reduce"]
+    assert tp["fwd"] == 2 * tp["bwd"]  # Megatron's forward all-reduces run again in the recompute
+    for axis, kinds in report.collectives.items():
+        assert sum(k["bytes"] for k in kinds.values()) == sum(prog.plan.predicted["comm_bytes_per_step"][axis].values())
+
+
+def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
+    four_layers = lambda: gpt2(n_layers=4)  # noqa: E731
+    free, _ = _plan(four_layers, "gpt2", checkpoint="auto")
+    assert free.state.checkpoint_regions == []  # no budget given: nothing to save
+    high = _plan(four_layers, "gpt2")[0].plan.predicted["memory_bytes_per_rank"]
+    low = _plan(four_layers, "gpt2", checkpoint=["layers.*"])[0].plan.predicted["memory_bytes_per_rank"]
+    budget = (high + 2 * low) / 3 + 1  # room for all activations but two layers' (the recompute peak is one layer)
+    tight, _ = _plan(four_layers, "gpt2", checkpoint="auto", memory_budget=budget)
+    assert len(tight.state.checkpoint_regions) == 3
+    assert low < tight.plan.predicted["memory_bytes_per_rank"] <= budget
+    nodes = [n for n in tight.state.gm.graph.nodes if CHECKPOINT in n.meta]
+    assert {n.meta[CHECKPOINT] for n in nodes} == set(tight.state.checkpoint_regions)
+
+
+def test_checkpoint_glob_matching_nothing_says_so():
+    with pytest.raises(UserInputError, match=r"checkpoint='blocks\.\*' matches no module"):
+        _plan(gpt2, "gpt2", checkpoint=["blocks.*"])
