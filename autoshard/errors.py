@@ -5,23 +5,56 @@ import os
 
 
 class AutoshardError(Exception):
-    """Base of every error autoshard raises on purpose."""
+    """Base of every error autoshard raises on purpose.
+
+    >>> import autoshard
+    >>> try:
+    ...     autoshard.Mesh((0,))
+    ... except autoshard.AutoshardError as exc:  # catches every error autoshard raises on purpose
+    ...     print(type(exc).__name__)
+    UserInputError
+    """
 
 
 class UserInputError(AutoshardError, ValueError):
-    """A bad argument: mesh, hints, inputs, options."""
+    """A bad argument: mesh, hints, inputs, options.
+
+    >>> from autoshard.mesh import Mesh
+    >>> Mesh((2, 4), ("dp",))
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.UserInputError: mesh=(2, 4) has 2 axes but axis_names=('dp',) has 1; give one name per axis, e.g. mesh=(2, 4), axis_names=('dp', 'tp')
+    """
 
 
 class HintError(UserInputError):
-    """A sharding hint that names nothing, is malformed, contradicts another or cannot be met."""
+    """A sharding hint that names nothing, is malformed, contradicts another or cannot be met.
+
+    >>> from autoshard.hints import Hints
+    >>> Hints.parse({"fc.weight": {"tp": "S(x)"}})
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.HintError: malformed placement 'S(x)' in hints key 'fc.weight' axis 'tp': write 'S(<dim>)', 'R' or 'P', e.g. 'S(0)'
+    """
 
 
 class PlanError(AutoshardError):
-    """No valid plan exists for the given constraints."""
+    """No valid plan exists for the given constraints.
+
+    >>> raise PlanError("no plan fits in memory_budget=1e6 bytes per device; raise the budget or use a larger mesh")
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.PlanError: no plan fits in memory_budget=1e6 bytes per device; raise the budget or use a larger mesh
+    """
 
 
 class ExportError(AutoshardError):
-    """torch.export could not trace the model."""
+    """torch.export could not trace the model.
+
+    >>> err = ExportError.from_exception(RuntimeError("Could not guard on data-dependent expression"))
+    >>> "torch.where" in str(err)
+    True
+    """
 
     _ADVICE = [
         ("data-dependent", "the model branches on tensor values; use torch.where / torch.cond instead of Python "
@@ -38,6 +71,12 @@ class ExportError(AutoshardError):
 
     @classmethod
     def from_exception(cls, exc: Exception) -> "ExportError":
+        """The ExportError for an exception torch.export raised: its first line, the user's source line
+        when one can be found, and advice matched to the kind of failure.
+
+        >>> str(ExportError.from_exception(ValueError("boom"))).splitlines()[0]
+        'torch.export could not trace the model: ValueError: boom'
+        """
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
         lowered = text.lower()

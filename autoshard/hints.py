@@ -30,7 +30,11 @@ _KEY_RE = re.compile(r"^(?P<target>[A-Za-z0-9_.*?\[\]\-]+)(?::(?P<suffix>output|
 
 @dataclass(frozen=True)
 class HintEntry:
-    """One key of the hint file: what it targets and the placements or split counts it asks for."""
+    """One key of the hint file: what it targets and the placements or split counts it asks for.
+
+    >>> Hints.parse({"layers.*.mlp:output": {"tp": "R"}}).entries[0].target_kind
+    'output'
+    """
 
     key: str
     target_kind: str  # "param" | "output" | "module_input" | "input" | "shard" | "stage"
@@ -41,14 +45,27 @@ class HintEntry:
 
 @dataclass
 class Hints:
-    """Parsed hints, still in user terms (axis names, globs); `annotate` resolves them on a graph."""
+    """Parsed hints, still in user terms (axis names, globs); `annotate` resolves them on a graph.
+
+    >>> hints = Hints.parse({"input:0": {"dp": "S(0)"}, "zero": {"dp": 2}})
+    >>> hints.zero, bool(hints)
+    ({'dp': 2}, True)
+    """
 
     entries: list[HintEntry] = field(default_factory=list)
     zero: dict = field(default_factory=dict)  # {axis name: ZeRO stage}, at most one axis
 
     @classmethod
     def load(cls, path) -> "Hints":
-        """Read a hint file: JSON only (never code), at most 4 MiB (a dict or Hints passes through parse)."""
+        """Read a hint file: JSON only (never code), at most 4 MiB (a dict or Hints passes through parse).
+
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "hints.json")
+        >>> with open(path, "w") as f:
+        ...     json.dump({"fc.weight": {"tp": "S(0)"}}, f)
+        >>> Hints.load(path).to_json()
+        {'fc.weight': {'tp': 'S(0)'}}
+        """
         if isinstance(path, (dict, Hints)):
             return cls.parse(path)
         if not isinstance(path, (str, os.PathLike)):
@@ -69,6 +86,12 @@ class Hints:
 
     @classmethod
     def parse(cls, data, source: str = "hints") -> "Hints":
+        """Hints from a dict in the hint-file format (None: no hints; Hints pass through); every
+        malformed key or value is a HintError naming it (`source` names where the dict came from).
+
+        >>> Hints.parse({"layers.*.weight": {"tp": "S(1)"}}).entries[0].placements
+        {'tp': S(1)}
+        """
         if data is None:
             return cls()
         if isinstance(data, Hints):
@@ -85,9 +108,19 @@ class Hints:
         return bool(self.entries)
 
     def axis_names(self) -> set[str]:
+        """The mesh axis names the hints mention.
+
+        >>> sorted(Hints.parse({"input:0": {"dp": "S(0)"}, "fc.weight": {"tp": "S(0)"}}).axis_names())
+        ['dp', 'tp']
+        """
         return {axis for e in self.entries for axis in e.placements}
 
     def to_json(self) -> dict:
+        """The hints in the hint-file format again (what a plan file records).
+
+        >>> Hints.parse({"input:0": {"dp": "S(0)"}}).to_json()
+        {'input:0': {'dp': 'S(0)'}}
+        """
         out = {}
         for e in self.entries:
             if e.target_kind == "shard":
@@ -104,7 +137,11 @@ ZERO_STAGES = (1, 2, 3)
 
 
 def parse_zero(value, source: str = "zero") -> dict:
-    """`{"dp": 3}` -> {"dp": 3}: one mesh axis name mapped to a ZeRO stage (1, 2 or 3)."""
+    """`{"dp": 3}` -> {"dp": 3}: one mesh axis name mapped to a ZeRO stage (1, 2 or 3).
+
+    >>> parse_zero({"dp": 3})
+    {'dp': 3}
+    """
     example = 'write e.g. {"dp": 3} (stage 1: optimizer state sharded, 2: also gradients, 3: also parameters)'
     if not isinstance(value, dict) or len(value) != 1:
         raise HintError(f"{source} must map one data-parallel mesh axis name to a ZeRO stage, got {value!r:.80}; "
@@ -165,11 +202,21 @@ def _placements(key, value, source) -> dict:
 
 
 def match_paths(pattern: str, paths) -> list[str]:
-    """Paths matching a glob, where `*` also matches a single path component."""
+    """Paths matching a glob, where `*` also matches a single path component.
+
+    >>> match_paths("layers.*.weight", ["layers.0.weight", "layers.1.bias", "head.weight"])
+    ['layers.0.weight']
+    """
     return [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
 
 
 def unknown_target_error(entry: HintEntry, known, what: str) -> HintError:
+    """The HintError for a hint that matches nothing, suggesting the closest paths of the model.
+
+    >>> entry = Hints.parse({"mlp.fc3.weight": {"tp": "S(0)"}}).entries[0]
+    >>> print(unknown_target_error(entry, ["mlp.fc1.weight", "mlp.fc2.weight"], "parameter"))  # doctest: +ELLIPSIS
+    hint 'mlp.fc3.weight' matches no parameter of the model. Did you mean 'mlp.fc2.weight', 'mlp.fc1.weight'? ...
+    """
     close = difflib.get_close_matches(entry.pattern, list(known), n=3, cutoff=0.6)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return HintError(f"hint {entry.key!r} matches no {what} of the model.{hint} "
@@ -179,7 +226,12 @@ def unknown_target_error(entry: HintEntry, known, what: str) -> HintError:
 def check_placement_for(key: str, kind: str, axis: str, placement: Placement, shape, target: str = "") -> Placement:
     """A hint's placement must name an existing dim; inputs and parameters cannot be partial.
 
-    `target` names the tensor the hint landed on when the key is a glob (errors then say which)."""
+    `target` names the tensor the hint landed on when the key is a glob (errors then say which).
+
+    >>> from autoshard.placement import S
+    >>> check_placement_for("fc.weight", "param", "tp", S(-1), (8, 4))   # negative dims count from the end
+    S(1)
+    """
     what = {"param": "parameter", "buffer": "buffer", "input": "input", "output": "module output"}.get(kind, "tensor")
     at = f" for {target}," if target else ""
     if isinstance(placement, Partial) and kind in ("param", "buffer", "input"):

@@ -21,7 +21,13 @@ from .errors import UserInputError
 
 @dataclass(frozen=True)
 class Mesh:
-    """An N-D device mesh; `names=None` leaves every axis's role to the planner (named a0, a1, ...)."""
+    """An N-D device mesh; `names=None` leaves every axis's role to the planner (named a0, a1, ...).
+
+    >>> Mesh((2, 4), ("dp", "tp")).size
+    8
+    >>> Mesh((2, 2))          # unnamed: the planner picks each axis's role
+    Mesh(a0=2, a1=2)
+    """
 
     shape: tuple[int, ...]
     names: tuple[str, ...] | None = None
@@ -61,7 +67,11 @@ class Mesh:
 
     @classmethod
     def of(cls, mesh, axis_names=None) -> "Mesh":
-        """Accept a Mesh, a tuple of sizes or an int."""
+        """Accept a Mesh, a tuple of sizes or an int.
+
+        >>> Mesh.of(4), Mesh.of((2, 2), ("dp", "tp"))
+        (Mesh(a0=4), Mesh(dp=2, tp=2))
+        """
         if isinstance(mesh, Mesh):
             if axis_names is not None and tuple(axis_names) != mesh.names:
                 raise UserInputError(f"axis_names={tuple(axis_names)!r} disagree with the names of {mesh!r}; "
@@ -76,14 +86,28 @@ class Mesh:
 
     @property
     def ndim(self) -> int:
+        """Number of mesh axes.
+
+        >>> Mesh((2, 2, 2)).ndim
+        3
+        """
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """Number of devices (ranks).
+
+        >>> Mesh((2, 4)).size
+        8
+        """
         return math.prod(self.shape)
 
     def axis(self, name_or_index) -> int:
-        """Index of an axis given by name or index; errors list the names."""
+        """Index of an axis given by name or index; errors list the names.
+
+        >>> Mesh((2, 4), ("dp", "tp")).axis("tp")
+        1
+        """
         if isinstance(name_or_index, int) and 0 <= name_or_index < self.ndim:
             return name_or_index
         if name_or_index in self.names:
@@ -92,6 +116,11 @@ class Mesh:
                              "use one of those names")
 
     def coord(self, rank: int) -> tuple[int, ...]:
+        """The mesh coordinate of `rank` (row-major, the last axis fastest).
+
+        >>> Mesh((2, 4)).coord(5)
+        (1, 1)
+        """
         coord = []
         for size in reversed(self.shape):
             coord.append(rank % size)
@@ -99,16 +128,30 @@ class Mesh:
         return tuple(reversed(coord))
 
     def rank(self, coord) -> int:
+        """The rank at mesh coordinate `coord` (inverse of `coord`).
+
+        >>> Mesh((2, 4)).rank((1, 1))
+        5
+        """
         rank = 0
         for c, size in zip(coord, self.shape):
             rank = rank * size + c
         return rank
 
     def coords(self):
+        """Every coordinate, in rank order.
+
+        >>> Mesh((2, 2)).coords()
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+        """
         return list(itertools.product(*(range(n) for n in self.shape)))
 
     def axis_group(self, rank: int, axis) -> tuple[int, ...]:
-        """Ranks that share every coordinate with `rank` except on `axis` (ordered by that coordinate)."""
+        """Ranks that share every coordinate with `rank` except on `axis` (ordered by that coordinate).
+
+        >>> Mesh((2, 4), ("dp", "tp")).axis_group(5, "dp")
+        (1, 5)
+        """
         axis = self.axis(axis)
         coord = list(self.coord(rank))
         group = []
@@ -118,7 +161,11 @@ class Mesh:
         return tuple(group)
 
     def axis_groups(self, axis) -> list[tuple[int, ...]]:
-        """Every group along `axis`, in rank order; all ranks create them in this order."""
+        """Every group along `axis`, in rank order; all ranks create them in this order.
+
+        >>> Mesh((2, 2), ("dp", "tp")).axis_groups("dp")
+        [(0, 2), (1, 3)]
+        """
         seen, groups = set(), []
         for rank in range(self.size):
             group = self.axis_group(rank, axis)
@@ -128,8 +175,18 @@ class Mesh:
         return groups
 
     def to_json(self) -> dict:
+        """The mesh as JSON (`from_json` reads it back).
+
+        >>> Mesh((2, 4), ("dp", "tp")).to_json()
+        {'shape': [2, 4], 'names': ['dp', 'tp'], 'named': True}
+        """
         return {"shape": list(self.shape), "names": list(self.names), "named": self.named}
 
     @classmethod
     def from_json(cls, data) -> "Mesh":
+        """A mesh from `to_json`'s output.
+
+        >>> Mesh.from_json({"shape": [2, 4], "names": ["dp", "tp"], "named": True})
+        Mesh(dp=2, tp=4)
+        """
         return cls(tuple(data["shape"]), tuple(data["names"]) if data.get("named", True) else None)

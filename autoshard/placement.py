@@ -22,12 +22,20 @@ import torch
 
 @dataclass(frozen=True, order=True)
 class Placement:
-    """Base of S, R and P; immutable and hashable."""
+    """Base of S, R and P; immutable and hashable.
+
+    >>> isinstance(S(0), Placement), isinstance(R, Placement), isinstance(P, Placement)
+    (True, True, True)
+    """
 
 
 @dataclass(frozen=True, order=True)
 class Shard(Placement):
-    """`S(d)`: tensor dim `d` is split in equal contiguous blocks over the axis."""
+    """`S(d)`: tensor dim `d` is split in equal contiguous blocks over the axis.
+
+    >>> Shard(1), Shard(1) == S(1)
+    (S(1), True)
+    """
 
     dim: int
 
@@ -37,7 +45,11 @@ class Shard(Placement):
 
 @dataclass(frozen=True, order=True)
 class Replicate(Placement):
-    """`R`: every rank on the axis holds the whole tensor."""
+    """`R`: every rank on the axis holds the whole tensor.
+
+    >>> Replicate() == R
+    True
+    """
 
     def __repr__(self) -> str:
         return "R"
@@ -45,7 +57,11 @@ class Replicate(Placement):
 
 @dataclass(frozen=True, order=True)
 class Partial(Placement):
-    """`P`: every rank holds a summand; the tensor is the sum over the axis."""
+    """`P`: every rank holds a summand; the tensor is the sum over the axis.
+
+    >>> Spec([P, R]).partial_axes()
+    (0,)
+    """
 
     def __repr__(self) -> str:
         return "P"
@@ -56,7 +72,11 @@ P = Partial()
 
 
 def S(dim: int) -> Shard:
-    """Shorthand for `Shard(dim)`; `S(0)` shards the first dim."""
+    """Shorthand for `Shard(dim)`; `S(0)` shards the first dim.
+
+    >>> S(0)
+    S(0)
+    """
     return Shard(dim)
 
 
@@ -64,7 +84,11 @@ _PLACEMENT_RE = re.compile(r"^\s*(?:(R)|(P)|S\(\s*(-?[0-9]{1,6})\s*\))\s*$")
 
 
 def parse_placement(text: str, where: str = "") -> Placement:
-    """Parse `"S(1)"`, `"R"` or `"P"`; errors name `where` the text came from."""
+    """Parse `"S(1)"`, `"R"` or `"P"`; errors name `where` the text came from.
+
+    >>> parse_placement("S(1)"), parse_placement("R"), parse_placement("P")
+    (S(1), R, P)
+    """
     match = _PLACEMENT_RE.match(text) if isinstance(text, str) else None
     if match is None:
         at = f" in {where}" if where else ""
@@ -77,7 +101,13 @@ def parse_placement(text: str, where: str = "") -> Placement:
 
 
 class Spec(tuple):
-    """One placement per mesh axis; printed `[S(0), R]`."""
+    """One placement per mesh axis; printed `[S(0), R]`.
+
+    >>> Spec([S(0), R])
+    [S(0), R]
+    >>> Spec([S(0), R]) == Spec.parse("[S(0), R]")
+    True
+    """
 
     def __new__(cls, placements=()):
         return super().__new__(cls, tuple(placements))
@@ -87,10 +117,20 @@ class Spec(tuple):
 
     @classmethod
     def replicated(cls, ndim: int) -> "Spec":
+        """The spec that replicates on every one of `ndim` mesh axes.
+
+        >>> Spec.replicated(2)
+        [R, R]
+        """
         return cls((R,) * ndim)
 
     @classmethod
     def parse(cls, text: str) -> "Spec":
+        """Parse the printed form `[S(0), R]` (one placement per mesh axis).
+
+        >>> Spec.parse("[S(0), P]")
+        [S(0), P]
+        """
         inner = text.strip()
         if not (inner.startswith("[") and inner.endswith("]")):
             raise ValueError(f"malformed spec {text!r}: write e.g. '[S(0), R]'")
@@ -98,23 +138,46 @@ class Spec(tuple):
         return cls(parse_placement(p, text) for p in parts)
 
     def axes_sharding(self, dim: int) -> tuple[int, ...]:
-        """Mesh axes (outer first) that shard tensor dim `dim`."""
+        """Mesh axes (outer first) that shard tensor dim `dim`.
+
+        >>> Spec([S(0), S(0), R]).axes_sharding(0)   # dim 0 sharded over axes 0 and 1
+        (0, 1)
+        """
         return tuple(a for a, p in enumerate(self) if isinstance(p, Shard) and p.dim == dim)
 
     def partial_axes(self) -> tuple[int, ...]:
+        """Mesh axes on which the tensor is a pending partial sum.
+
+        >>> Spec([P, S(0), P]).partial_axes()
+        (0, 2)
+        """
         return tuple(a for a, p in enumerate(self) if isinstance(p, Partial))
 
     def is_replicated(self) -> bool:
+        """True when every mesh axis holds the whole tensor.
+
+        >>> Spec([R, R]).is_replicated(), Spec([R, S(0)]).is_replicated()
+        (True, False)
+        """
         return all(isinstance(p, Replicate) for p in self)
 
     def with_axis(self, axis: int, placement: Placement) -> "Spec":
+        """This spec with mesh axis `axis` changed to `placement`.
+
+        >>> Spec([R, R]).with_axis(1, S(0))
+        [R, S(0)]
+        """
         items = list(self)
         items[axis] = placement
         return Spec(items)
 
 
 def local_shape(shape, spec: Spec, mesh_shape) -> tuple[int, ...]:
-    """Shape of one rank's block; requires every sharded dim to divide evenly."""
+    """Shape of one rank's block; requires every sharded dim to divide evenly.
+
+    >>> local_shape((8, 512), Spec([S(0), S(1)]), (2, 4))
+    (4, 128)
+    """
     out = list(shape)
     for axis, placement in enumerate(spec):
         if isinstance(placement, Shard):
@@ -128,7 +191,11 @@ def local_shape(shape, spec: Spec, mesh_shape) -> tuple[int, ...]:
 
 
 def shard_index(spec: Spec, dim: int, coord, mesh_shape) -> tuple[int, int]:
-    """(block index, block count) of the rank at mesh `coord` along tensor dim `dim`."""
+    """(block index, block count) of the rank at mesh `coord` along tensor dim `dim`.
+
+    >>> shard_index(Spec([S(0), S(0)]), 0, (1, 0), (2, 2))   # dim 0 in 4 blocks; rank (1, 0) holds block 2
+    (2, 4)
+    """
     index, count = 0, 1
     for axis in spec.axes_sharding(dim):
         index = index * mesh_shape[axis] + coord[axis]
@@ -137,7 +204,12 @@ def shard_index(spec: Spec, dim: int, coord, mesh_shape) -> tuple[int, int]:
 
 
 def shard_tensor(tensor: torch.Tensor, spec: Spec, coord, mesh_shape) -> torch.Tensor:
-    """The block of a global tensor held by the rank at `coord` (partial axes: rank 0 holds it)."""
+    """The block of a global tensor held by the rank at `coord` (partial axes: rank 0 holds it).
+
+    >>> import torch
+    >>> shard_tensor(torch.arange(8), Spec([S(0)]), (1,), (2,))
+    tensor([4, 5, 6, 7])
+    """
     local = tensor
     for dim in range(tensor.dim()):
         index, count = shard_index(spec, dim, coord, mesh_shape)
@@ -152,7 +224,15 @@ def shard_tensor(tensor: torch.Tensor, spec: Spec, coord, mesh_shape) -> torch.T
 
 
 def unshard_tensors(blocks: dict, spec: Spec, mesh_shape) -> torch.Tensor:
-    """Rebuild the global tensor from `{coord: block}` of every rank (sums partial axes)."""
+    """Rebuild the global tensor from `{coord: block}` of every rank (sums partial axes).
+
+    >>> import torch
+    >>> blocks = {(0,): torch.tensor([0, 1]), (1,): torch.tensor([2, 3])}
+    >>> unshard_tensors(blocks, Spec([S(0)]), (2,))
+    tensor([0, 1, 2, 3])
+    >>> unshard_tensors(blocks, Spec([P]), (2,))    # partial: the blocks are summed
+    tensor([2, 4])
+    """
     coords = list(itertools.product(*(range(n) for n in mesh_shape)))
     # Sum over partial axes: keep coords with 0 on those axes and add the others into them.
     partial = set(spec.partial_axes())
@@ -183,11 +263,21 @@ _DTYPE_NAMES = {
 
 
 def dtype_name(dtype) -> str:
+    """The short dtype name used in types (`f32`, `bf16`, `i64`, ...).
+
+    >>> import torch
+    >>> dtype_name(torch.bfloat16)
+    'bf16'
+    """
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def describe_type(shape, spec: Spec | None, axis_names, dtype="f32") -> str:
-    """`f32[8@dp, 512@tp]`: global sizes, the axes sharding each dim after `@`, `P@axis` for partials."""
+    """`f32[8@dp, 512@tp]`: global sizes, the axes sharding each dim after `@`, `P@axis` for partials.
+
+    >>> describe_type((8, 512), Spec([S(0), P]), ("dp", "tp"), "f32")
+    'f32[8@dp, 512]{P@tp}'
+    """
     if not isinstance(dtype, str):
         dtype = dtype_name(dtype)
     dims = []

@@ -26,7 +26,12 @@ PLAN_VERSION = 2  # 2: rows carry `choice` (per axis: {"inputs", "output"})
 
 @dataclass
 class PlanRow:
-    """One node of the plan."""
+    """One node of the plan.
+
+    >>> row = plan.rows[0]
+    >>> row.path, row.spec, row.type
+    ('layers.0.weight', '[R, S(0)]', 'f32[128@tp, 32]')
+    """
 
     name: str
     op: str
@@ -44,6 +49,11 @@ class PlanRow:
 
 @dataclass
 class Plan:
+    """The compiled plan: mesh, one row per tensor, gradient reductions, hints, predicted costs.
+
+    >>> plan.mesh, plan.grad_reduce["layers.0.weight"]
+    (Mesh(dp=2, tp=2), ('dp',))
+    """
     mesh: Mesh
     rows: list[PlanRow]
     grad_reduce: dict = field(default_factory=dict)
@@ -55,6 +65,11 @@ class Plan:
 
     @classmethod
     def from_state(cls, state) -> "Plan":
+        """The plan of a compiled program (`prog.plan` calls this after the passes ran).
+
+        >>> Plan.from_state(prog.state).fingerprint == plan.fingerprint
+        True
+        """
         from .passes.predict import COMM_COST
         mesh = state.mesh
         rows = []
@@ -82,25 +97,44 @@ class Plan:
         return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, dict(state.predicted), state)
 
     def save(self, path) -> None:
-        """Write the plan as JSON (with its fingerprint) for `Plan.load` / `parallelize(..., plan=path)`."""
+        """Write the plan as JSON (with its fingerprint) for `Plan.load` / `parallelize(..., plan=path)`.
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> plan.save(path)
+        >>> Plan.load(path).fingerprint == plan.fingerprint
+        True
+        """
         from .plan_io import save_plan
         save_plan(self, path)
 
     @classmethod
     def load(cls, path) -> "Plan":
         """Read a plan file written by `save`: JSON only, at most 64 MiB, checked against the plan schema;
-        anything wrong raises PlanFileError saying what, where (JSON path, node) and what to do."""
+        anything wrong raises PlanFileError saying what, where (JSON path, node) and what to do.
+
+        >>> # Plan.load("plan.json"), or directly: autoshard.parallelize(model, mesh, inputs, plan="plan.json")
+        """
         from .plan_io import load_plan
         return load_plan(path)
 
     def explain(self, path: str = "") -> str:
-        """Why the ops under module `path` got their placements: each axis's alternatives and costs."""
+        """Why the ops under module `path` got their placements: each axis's alternatives and costs.
+
+        >>> print(plan.explain("layers.0").splitlines()[0])
+        layers.0: linear_default = aten.linear.default  spec [S(0), S(1)]
+        """
         if self._state is None:
             raise PlanError("explain needs the compiled program; a plan loaded from JSON keeps only decisions")
         from .explain import explain_nodes
         return explain_nodes(self._state, path)
 
     def to_json(self) -> dict:
+        """The plan as a JSON-serialisable dict (the content of a plan file, without its fingerprint).
+
+        >>> plan.to_json()["mesh"]
+        {'shape': [2, 2], 'names': ['dp', 'tp'], 'named': True}
+        """
         return {"version": PLAN_VERSION, "mesh": self.mesh.to_json(), "hints": self.hints,
                 "nodes": [r.__dict__ for r in self.rows],
                 "grad_reduce": {k: list(v) for k, v in self.grad_reduce.items()},
@@ -109,21 +143,46 @@ class Plan:
                 **({"search": self.search} if self.search else {})}
 
     def dumps(self) -> str:
+        """Canonical JSON text (sorted keys, no spaces): byte-identical for the same plan.
+
+        >>> plan.dumps() == Plan.from_state(prog.state).dumps()
+        True
+        """
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @property
     def fingerprint(self) -> str:
+        """16 hex digits of the sha256 of `dumps()`; ranks compare it before their first collective.
+
+        >>> len(plan.fingerprint)
+        16
+        """
         return hashlib.sha256(self.dumps().encode()).hexdigest()[:16]
 
     def collectives(self) -> list[PlanRow]:
+        """The rows that are inserted collectives.
+
+        >>> [(r.collective, r.axis, r.path) for r in plan.collectives()]
+        [('all_to_all', 'tp', 'layers.0')]
+        """
         return [r for r in self.rows if r.collective]
 
     def filter(self, glob: str) -> list[PlanRow]:
-        """Rows whose module path matches a glob (`layers.0.*`) or equals it."""
+        """Rows whose module path matches a glob (`layers.0.*`) or equals it.
+
+        >>> [r.name for r in plan.filter("layers.0")]
+        ['p_model_layers_0_weight', 'p_model_layers_0_bias', 'linear_default', 'all_to_all', 'add_tensor']
+        """
         return [r for r in self.rows if fnmatch.fnmatchcase(r.path, glob) or r.path == glob
                 or r.path.startswith(glob + ".")]
 
     def table(self, rows=None) -> str:
+        """The rows (all, or `rows`) as aligned text: node, op, module, sharded type, collective, bytes.
+
+        >>> print(plan.table(plan.filter("layers.0.weight")))
+        node                     op     module           type             collective  fwd B  bwd B
+        p_model_layers_0_weight  param  layers.0.weight  f32[128@tp, 32]
+        """
         rows = self.rows if rows is None else rows
         head = ("node", "op", "module", "type", "collective", "fwd B", "bwd B")
         body = [(r.name, r.op, r.path, r.type, f"{r.collective}@{r.axis}" if r.collective else "",
@@ -133,7 +192,11 @@ class Plan:
         return "\n".join(lines)
 
     def axis_roles(self) -> dict:
-        """What the plan uses each mesh axis for, in words (the planner decides this on unnamed meshes)."""
+        """What the plan uses each mesh axis for, in words (the planner decides this on unnamed meshes).
+
+        >>> plan.axis_roles()["tp"]
+        'model parallel: 1 of 6 parameters sharded'
+        """
         roles = {}
         for axis, name in enumerate(self.mesh.names):
             batch = any(r.kind == "input" and Spec.parse(r.spec)[axis] == Shard(0) for r in self.rows)
@@ -153,6 +216,11 @@ class Plan:
         return roles
 
     def summary(self) -> str:
+        """Predicted step time and memory, and per mesh axis its role, collectives and bytes per step.
+
+        >>> print(plan.summary().splitlines()[0])  # doctest: +ELLIPSIS
+        Plan on Mesh(dp=2, tp=2): 19 nodes, 1 collectives, fingerprint ...
+        """
         counts: dict = {}
         for r in self.collectives():
             counts.setdefault(r.axis, {}).setdefault(r.collective, 0)
