@@ -156,3 +156,45 @@ def apply_parallel_config(model, parallel: dict, mesh, axis_names, hints):
                              f"{tuple(axis_names)} or rename them to match")
     merged = {**tp.hints, **(hints or {})}
     return tp.mesh_shape, tp.axis_names, merged
+
+
+def llama_layer_linears(dim: int, ffn_dim: int, kv_dim: int):
+    """(H_in, H_out) of a Llama block's linears, grouped by the activation they gather: q/k/v share the
+    attention norm's output, w1/w3 the FFN norm's; wo and w2 are the second linear of their pair."""
+    return {"column": [[(dim, dim), (dim, kv_dim), (dim, kv_dim)], [(dim, ffn_dim), (dim, ffn_dim)]],
+            "row": [(dim, dim), (ffn_dim, dim)]}
+
+
+def layer_comm_formula(mode: str, linears: dict, tokens: int, q: int, depth: int = 1, elem: int = 8,
+                       norms: int = 2) -> dict:
+    """Bytes per transformer layer and mesh axis {"fwd", "bwd"} that the papers' algorithms move, in
+    the runtime's counting convention (all-gather: the gathered tensor; reduce-scatter/all-reduce:
+    the tensor reduced). Derivation, per linear Y = X W with X [T, H_in], W [H_in, H_out]:
+      2D SUMMA (2104.05343): processor (i, j) receives q-1 blocks of X [T/q, H_in/q] along its row and
+        q-1 blocks of W [H_in/q, H_out/q] along its column = an all-gather of X over col (T/q x H_in)
+        and of W over row (H_in x H_out/q); backward reduces dX and dW the same way (reduce-scatter).
+      2.5D Tesseract (2105.14500): the same inside each of `depth` slices with T split d*q ways, plus
+        the weight gradient's all-reduce over depth on the q x q block (H_in/q x H_out/q).
+      3D (2105.14450): all-gather X over the input axis (to T/q^2 x H_in/q... a [T/q^2, H_in] block in
+        our layout), W over the weight axis (to H_in x H_out/q^2), reduce-scatter Y over the output axis
+        (from T/q^2 x H_out); consecutive linears swap input and output axes; backward is the dual.
+    Norm statistics ([T/(rows), 1] per norm) are all-reduced over the hidden split (and back in bwd)."""
+    ws = [w for group in linears["column"] for w in group] + list(linears["row"])
+    weights = sum(i * o for i, o in ws)
+    if mode in ("2d", "2.5d"):
+        rows = tokens // (q * depth)
+        acts = sum(group[0][0] for group in linears["column"]) + sum(i for i, _ in linears["row"])
+        col = elem * (rows * acts + norms * rows)
+        out = {"row": {"fwd": elem * weights // q, "bwd": elem * weights // q}, "col": {"fwd": col, "bwd": col}}
+        if mode == "2.5d":
+            out["dep"] = {"fwd": 0, "bwd": elem * weights // (q * q)}
+        return out
+    block = tokens // (q * q)  # tokens in one [T/q^2, ...] block
+    gathered_in = sum(group[0][0] for group in linears["column"]) + sum(o for _, o in linears["row"])
+    x = elem * block * gathered_in  # column inputs gathered over x, row outputs reduce-scattered over x
+    col_out = sum(o for group in linears["column"] for _, o in group)
+    row_in = sum(i for i, _ in linears["row"])
+    y_fwd = elem * block * (col_out + row_in)  # column outputs reduce-scattered, row inputs gathered
+    y = y_fwd + elem * norms * block  # plus the norms' statistics over the hidden split (y)
+    return {"x": {"fwd": x, "bwd": x}, "y": {"fwd": y, "bwd": y},
+            "z": {"fwd": elem * weights // (q * q), "bwd": elem * weights // (q * q)}}

@@ -1,0 +1,30 @@
+"""Tier 3 for issue 5's modes: GPT-2 and Llama train on real gloo ranks exactly like one device (float64,
+2 SGD steps) with sequence parallel (tp=2, dp x tp), 2D, 2.5D (depth 2), 3D, and checkpointed blocks."""
+import pytest
+
+from autoshard.tp_modes import colossal_hints
+from autoshard.verify import verify_factory
+from autoshard.zoo.hints import data_parallel, megatron_sp, plan_hints
+
+
+def _case(model, mode):
+    if mode == "sp-tp2":
+        return (2,), ("tp",), megatron_sp(model, "tp"), {}
+    if mode == "sp-dp2xtp2":
+        return (2, 2), ("dp", "tp"), {**megatron_sp(model, "tp"), **data_parallel(model, ("dp",))}, {}
+    if mode == "checkpoint":
+        return (2, 2), ("dp", "tp"), plan_hints(model, ("dp", "tp"), ("dp",), "tp"), {"checkpoint": ["layers.*"]}
+    size = {"2d": 4, "2.5d": 8, "3d": 8}[mode]
+    tp = colossal_hints(model, dict(tensor=dict(size=size, mode=mode, depth=2)))
+    return tp.mesh_shape, tp.axis_names, tp.hints, {}
+
+
+@pytest.mark.parametrize("mode", ["sp-tp2", "sp-dp2xtp2", "2d", "2.5d", "3d", "checkpoint"])
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_mode_matches_single_device(pool_runner, model, mode):
+    mesh, names, hints, options = _case(model, mode)
+    report, program = verify_factory(f"autoshard.zoo:{model}", mesh, names, hints=hints, steps=2,
+                                     runner=pool_runner, **options)
+    assert report.ok, f"{model} {mode}:\n{report}"
+    for axis, kinds in report.collectives.items():  # the cost model predicts every byte the ranks counted
+        assert sum(k["bytes"] for k in kinds.values()) == sum(program.plan.predicted["comm_bytes_per_step"][axis].values())
