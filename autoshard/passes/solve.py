@@ -14,6 +14,8 @@ auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bo
 times the sizes of the axes still to come (they can only shard further). When the strategy
 combinations of all axes fit (JOINT_MAX_VARIABLES), every axis is decided in one ILP with the exact
 cost of multi-axis resharding; otherwise axes are solved outer to inner. Writes `state.ilp_stats`.
+When no plan fits the budget, ZeRO stages 1, 2, 3 on the batch axis are tried in turn (their memory in
+the memory row, autoshard/zero_cost.py) and the first that fits is kept in `state.auto_zero`.
 
 Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
 graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
@@ -53,6 +55,16 @@ JOINT_MAX_VARIABLES = 150_000
 
 
 def solve(state) -> None:
+    from .zero import planned_zero, solve_with_zero
+    state.zero_for_memory = planned_zero(state)  # a requested ZeRO shrinks the memory row from the start
+    try:
+        _solve(state)
+    except MemoryBudgetError:
+        if state.zero_for_memory is not None or not solve_with_zero(state, _solve):
+            raise
+
+
+def _solve(state) -> None:
     graph = state.gm.graph
     profile = state.options.get("profile") or DEFAULT_PROFILE
     nodes = [n for n in graph.nodes if meta.CANDIDATES in n.meta]
@@ -224,6 +236,19 @@ def _data_parallel_axes(nodes) -> set:
             for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}
 
 
+def _zero_memory_scale(node, combo, prior, state, models) -> float:
+    """A parameter's memory under the ZeRO stage being planned for (`state.zero_for_memory`), relative to
+    without; its placement on the ZeRO axis is the candidate's, the earlier decision's, or R (undecided)."""
+    zero = getattr(state, "zero_for_memory", None)
+    if zero is None or node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not models[0].grad.get(node):
+        return 1.0
+    from ..zero_cost import memory_scale
+    axis = state.mesh.axis(zero.axis)
+    placement = combo[axis].output if axis in combo else prior[axis].output if axis < len(prior) else Replicate()
+    return memory_scale(zero.stage, state.mesh.shape[axis], models[0].optimizer_state_factor,
+                        isinstance(placement, Shard))
+
+
 def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism: float = 1.0):
     """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
     mesh = state.mesh
@@ -247,7 +272,7 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism
         c = class_of[n]
         for s, per_axis in enumerate(breakdowns[n]):
             costs[c][s] += per_axis[0].compute * _SCALE  # compute and memory are per node, not per axis
-            memory[c][s] += per_axis[0].memory
+            memory[c][s] += per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n], state, models)
     shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync)
     edges: dict = {}
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}

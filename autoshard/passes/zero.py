@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .. import meta
 from ..axis_cost import needs_grad
 from ..errors import HintError
-from ..hints import Hints, parse_zero
+from ..hints import ZERO_STAGES, Hints, parse_zero
 from ..placement import Replicate, Shard
 from ..strategies import AxisStrategy
 from .solve import record_choice
@@ -92,6 +92,51 @@ def resolve_zero(state) -> ZeroConfig | None:
                         f"shards what data parallelism replicates, so shard the batch there (hint \"input:0\": "
                         f"{{\"{axis}\": \"S(0)\"}}) or name a batch axis")
     return ZeroConfig(axis, stage)
+
+
+def _hinted_batch_axes(state) -> list[str]:
+    """Axes the hints split an input's batch dim on (known before solving)."""
+    return [state.mesh.names[a] for a in sorted({a for n in state.gm.graph.nodes if n.meta.get(meta.KIND) == "input"
+                                                 for a, p in n.meta.get(meta.HINT, {}).items() if p == Shard(0)})]
+
+
+def planned_zero(state) -> ZeroConfig | None:
+    """The requested ZeRO when its axis is known before solving (named, or the one hinted batch axis)."""
+    request = requested_zero(state)
+    if not request:
+        return None
+    (axis, stage), = request.items()
+    axes = _hinted_batch_axes(state)
+    if axis is None and len(axes) == 1:
+        axis = axes[0]
+    return ZeroConfig(axis, stage) if axis in state.mesh.names else None
+
+
+def solve_with_zero(state, solve_once) -> bool:
+    """No plan fits the memory budget: plan with ZeRO-1, -2, -3 on the batch axis in turn and keep the first
+    that fits (`state.auto_zero`); False when none does or there is no batch axis."""
+    axes = _hinted_batch_axes(state)
+    if not axes:  # where does the unbounded plan put the batch?
+        budget = state.options.get("memory_budget")
+        state.options["memory_budget"] = float("inf")
+        try:
+            solve_once(state)
+        finally:
+            state.options["memory_budget"] = budget
+        axes = batch_axes(state)
+    if not axes:
+        return False
+    from ..ilp import MemoryBudgetError
+    for stage in ZERO_STAGES:
+        state.zero_for_memory = ZeroConfig(axes[0], stage, "memory budget")
+        try:
+            solve_once(state)
+        except MemoryBudgetError:
+            continue
+        state.auto_zero = state.zero_for_memory
+        return True
+    state.zero_for_memory = None
+    return False
 
 
 def zero(state) -> None:

@@ -21,6 +21,7 @@ SparseAdam are refused.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch
 
 from ..errors import UserInputError
 from ..placement import Shard
+from .zero_gather import compact
 
 BUCKET_BYTES = 25 << 20
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
@@ -134,7 +136,7 @@ class ZeroOptimizer:
         for bucket in _buckets([e for e in flat if e.reduce], lambda e: e.param.grad):
             rows = torch.cat([_padded_rows(e.param.grad, self.k, e.chunk) for e in bucket], dim=1)
             self.comm.log.record(self.axis, "reduce_scatter", rows.numel() * rows.element_size(), "sync")
-            mine = self.comm.reduce_scatter(rows, self.axis, 0).reshape(-1)
+            mine = compact(self.comm.reduce_scatter(rows, self.axis, 0)).reshape(-1)
             for e, piece in zip(bucket, mine.split([e.chunk for e in bucket])):
                 e.grad_shard = piece
         for e in flat:
@@ -236,10 +238,15 @@ def _buckets(entries, tensor_of):
 
 
 def _same_optimizer(optimizer, groups):
-    """A new optimizer of the wrapped one's class and defaults over `groups` (each with its own options)."""
+    """A new optimizer of the wrapped one's class over `groups` (each keeps all its options); constructor
+    arguments come from the wrapped one's defaults (those its signature takes) and the defaults are copied."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
     try:
-        return type(optimizer)(groups, **optimizer.defaults)
+        new = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     except TypeError as exc:
-        raise UserInputError(f"cannot rebuild {type(optimizer).__name__} on the shards from its defaults "
-                             f"({exc}); ZeroOptimizer supports optimizers whose constructor takes "
-                             "(params, **defaults), as every torch.optim optimizer does") from exc
+        raise UserInputError(f"cannot rebuild {cls.__name__} on the shards from its defaults ({exc}); "
+                             "ZeroOptimizer supports optimizers whose constructor takes (params, **defaults), as "
+                             "torch.optim's do") from exc
+    new.defaults.update(optimizer.defaults)
+    return new

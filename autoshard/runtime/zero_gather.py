@@ -24,6 +24,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """`t` in storage of its own size: a shard cut from a gathered or summed buffer would keep all of it."""
+    return t if t.untyped_storage().nbytes() == _nbytes(t) else t.clone()
+
+
 class GatheredMemory:
     """Bytes of gathered parameter copies alive now and at most (peak) since `reset`."""
 
@@ -96,7 +101,7 @@ class ParamAllGather(torch.autograd.Function):
             shard = comm.reduce_scatter(grad.contiguous(), axis, dim)
         else:
             shard = grad.chunk(comm.axis_size(axis), dim)[comm.axis_rank(axis)].contiguous()
-        return shard, None, None, None, None
+        return compact(shard), None, None, None, None
 
 
 def _pack(t: torch.Tensor):
