@@ -163,6 +163,10 @@ def _dtensor(local, spec, program, comm):
 
 
 def _param_state(optimizer, param, fqn) -> dict:
+    """The optimizer's tensors for one local parameter: shaped like it (sharded like it) or scalars."""
+    if not isinstance(getattr(optimizer, "state", None), dict):
+        raise UserInputError(f"optimizer {type(optimizer).__name__} keeps no per-parameter `state` dict; "
+                             "save_checkpoint takes a torch.optim optimizer over the rank module's parameters")
     state = {}
     for name, value in optimizer.state.get(param, {}).items():
         if value is None:
@@ -170,6 +174,12 @@ def _param_state(optimizer, param, fqn) -> dict:
         if not isinstance(value, torch.Tensor):
             raise UserInputError(f"optimizer state {name!r} of parameter {fqn!r} is a {type(value).__name__}, not a "
                                  "tensor; checkpoints hold tensors only (use an optimizer that keeps tensor state)")
+        # Anything else (e.g. ZeRO's flat shards) would be saved as if every rank held the same value.
+        if value.shape != param.shape and value.dim() != 0:
+            raise UserInputError(f"optimizer state {name!r} of parameter {fqn!r} has shape {tuple(value.shape)}, "
+                                 f"neither the local parameter's {tuple(param.shape)} nor a scalar; save_checkpoint "
+                                 "supports optimizers whose state is shaped like the parameters (not ZeRO's "
+                                 "sharded optimizer state yet)")
         state[name] = value.detach()
     return state
 

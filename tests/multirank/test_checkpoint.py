@@ -148,3 +148,18 @@ def test_the_index_is_never_unpickled_freely(saved, tmp_path):
     with pytest.raises(CheckpointError, match="posix.system is not part of a checkpoint index|system is not part"):
         load_checkpoint(str(hostile), _case()[0])
     assert not (tmp_path / "boom.txt").exists() and not os.path.exists("boom.txt")
+
+
+def test_saving_needs_real_ranks_and_parameter_shaped_optimizer_state():
+    from autoshard.checkpoint import _param_state
+    from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+    mesh, names, hints = PLAN_B
+    model, inputs, loss_fn = _case()
+    prog = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, axis_names=names, hints=hints)
+    module = prog.module(0, ThreadCommunicator(ThreadHub(prog.mesh), 0))
+    with pytest.raises(autoshard.UserInputError, match="in-process simulator"):
+        save_checkpoint("unused", module)
+    param = next(module.parameters())
+    flat_shard = torch.zeros(param.numel() // 2)  # what a ZeRO optimizer keeps: not shaped like the parameter
+    with pytest.raises(autoshard.UserInputError, match="not ZeRO's sharded optimizer state"):
+        _param_state(type("Opt", (), {"state": {param: {"exp_avg": flat_shard}}})(), param, "layers.0.weight")
