@@ -44,8 +44,10 @@ class PipelineProgram(Program):
         from .pipeline_search import predicted_step
         plan = super().plan
         stages = self.state.pipeline_stages
+        planned = self.planned_timeline()
         plan.pipeline = {**self.config.to_json(), "stage_table": stages,
                          "predicted_step_s": predicted_step(stages, self.config.microbatches, self.config.virtual),
+                         "simulated_step_s": planned.span(), "predicted_bubble": planned.bubble_fraction(),
                          "tied_params": {k: list(v) for k, v in sorted(self.tied_params.items())},
                          "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)]}
         for row, node in zip(plan.rows, (n for n in self.state.gm.graph.nodes if meta.SPEC in n.meta)):
@@ -56,6 +58,12 @@ class PipelineProgram(Program):
         c = self.config
         return (f"PipelineProgram({self.mesh!r}, {c.num_stages} stages over {c.axis!r}, {c.schedule}, "
                 f"{c.microbatches} micro-batches, fingerprint={self.plan.fingerprint})\n{self.plan.summary()}")
+
+    def planned_timeline(self):
+        """The step this plan predicts: the schedule's action order run on the predicted stage times
+        (print it, or `.plot()` it in a notebook)."""
+        from .timeline import planned_timeline
+        return planned_timeline(self)
 
     def _tied_params(self) -> dict:
         """Parameter FQN -> the stages using it, for parameters used by more than one stage."""

@@ -1,9 +1,10 @@
 """Whether to pipeline, over which axis, with how many micro-batches: decided by predicted step time.
 
 A named axis "pp" (or `pipeline={"axis": ...}`) fixes the axis; the micro-batch count, when not given,
-is the candidate (p, 2p, 4p that divide the batch) with the least predicted step time. On an unnamed
-mesh every axis of size >= 2 is a candidate pp axis besides not pipelining at all; each candidate is
-planned (intra-op plan on the other axes + cut) and the fastest predicted step wins. The predicted
+is the candidate (p, 2p, 4p that divide the batch) with the least predicted step time, estimated from
+one plan (see `estimate_step`) and re-planned once if another count wins. On an unnamed mesh without
+hints every axis of size >= 2 is a candidate pp axis besides not pipelining at all (one per class of equal size and
+links); each is planned (intra-op plan on the other axes + cut) and the fastest predicted step wins. The predicted
 step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1) x the slowest stage + the
 slowest stage's gradient sync; `plan.pipeline["search"]` keeps every candidate's figures (the why).
 """
@@ -36,7 +37,7 @@ def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeli
     if axis is None and pipeline is not None and not unnamed:
         raise UserInputError(f"pipeline options given but no pipeline axis: name a mesh axis 'pp' or pass "
                              f"pipeline={{'axis': ...}} (mesh axes: {list(mesh.names)})")
-    if axis is None and not unnamed:
+    if axis is None and (not unnamed or hints):  # hints name axis roles: the user has decided them
         return None
     if plan is not None:
         raise UserInputError("parallelize(plan=...) does not reproduce pipelined programs yet; plan again "
@@ -52,39 +53,60 @@ def _microbatch_candidates(p: int, batch: int) -> list[int]:
     return [m for m in (p, 2 * p, 4 * p) if m <= batch and batch % m == 0] or [1]
 
 
+def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> float:
+    """The predicted step with `m` micro-batches from stage times measured at `m0`: the bandwidth and
+    compute parts scale with the micro-batch size, the latencies (collectives, stage sends) do not."""
+    scaled = []
+    for row in stages:
+        fixed = row.get("latency_s", 0.0) + 4 * link.alpha
+        scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed))
+    return predicted_step(scaled, m, virtual)
+
+
 def _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, options, debug):
+    """Plan at one micro-batch count, estimate the others, re-plan once if another count is better."""
     if "microbatches" in opts:
         return parallelize_pipeline(model, mesh, example_inputs, axis, opts, hints, loss_fn, debug, options)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     p = mesh.shape[mesh.axis(axis)]
-    best, tried = None, []
-    for m in _microbatch_candidates(p, batch_size(inputs)):
+    candidates = _microbatch_candidates(p, batch_size(inputs))
+    m0 = max([m for m in candidates if m <= 2 * p] or candidates[:1])
+    prog = parallelize_pipeline(model, mesh, inputs, axis, dict(opts, microbatches=m0), hints, loss_fn, debug,
+                                options)
+    config = prog.config
+    estimates = {m: estimate_step(prog.state.pipeline_stages, m0, m, config.virtual, config.link) for m in candidates}
+    best = min(candidates, key=lambda m: (estimates[m], m))
+    if best != m0:
         try:
-            prog = parallelize_pipeline(model, mesh, inputs, axis, dict(opts, microbatches=m), hints, loss_fn,
+            prog = parallelize_pipeline(model, mesh, inputs, axis, dict(opts, microbatches=best), hints, loss_fn,
                                         debug, options)
-        except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: not a candidate
-            tried.append({"microbatches": m, "error": str(exc)})
-            continue
-        step = prog.plan.pipeline["predicted_step_s"]
-        tried.append({"microbatches": m, "predicted_step_s": step})
-        if best is None or step < best.plan.pipeline["predicted_step_s"]:
-            best = prog
-    if best is None:
-        raise UserInputError(f"no micro-batch count works for pipelining over {axis!r}: " +
-                             "; ".join(f"m={t['microbatches']}: {t['error']}" for t in tried))
-    best.plan.pipeline["microbatch_search"] = tried
-    return best
+        except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep m0
+            log.info("pipelining with %d micro-batches is not possible (%s); keeping %d", best, exc, m0)
+    prog.plan.pipeline["microbatch_search"] = {str(m): estimates[m] for m in candidates}
+    return prog
 
 
 def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug):
+    """No pipeline, or one axis of each (size, link) class as pp (equal classes plan alike)."""
+    from .cost import DEFAULT_PROFILE
     from .program import Program, compile_state
-    state, history = compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options)
-    flat = Program(state, history)
-    candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]
-    best, best_step = None, flat.plan.predicted["step_time_s"]
+    try:
+        flat = Program(*compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options))
+        candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]
+        best_step = flat.plan.predicted["step_time_s"]
+    except AutoshardError as exc:  # e.g. no intra-op plan fits the memory budget: a pipeline may
+        flat, flat_error, best_step = None, exc, float("inf")
+        candidates = [{"axis": None, "error": str(exc).splitlines()[0]}]
+    best, seen = None, {}
+    profile = options.get("profile") or DEFAULT_PROFILE
     for i, name in enumerate(mesh.names):
+        key = (mesh.shape[i], profile.link(mesh.shape, i))
         if mesh.shape[i] < 2:
             continue
+        if key in seen:
+            candidates.append({"axis": name, "same_as": seen[key]})
+            continue
+        seen[key] = name
         try:
             prog = _best_microbatches(model, mesh, example_inputs, name, opts, hints, loss_fn, options, debug)
         except AutoshardError as exc:
@@ -97,9 +119,11 @@ def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, deb
     chosen = best.config.axis if best is not None else None
     why = _why(candidates, chosen)
     log.info(why)
+    if best is None and flat is None:
+        raise flat_error
     target = best if best is not None else flat
     target.plan.search = {"candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
-    return target if best is not None else flat
+    return target
 
 
 def _why(candidates, chosen) -> str:
@@ -108,6 +132,8 @@ def _why(candidates, chosen) -> str:
         label = "no pipeline" if c["axis"] is None else f"pipeline over {c['axis']}"
         if "error" in c:
             parts.append(f"{label}: not possible ({c['error']})")
+        elif "same_as" in c:
+            parts.append(f"{label}: same size and links as {c['same_as']}, same prediction")
         else:
             extra = f", {c['microbatches']} micro-batches" if c.get("microbatches") else ""
             parts.append(f"{label}{extra}: predicted step {c['predicted_step_s']:.3g} s")

@@ -37,7 +37,7 @@ def _plan(batch, hidden, layers, mesh, betas):
     x = torch.randn(batch, hidden, device="meta")
     model = model.to("meta")
     return autoshard.parallelize(model, mesh, (x,), loss_fn=lambda out, x: out.pow(2).mean(),
-                                 profile=_profile(betas))
+                                 profile=_profile(betas), pipeline=False)
 
 
 def AR(nbytes, k, beta=1.0):

@@ -14,7 +14,7 @@ from autoshard.zoo import gpt2, llama
 
 def _gpt2_plan(mesh=(4,), **kw):
     model, inputs, loss_fn = gpt2()
-    return autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, profile=CPU_PROFILE, **kw)
+    return autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, profile=CPU_PROFILE, pipeline=False, **kw)
 
 
 def test_budget_below_replicated_parameters_shards_them_instead_of_failing():
@@ -61,7 +61,7 @@ def test_plan_json_carries_predictions():
 
 def test_unnamed_mesh_roles_are_reported():
     model, inputs, loss_fn = llama(batch=2, seq=16, dim=512, ffn_dim=1024)
-    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, profile=CPU_PROFILE)
+    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, profile=CPU_PROFILE, pipeline=False)
     roles = prog.plan.axis_roles()
     assert roles["a0"].startswith("model parallel"), roles
     assert "a0 (model parallel" in prog.plan.summary()
@@ -71,7 +71,7 @@ def test_repeated_layers_share_decisions_so_the_ilp_does_not_grow_with_depth():
     sizes = []
     for layers in (2, 6):
         model, inputs, loss_fn = llama(n_layers=layers, device="meta")
-        prog = autoshard.parallelize(model, (2, 2, 2), inputs, loss_fn=loss_fn)
+        prog = autoshard.parallelize(model, (2, 2, 2), inputs, loss_fn=loss_fn, pipeline=False)
         sizes.append([s["classes"] for s in prog.state.ilp_stats])
     assert sizes[0] == sizes[1]
 

@@ -264,8 +264,12 @@ def stage_summary(state, config) -> list[dict]:
     """Per stage: ops, modules, predicted forward/backward seconds per micro-batch, memory, bytes sent."""
     from ..axis_cost import needs_grad
     grads = getattr(state, "grad_flags", None) or needs_grad(state.gm.graph)
+    from ..cost import DEFAULT_PROFILE
+    from .predict import _collective_time
+    profile = state.options.get("profile") or DEFAULT_PROFILE
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
-            "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0} for s in range(config.num_stages)]
+            "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0}
+           for s in range(config.num_stages)]
     for node in state.gm.graph.nodes:
         cost = node.meta.get(NODE_COST, {})
         if node.op == "placeholder":
@@ -280,6 +284,11 @@ def stage_summary(state, config) -> list[dict]:
         row["ops"] += 1
         row["seconds"] += cost.get("seconds", 0.0)
         row["activation_bytes"] += cost.get("memory_bytes", 0)
+        comm = node.meta.get(meta.COMM)
+        if comm:  # the part of a collective's time that does not shrink with the micro-batch
+            axis = state.mesh.axis(comm["axis"])
+            row["latency_s"] += _collective_time(comm["op"], 0, 0, state.mesh.shape[axis],
+                                                 profile.link(state.mesh.shape, axis))
         stack = module_stack(node)
         if stack:
             row["first_module"] = row["first_module"] or stack[-1]

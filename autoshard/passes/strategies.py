@@ -29,7 +29,8 @@ def strategies(state) -> None:
             outs = output_shapes(node)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                node.meta[meta.CANDIDATES] = [_on_axis(candidates_for(node, in_shapes, outs, k), k) for k in mesh.shape]
+                node.meta[meta.CANDIDATES] = [_on_axis(candidates_for(node, in_shapes, outs, k), k, node, axis)
+                                              for axis, k in enumerate(mesh.shape)]
             if caught:
                 unknown.setdefault(str(node.target), []).append(node.name)
     for op, names in unknown.items():
@@ -41,9 +42,14 @@ def strategies(state) -> None:
 strategies.name = "strategies"
 
 
-def _on_axis(candidates: list[AxisStrategy], axis_size: int) -> list[AxisStrategy]:
-    """A size-1 axis (e.g. the intra-op mesh of a pure pipeline) has nothing to split: replicated only."""
-    return candidates if axis_size > 1 else [c for c in candidates if not c.splits_work][:1] or candidates[:1]
+def _on_axis(candidates: list[AxisStrategy], axis_size: int, node, axis: int) -> list[AxisStrategy]:
+    """A size-1 axis (e.g. the intra-op mesh of a pure pipeline) has nothing to split: replicated, or
+    what a hint asks for (the same thing on one device)."""
+    if axis_size > 1:
+        return candidates
+    hint = node.meta.get(meta.HINT, {}).get(axis)
+    keep = [c for c in candidates if not c.splits_work][:1]
+    return keep + [c for c in candidates if hint is not None and c.output == hint and c not in keep] or candidates
 
 
 def _first_shape(node):
@@ -53,9 +59,9 @@ def _first_shape(node):
 
 def _placeholder_candidates(node, axis: int, axis_size: int, semi_auto: bool) -> list[AxisStrategy]:
     found = [AxisStrategy((), R)]
-    if axis_size == 1:
-        return found
     hinted = node.meta.get(meta.HINT, {}).get(axis)
+    if axis_size == 1:  # nothing to split; a hint's placement is the same thing on one device
+        return found + ([AxisStrategy((), hinted)] if hinted is not None and hinted != R else [])
     if semi_auto:  # unhinted placeholders stay replicated
         return found + ([AxisStrategy((), hinted)] if hinted is not None and hinted != R else [])
     shape = _first_shape(node)

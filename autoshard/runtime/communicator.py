@@ -182,13 +182,15 @@ class DistCommunicator(Communicator):
 
     def all_gather_list(self, tensor, axis, what):
         import torch.distributed as dist
+        if self.axis_size(axis) == 1:  # a size-1 axis has no process group: the collective is the identity
+            return [tensor.clone()]
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.axis_size(axis))]
         self._run(what, axis, lambda: dist.all_gather(parts, tensor, group=self.groups[axis]))
         return parts
 
     def all_reduce(self, tensor, axis):
-        if self.exact:
+        if self.exact or self.axis_size(axis) == 1:
             return super().all_reduce(tensor, axis)
         import torch.distributed as dist
         out = tensor.clone()
@@ -196,7 +198,7 @@ class DistCommunicator(Communicator):
         return out
 
     def reduce_scatter(self, tensor, axis, dim):
-        if self.exact:
+        if self.exact or self.axis_size(axis) == 1:
             return super().reduce_scatter(tensor, axis, dim)
         import torch.distributed as dist
         chunks = [c.contiguous() for c in tensor.chunk(self.axis_size(axis), dim)]

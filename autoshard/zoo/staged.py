@@ -2,7 +2,7 @@
 
 `gpt2_staged` marks its modules with `autoshard.stage(module, k)`; `llama_staged` sets MindSpore's
 `cell.pipeline_stage = k` attribute. Both split the layers evenly over `stages`, embeddings in the
-first stage and the final norm and head in the last: ready for `parallelize(..., axis_names=("pp", ...))`.
+first stage and the final norm and head in the last (alone when there are more than 2 stages): ready for `parallelize(..., axis_names=("pp", ...))`.
 
 >>> model, inputs, loss_fn = gpt2_staged()
 >>> model.layers[1]._autoshard_stage
@@ -14,7 +14,10 @@ from .llama import llama
 
 
 def _layer_stage(i: int, n_layers: int, stages: int) -> int:
-    return i * stages // n_layers
+    """Layers spread evenly; with more than 2 stages the first and last hold only embeddings / head."""
+    if stages <= 2:
+        return i * stages // n_layers
+    return 1 + i * (stages - 2) // n_layers
 
 
 def gpt2_staged(stages: int = 2, **sizes):
@@ -36,3 +39,13 @@ def llama_staged(stages: int = 2, **sizes):
     model.norm.pipeline_stage = stages - 1
     model.output.pipeline_stage = stages - 1
     return model, inputs, loss_fn
+
+
+def gpt2_staged4(**sizes):
+    """`gpt2_staged` in 4 stages (2 pp ranks x 2 virtual stages for interleaved schedules)."""
+    return gpt2_staged(4, **sizes)
+
+
+def llama_staged4(**sizes):
+    """`llama_staged` in 4 stages."""
+    return llama_staged(4, **sizes)
