@@ -125,6 +125,8 @@ class Hints:
         for e in self.entries:
             if e.target_kind == "shard":
                 out[e.key] = {"in_strategy": [list(c) for c in e.split_counts]}
+            elif e.target_kind == "stage":
+                out[e.key] = e.split_counts[0]
             else:
                 out[e.key] = {axis: repr(p) for axis, p in e.placements.items()}
         if self.zero:
