@@ -115,7 +115,7 @@ def load_checkpoint(path, target, optimizer=None) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(wanted, storage_reader=_safe_reader(path), **load_options)
     if optimizer is not None:
-        for key, (param, name, loaded) in slots.items():
+        for param, name, loaded in slots.values():
             value = loaded.to_local() if hasattr(loaded, "to_local") else loaded
             optimizer.state.setdefault(param, {})[name] = value
 
@@ -215,14 +215,14 @@ def _check_keys(path, sidecar, index, params: set, buffers: set, shapes: dict, w
         raise CheckpointError(f"{where} has parameter {extra[0]!r} (and {len(extra) - 1} more) which the model does "
                               f"not have: it was saved from another model (the model has {_some(params)}); load a "
                               "checkpoint of this model")
-    for key in shapes:
+    for key, shape in shapes.items():
         meta = index.get(key)
         if not hasattr(meta, "size"):
             raise CheckpointError(f"{where}: {key!r} is not a tensor in the checkpoint; it was not written by "
                                   "autoshard.checkpoint.save_checkpoint for this model")
-        if tuple(meta.size) != shapes[key]:
+        if tuple(meta.size) != shape:
             raise CheckpointError(f"{where}: {key!r} has shape {tuple(meta.size)} in the checkpoint but "
-                                  f"{shapes[key]} in the model: it was saved from a model of another size; build "
+                                  f"{shape} in the model: it was saved from a model of another size; build "
                                   "the model with the configuration it was saved with")
         if meta.properties.dtype != wanted[key].dtype:
             raise CheckpointError(f"{where}: {key!r} is {meta.properties.dtype} in the checkpoint but "
@@ -301,7 +301,7 @@ def read_metadata(path):
     except OSError as exc:
         raise CheckpointError(f"cannot read {file!r}: {exc.strerror or exc}; the checkpoint is incomplete (did "
                               "every rank finish save_checkpoint?)") from exc
-    except Exception as exc:  # noqa: BLE001  (any malformed or hostile pickle)
+    except Exception as exc:  # any malformed or hostile pickle
         raise CheckpointError(f"{file!r} is not a torch.distributed.checkpoint index autoshard can read safely "
                               f"({exc}); save the checkpoint again") from exc
     if not isinstance(metadata, Metadata):

@@ -266,7 +266,7 @@ class Plan:
         from .passes.predict import NODE_COST
         return {n.name: n.meta[NODE_COST] for n in self._state.gm.graph.nodes if NODE_COST in n.meta}
 
-    def diff(self, other: "Plan"):
+    def diff(self, other: Plan):
         """What changed from this plan to `other`: placements, collectives, predicted time/memory/bytes.
 
         >>> # print(prog_dp.plan.diff(prog_tp.plan))   # or display it in a notebook (HTML)
@@ -301,8 +301,9 @@ class Plan:
         """Notebook view: the summary, then one row per tensor with its placement on each mesh axis, its
         pipeline stage (blank without a pipeline), collective, bytes, and predicted time and memory."""
         from html import escape
-        head = ["node", "op", "module path", "type"] + [f"{n} ({s})" for n, s in zip(self.mesh.names, self.mesh.shape)] \
-            + ["stage", "collective", "fwd bytes", "bwd bytes", "predicted time (s)", "predicted memory (B)"]
+        axes = [f"{n} ({s})" for n, s in zip(self.mesh.names, self.mesh.shape)]
+        head = ["node", "op", "module path", "type", *axes, "stage", "collective", "fwd bytes", "bwd bytes",
+                "predicted time (s)", "predicted memory (B)"]
         costs = self.row_costs()
         body = []
         for r in self.rows:
@@ -311,7 +312,8 @@ class Plan:
             stage = getattr(r, "stage", None)  # rows carry a stage only in pipeline plans
             cells = [r.name, r.op, r.path, r.type, *[repr(p) for p in placements], "" if stage is None else stage,
                      f"{r.collective}@{r.axis}" if r.collective else "", r.bytes_fwd or "", r.bytes_bwd or "",
-                     f"{cost['seconds'] + cost['sync_s']:.3g}" if cost else "", int(cost["memory_bytes"]) if cost else ""]
+                     f"{cost['seconds'] + cost['sync_s']:.3g}" if cost else "",
+                     int(cost["memory_bytes"]) if cost else ""]
             body.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
         summary = "<br>".join(escape(line) for line in self.summary().splitlines())
         return (f"<div><p><code>{summary}</code></p><table><thead><tr>"

@@ -132,7 +132,8 @@ class PlanDiff:
         if self.grad_reduce:
             lines.append("  gradient reduction changed:")
             lines += [f"    {fqn}: {_axes(b)} -> {_axes(a)}" for fqn, (b, a) in self.grad_reduce.items()]
-        for label, names_ in (("only in the first plan", self.only_before), ("only in the second plan", self.only_after)):
+        for label, names_ in (("only in the first plan", self.only_before),
+                              ("only in the second plan", self.only_after)):
             if names_:
                 lines.append(f"  nodes {label} ({len(names_)}): {', '.join(names_[:10])}"
                              + (" ..." if len(names_) > 10 else ""))

@@ -18,7 +18,7 @@ TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
 
 
 def python_blocks(text: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
 def test_tutorial_code_runs(tmp_path, monkeypatch):
@@ -29,7 +29,7 @@ def test_tutorial_code_runs(tmp_path, monkeypatch):
     (tmp_path / "save_sharded.py").write_text(scripts[0])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "save_sharded.py"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "tutorial"}  # the script's main() is for torchrun, done above

@@ -1,4 +1,5 @@
 """Pictures: graph SVG (built-in layout and graphviz source), text fallback, mesh, timeline figure."""
+import itertools
 import math
 import shutil
 import xml.etree.ElementTree as ET
@@ -106,7 +107,7 @@ def test_mesh_picture_names_axes_roles_and_ranks():
 
 def test_plan_mesh_picture_uses_axis_roles(prog):
     text = repr(prog.plan.draw_mesh())
-    for axis, role in prog.plan.axis_roles().items():
+    for role in prog.plan.axis_roles().values():
         assert role in text
 
 
@@ -130,6 +131,6 @@ def test_planned_events_add_up_to_the_predicted_step(prog):
     events = viz.planned_events(prog.plan)
     total = sum(end - start for _, start, end, _, _ in events)
     assert math.isclose(total, prog.plan.predicted["step_time_s"], rel_tol=1e-9)
-    assert all(a[2] == pytest.approx(b[1]) for a, b in zip(events, events[1:]))  # back to back
+    assert all(a[2] == pytest.approx(b[1]) for a, b in itertools.pairwise(events))  # back to back
     kinds = [e[3] for e in events if e[3] != "idle"]
     assert kinds == sorted(kinds, key=lambda k: k != "F")  # every forward before every backward

@@ -4,12 +4,18 @@ Equality is exact (float64): loading only moves bytes. Ranks run through the sha
 """
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
 
 import autoshard
-from autoshard.checkpoint import CheckpointError, load_checkpoint, read_metadata, save_checkpoint
+from autoshard.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
 from autoshard.mesh import Mesh
 from autoshard.placement import Spec, shard_tensor, unshard_tensors
 from autoshard.zoo import mlp
@@ -143,7 +149,7 @@ def test_the_index_is_never_unpickled_freely(saved, tmp_path):
     hostile = tmp_path / "hostile"
     hostile.mkdir()
     for name in os.listdir(path):
-        (hostile / name).write_bytes(open(os.path.join(path, name), "rb").read())
+        (hostile / name).write_bytes(Path(path, name).read_bytes())
     (hostile / ".metadata").write_bytes(pickle.dumps(_Boom()))
     with pytest.raises(CheckpointError, match="posix.system is not part of a checkpoint index|system is not part"):
         load_checkpoint(str(hostile), _case()[0])
