@@ -30,7 +30,7 @@ def main() -> None:
         began = time.perf_counter()
         importlib.import_module(f"benchmarks.{name}").main(quick=quick)
         print(f"[benchmarks] {name}: {time.perf_counter() - began:.0f} s", flush=True)
-    print(f"[benchmarks] all: {time.perf_counter() - start:.0f} s; matplotlib is not used (tables and CSV only)")
+    print(f"[benchmarks] all: {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
