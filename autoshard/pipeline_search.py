@@ -11,6 +11,9 @@ slowest stage's gradient sync; `plan.pipeline["search"]` keeps every candidate's
 from __future__ import annotations
 
 import logging
+import os
+
+import torch
 
 from .errors import AutoshardError, UserInputError
 from .pipeline import batch_size, check_options, parallelize_pipeline
@@ -32,16 +35,21 @@ def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeli
             raise UserInputError("pipeline=False but the mesh has an axis named 'pp'; rename the axis to shard "
                                  "on it instead")
         return None
+    if plan is not None:  # a saved plan decides; a flat one is applied by the normal path
+        from .plan import Plan
+        saved = plan if isinstance(plan, Plan) else Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else None
+        if saved is None or not saved.pipeline:  # resolve_plan reports a plan= of the wrong type
+            return None
+        raise UserInputError("parallelize(plan=...) does not reproduce pipelined programs yet; plan again with the "
+                             f"same pipeline options (the cut is deterministic; this plan: {saved.pipeline.get('cut')}, "
+                             f"{saved.pipeline.get('schedule')}, {saved.pipeline.get('microbatches')} micro-batches)")
     opts = check_options(pipeline)
     axis = opts.get("axis") or ("pp" if "pp" in mesh.names else None)
     if axis is None and pipeline is not None and not unnamed:
         raise UserInputError(f"pipeline options given but no pipeline axis: name a mesh axis 'pp' or pass "
                              f"pipeline={{'axis': ...}} (mesh axes: {list(mesh.names)})")
-    if axis is None and (not unnamed or hints):  # hints name axis roles: the user has decided them
-        return None
-    if plan is not None:
-        raise UserInputError("parallelize(plan=...) does not reproduce pipelined programs yet; plan again "
-                             "(the cut is deterministic) or pass pipeline=False with a non-pipeline plan")
+    if axis is None and (not unnamed or hints or not isinstance(model, torch.nn.Module)):
+        return None  # hints name axis roles (the user has decided them); a non-module fails in the front end
     if axis is not None:
         if axis not in mesh.names:
             raise UserInputError(f"pipeline axis {axis!r} is not a mesh axis; mesh axes: {list(mesh.names)}")

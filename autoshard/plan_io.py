@@ -36,6 +36,7 @@ _RESAVE = "save the plan again with prog.plan.save(path) (a plan file is written
 _ROW_STR_KEYS = ("name", "op", "path", "kind", "type", "spec", "strategy", "collective", "axis")
 _ROW_KEYS = (*_ROW_STR_KEYS, "bytes_fwd", "bytes_bwd", "choice")
 _TOP_KEYS = ("version", "mesh", "hints", "nodes", "grad_reduce", "predicted", "fingerprint")
+_OPTIONAL_TOP_KEYS = ("pipeline", "search")  # pipelined plans / unnamed-mesh search records
 _PREDICTED_SECONDS = ("step_time_s", "compute_s", "comm_s")
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 4, 4
@@ -185,13 +186,17 @@ class _Checker:
             raise self.fail("version", f"the file has plan format version {_SHORT.repr(version)} but this autoshard "
                                        f"reads version {PLAN_VERSION}",
                             "re-plan with this version of autoshard (parallelize without plan=) and save again")
-        self.obj(data, "the top level", _TOP_KEYS, "a plan")
+        optional = tuple(k for k in _OPTIONAL_TOP_KEYS if isinstance(data, dict) and k in data)
+        self.obj(data, "the top level", _TOP_KEYS + optional, "a plan")
         mesh = self.mesh(data["mesh"])
         hints = self.hints(data["hints"])
         rows = self.rows(data["nodes"], mesh)
         grad_reduce = self.grad_reduce(data["grad_reduce"], mesh)
         predicted = self.predicted(data["predicted"], mesh)
         plan = Plan(mesh, rows, grad_reduce, hints, predicted)
+        for key in optional:  # pipelined plans: records only (parallelize(plan=...) does not apply them)
+            setattr(plan, key, self.obj(data[key], key, tuple(data[key]) if isinstance(data[key], dict) else (),
+                                        f"the {key} record"))
         fingerprint = data["fingerprint"]
         if fingerprint is not None:
             self.string(fingerprint, "fingerprint")
@@ -240,7 +245,8 @@ class _Checker:
             def at(key="", i=i, label=label):
                 return f"nodes[{i}]{'.' + key if key else ''}{label}"
 
-            self.obj(row, at(), _ROW_KEYS, "a node")
+            staged = isinstance(row, dict) and "stage" in row
+            self.obj(row, at(), _ROW_KEYS + (("stage",) if staged else ()), "a node")
             fields = {key: self.string(row[key], at(key)) for key in _ROW_STR_KEYS}
             if not fields["name"]:
                 raise self.fail(at("name"), "a node name is empty")
@@ -262,6 +268,8 @@ class _Checker:
             fields["spec"] = repr(spec)
             fields["choice"] = self.choice(row["choice"], at, fields["kind"], spec, mesh)
             rows.append(PlanRow(**fields))
+            if staged:
+                rows[-1].stage = self.count(row["stage"], at("stage"))
         return rows
 
     def choice(self, value, at, kind: str, spec: Spec, mesh: Mesh) -> list:

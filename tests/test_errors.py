@@ -240,9 +240,9 @@ def test_nested_sharding_from_two_keys_names_both():
                               hints={"layers.*.bias": {"dp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"}})
 
 
-def test_stage_hints_are_not_supported_yet(small):
-    with pytest.raises(HintError, match=r"hint 'layers\.0:stage': pipeline stage hints are not supported by this "
-                                        r"version; remove the ':stage' keys"):
+def test_stage_hints_need_a_pipeline_axis(small):
+    with pytest.raises(HintError, match=r"hint 'layers\.0:stage' puts modules into a pipeline stage but the mesh has "
+                                        r"no pipeline axis; name a mesh axis 'pp'"):
         plan(small, {"layers.0:stage": 0})
 
 

@@ -27,7 +27,7 @@ def gpt2_case():
 def solved(request, gpt2_case):
     """(mode, keyword arguments, solved Program) for gpt2 on (2, 2) with Megatron+DP hints and in auto mode."""
     model, inputs, loss_fn = gpt2_case
-    kwargs = {"axis_names": NAMES, "hints": GPT2_HINTS} if request.param == "hints" else {}
+    kwargs = {"axis_names": NAMES, "hints": GPT2_HINTS} if request.param == "hints" else {"pipeline": False}
     prog = autoshard.parallelize(model, MESH, inputs, loss_fn=loss_fn, **kwargs)
     return request.param, kwargs, prog
 
@@ -350,3 +350,16 @@ def test_saving_into_a_missing_directory(small, tmp_path):
                                              r"directory; check that the directory exists"):
         prog.plan.save(tmp_path / "no" / "such" / "plan.json")
     assert not list(tmp_path.iterdir())
+
+
+def test_pipelined_plan_saves_and_loads_with_its_stage_table(gpt2_case, tmp_path):
+    model, inputs, loss_fn = gpt2_case
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
+                                 hints={"input:0": {"dp": "S(0)"}}, pipeline={"microbatches": 2})
+    path = tmp_path / "pipeline.json"
+    prog.plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.fingerprint == prog.plan.fingerprint
+    assert loaded.pipeline["stages"] == 2 and {r.stage for r in loaded.rows} == {0, 1}
+    with pytest.raises(autoshard.UserInputError, match=r"does not reproduce pipelined programs yet"):
+        autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"), plan=loaded)
