@@ -67,8 +67,8 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     if parallel is not None:
         from .tp_modes import apply_parallel_config
         mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
-    unnamed = axis_names is None and not isinstance(mesh, Mesh)
     mesh = Mesh.of(mesh, axis_names)
+    unnamed = not mesh.named
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     options = {"profile": load_profile(profile), "memory_budget": memory_budget,

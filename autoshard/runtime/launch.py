@@ -222,12 +222,18 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
     return out
 
 
+def _peer_closed(first_line: str) -> bool:
+    """A gloo send/recv outside our collectives (e.g. a pipeline schedule's) that failed because its peer
+    went away: a consequence, not a cause."""
+    return "Connection closed by peer" in first_line or "Connection reset by peer" in first_line
+
+
 def _failure_report(errors, exit_codes, hung, world_size, timeout_s, nothing_failed) -> str:
     """Root causes first (ranks that died, raised something other than a collective failure, or hung), then
     the collective failures they caused on the other ranks, then the first cause's traceback."""
     lines = [f"rank {r} died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) without reporting "
              "a result: it crashed, was killed (e.g. out of memory) or exited" for r, code in sorted(exit_codes.items())]
-    own = {r: e for r, e in errors.items() if e[0] != "CollectiveTimeout"}
+    own = {r: e for r, e in errors.items() if e[0] != "CollectiveTimeout" and not _peer_closed(e[1])}
     lines += [f"rank {r} raised {kind}: {first.removeprefix(f'rank {r}: ')}" for r, (kind, first, _) in sorted(own.items())]
     if nothing_failed:
         lines += [f"ranks {hung} did not finish within {timeout_s + 60:g} s (no rank failed; they are stuck or too "

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 
 from ..placement import local_shape, shard_tensor
 from .collectives import use_communicator
-from .communicator import DistCommunicator
+from .communicator import CollectiveTimeout, DistCommunicator, backend_reason
 from .rank_module import RankModule
 
 
@@ -155,7 +155,7 @@ class PipelineRankModule(_StagesModule):
         device = torch.device("cuda", torch.cuda.current_device()) if not self.comm.exact else torch.device("cpu")
         stages = []
         for sg in self.stage_graphs:
-            stage = PipelineStage(sg.gm, sg.index, config.num_stages, device,
+            stage = PipelineStage(_OwnedOutputs(sg.gm), sg.index, config.num_stages, device,
                                   input_args=self._examples(sg.inputs, flags),
                                   output_args=self._examples(sg.outputs, flags), group=self.pp_group)
             self._instrument(stage)
@@ -204,8 +204,13 @@ class PipelineRankModule(_StagesModule):
         args = tuple(torch.cat([mb[i] for mb in local]) for i in range(len(local[0]))) if first else ()
         target = torch.zeros(config.microbatches)
         self.step_start = time.perf_counter()
-        with use_communicator(self.comm):
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        try:
+            with use_communicator(self.comm):
+                self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveTimeout) or not _is_transport_failure(exc):
+                raise
+            raise CollectiveTimeout(self._p2p_failure(exc)) from exc
         self.step_end = time.perf_counter()
         self.comm.phase = "sync"
         self.sync_grads()
@@ -216,6 +221,22 @@ class PipelineRankModule(_StagesModule):
             return None, None
         outputs = [list(blocks) for blocks in zip(*self._outputs)]
         return torch.stack([loss.detach() for loss in losses]).mean(), outputs
+
+    def _p2p_failure(self, exc) -> str:
+        """Which pipeline neighbours this rank was exchanging activations/gradients with, and how it failed."""
+        program, config = self._program, self._program.config
+        coord = list(self.full_comm.coord)
+        peers = set()
+        for sg in self.stage_graphs:
+            for other in (sg.index - 1, sg.index + 1):
+                if 0 <= other < config.num_stages:
+                    coord[program.pp_axis] = config.stage_rank(other)
+                    peers.add(program.mesh.rank(tuple(coord)))
+        peers.discard(self.global_rank)
+        return (f"rank {self.global_rank}: a pipeline send/recv on mesh axis {config.axis!r} (stages "
+                f"{[sg.index for sg in self.stage_graphs]}, {config.schedule}) failed: {backend_reason(exc)}. "
+                f"Rank(s) {sorted(peers)} (the neighbouring stages) died, raised, hang or run a different plan: look "
+                "at their errors (AUTOSHARD_TIMEOUT_S sets the timeout)")
 
     def sync_tied_grads(self) -> None:
         """Sum the gradients of parameters used by stages on different pp ranks (zeros where absent)."""
@@ -239,6 +260,23 @@ class PipelineRankModule(_StagesModule):
                     param.grad = total
                 else:
                     param.grad.copy_(total)
+
+
+class _OwnedOutputs(torch.nn.Module):
+    """A stage module whose outputs own their storage: the zero-bubble schedules detach stage outputs in
+    place, which fails on views (e.g. a slice of a RoPE buffer carried to the next stage)."""
+
+    def __init__(self, gm):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *args):
+        return tuple(o.clone() if isinstance(o, torch.Tensor) and o._base is not None else o for o in self.gm(*args))
+
+
+def _is_transport_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(k in text for k in ("Connection closed", "Connection reset", "Timed out", "timed out", "timeout"))
 
 
 def pipeline_rank_run(module, inputs, steps: int, lr: float) -> dict:

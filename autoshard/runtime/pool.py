@@ -77,6 +77,8 @@ class WorkerPool:
             try:
                 rank, got_id, (status, value) = self.outbox.get(timeout=1.0)
             except queue_mod.Empty:
+                if errors and time.monotonic() > deadline:  # the rest wait on the failed ranks: report those
+                    break
                 self._check_alive(f"running {getattr(task, '__name__', task)}", deadline)
                 continue
             if got_id != job_id:
@@ -86,8 +88,10 @@ class WorkerPool:
             else:
                 errors[rank] = value
         if errors:
-            rank = min(errors)
-            raise AutoshardError(f"rank {rank} failed:\n{errors[rank]}")
+            rank = min(errors, key=lambda r: ("CollectiveTimeout" in errors[r] or "closed by peer" in errors[r], r))
+            waiting = sorted(set(range(self.world_size)) - set(out) - set(errors))
+            also = f" (ranks {waiting} were still waiting on it)" if waiting else ""
+            raise AutoshardError(f"rank {rank} failed{also}:\n{errors[rank]}")
         return out
 
     def close(self):

@@ -61,8 +61,7 @@ def test_pipeline_matches_single_device(pool_runner, model, schedule, cut):
     assert report.ok, report
     assert program.config.num_stages == (4 if schedule in MULTI else 2)
     assert program.plan.pipeline["cut"] == ("automatic" if cut == "auto" else program.plan.pipeline["cut"])
-    # the stages' collectives ran on the tp and dp axes; the tied wte of gpt2 is summed over pp
-    assert "tp" in report.collectives and "dp" in report.collectives
+    assert "dp" in report.collectives  # rank 0's stages synced their gradients over dp
 
 
 def test_unnamed_mesh_chooses_axis_roles_and_says_why(pool_runner):
