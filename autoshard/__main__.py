@@ -20,6 +20,23 @@ def _mesh(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated layer counts, e.g. 4,3") from None
+
+
+def _pipeline(args):
+    """The pipeline= argument of parallelize from the command line (None: the mesh decides)."""
+    if args.no_pipeline:
+        return False
+    given = {"schedule": args.schedule, "microbatches": args.microbatches, "virtual_stages": args.virtual_stages,
+             "balance": args.balance, "split_points": list(args.split_points) if args.split_points else None}
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(","))
 
@@ -37,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print JSON")
         p.add_argument("--profile", default=None, help="hardware profile: gpu (default), cpu, or a JSON file")
         p.add_argument("--memory-budget", type=float, default=None, help="bytes per device (default: profile)")
+        p.add_argument("--schedule", default=None, help="pipeline schedule (the mesh axis named pp): GPipe, 1F1B, "
+                       "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble")
+        p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: searched)")
+        p.add_argument("--virtual-stages", type=int, default=None, help="pipeline stages per rank")
+        p.add_argument("--balance", type=_sizes, default=None, help="layers per stage (FairScale), e.g. 4,3")
+        p.add_argument("--split-points", type=_names, default=None, help="modules beginning a stage, e.g. layers.4")
+        p.add_argument("--no-pipeline", action="store_true", help="never pipeline (unnamed meshes: no axis search)")
         if name == "verify":
             p.add_argument("--steps", type=int, default=2, help="SGD steps (default 2)")
             p.add_argument("--lr", type=float, default=0.1)
@@ -69,7 +93,8 @@ def _run(args) -> int:
         return calibrate_command(args)
     hints = Hints.load(args.hints).to_json() if args.hints else None
     mesh = Mesh.of(args.mesh, args.axis_names)
-    options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget}
+    options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
+               "pipeline": _pipeline(args)}
     if args.command == "plan":
         from .program import parallelize
         from .verify import build_case
@@ -82,7 +107,8 @@ def _run(args) -> int:
         else:
             print(prog.plan)
             if args.rank is not None:
-                print(prog.graph(args.rank).print_readable(print_output=False))
+                graph = prog.graph(args.rank)
+                print(graph.print_readable(print_output=False) if hasattr(graph, "print_readable") else graph)
         return 0
     from .verify import verify_factory
     report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,

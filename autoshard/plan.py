@@ -250,7 +250,27 @@ class Plan:
         if self.grad_reduce:
             lines.append(f"  gradients reduced after backward: {len(self.grad_reduce)} parameters "
                          f"(on {sorted({a for v in self.grad_reduce.values() for a in v})})")
+        if self.pipeline:
+            lines += self._pipeline_lines()
+        if self.search.get("why"):
+            lines.append(f"  axis search: {self.search['why']}")
         return "\n".join(lines)
+
+    def _pipeline_lines(self) -> list[str]:
+        """The pipeline part of the summary: axis, schedule, cut, predicted step and bubble, stage table
+        (figures per micro-batch; the rows above are the intra-op plan of one micro-batch)."""
+        p = self.pipeline
+        lines = [f"  axis {p['axis']} (pipeline): {p['stages']} stages on {p['pp_size']} ranks "
+                 f"({p['virtual_stages']} per rank), {p['schedule']}, {p['microbatches']} micro-batches, cut "
+                 f"{p['cut']}; predicted step {p['predicted_step_s']:.3g} s, bubble {p['predicted_bubble']:.1%}"]
+        for row in p["stage_table"]:
+            lines.append(f"    stage {row['stage']} (pp rank {p['stage_ranks'][row['stage']]}): {row['ops']} ops "
+                         f"{row['first_module'] or '-'} .. {row['last_module'] or '-'}, fwd+bwd "
+                         f"{row['seconds']:.3g} s/micro-batch, params {row['param_bytes'] / 2**20:.2f} MiB, "
+                         f"activations {row['activation_bytes'] / 2**20:.2f} MiB/micro-batch")
+        if p.get("tied_params"):
+            lines.append(f"    tied parameters summed over {p['axis']}: {sorted(p['tied_params'])}")
+        return lines
 
     def __repr__(self) -> str:
         return self.summary() + "\n\n" + self.table()

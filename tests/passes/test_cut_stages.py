@@ -191,3 +191,27 @@ def test_pipeline_plan_fingerprint_depends_on_the_schedule():
     b = _plan(model, inputs, loss_fn, {"schedule": "1f1b", "microbatches": 2})
     assert a.plan.fingerprint != b.plan.fingerprint
     assert meta.SPEC in next(iter(a.state.gm.graph.nodes)).meta
+
+
+def test_cli_plans_a_pipeline_and_prints_the_stage_table(capsys):
+    from autoshard.__main__ import main
+    code = main(["plan", "autoshard.zoo:gpt2", "--mesh", "2,2", "--axis-names", "pp,dp", "--schedule", "gpipe",
+                 "--microbatches", "4", "--balance", "4,3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "axis pp (pipeline): 2 stages on 2 ranks (1 per rank), GPipe, 4 micro-batches, cut balance=[4, 3]" in out
+    assert "stage 1 (pp rank 1)" in out and "tied parameters summed over pp: ['wte.weight']" in out
+
+
+def test_planned_timeline_matches_the_bubble_formula():
+    from autoshard.pipeline import PipelineConfig
+    from autoshard.timeline import simulate
+    for schedule, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)):
+        for p, m in ((2, 4), (4, 8)):
+            config = PipelineConfig("pp", p, m, schedule, v)
+            timeline = simulate(config, {s: {"F": 1.0 / v, "B": 2.0 / v} for s in range(config.num_stages)})
+            assert timeline.bubble_fraction() == pytest.approx((p - 1) / (v * m + p - 1))
+    config = PipelineConfig("pp", 4, 8, "ZBVZeroBubble", 2)
+    zero_bubble = simulate(config, {s: {"F": 0.5, "B": 1.0} for s in range(8)}).bubble_fraction()
+    assert zero_bubble < 3 / 11 / 2
+    assert "bubble" in repr(simulate(PipelineConfig("pp", 2, 4, "1F1B"), {0: {"F": 1, "B": 2}, 1: {"F": 1, "B": 2}}))

@@ -1,5 +1,5 @@
 """ZeRO trains exactly like one device in the simulator (bit-identical to gloo) in the combinations
-tests/multirank/test_zero.py leaves to it, with SGD, Adam and offload;
+tests/multirank/test_zero_gloo.py leaves to it, with SGD, Adam and offload;
 ZeRO-3 keeps no gathered copy from forward to backward; measured memory matches 1/4 + one layer and
 the prediction (benchmarks/zero_memory.py)."""
 import pytest
@@ -15,7 +15,7 @@ from autoshard.zoo.hints import plan_hints
 from benchmarks.zero_memory import zero3_check
 
 MESHES = {"dp4": ((4,), ("dp",), None), "dp2xtp2": ((2, 2), ("dp", "tp"), "tp")}
-# What tests/multirank/test_zero.py does not run on gloo (it runs ZeRO-2 on dp=4 offloaded and Llama's
+# What tests/multirank/test_zero_gloo.py does not run on gloo (it runs ZeRO-2 on dp=4 offloaded and Llama's
 # ZeRO-3 on (2,2) with Adam): those without offload / with SGD, Adam at the other stages, ZeRO-3 offloaded.
 CASES = [("gpt2", 2, "dp4", "sgd", False), ("llama", 2, "dp4", "sgd", False), ("llama", 3, "dp2xtp2", "sgd", False),
          ("gpt2", 1, "dp4", "adam", False), ("gpt2", 2, "dp2xtp2", "adam", False), ("gpt2", 3, "dp4", "sgd", True)]
