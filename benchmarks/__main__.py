@@ -12,7 +12,7 @@ BENCHMARKS = [
     "plan_quality",      # 1. bytes and memory of autoshard's plans vs torch's (gloo ranks)
     "runtime_overhead",  # 2. step time vs hand-written Megatron, DTensor, single device (gloo ranks)
     "planning",          # 3. planning time vs model, depth and mesh size (meta weights)
-    # 4. "pipeline_bubbles" and 5. "planning_at_scale": added by the pipeline work (issue 4).
+    "pipeline_bubbles",  # 4. bubble fraction and activation memory per pipeline schedule (gloo ranks)
 ]
 
 

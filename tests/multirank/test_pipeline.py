@@ -72,3 +72,17 @@ def test_unnamed_mesh_chooses_axis_roles_and_says_why(pool_runner):
     assert [c["axis"] for c in search["candidates"]] == [None, "a0", "a1", "a2"]
     if search["chosen_pipeline_axis"] is not None:
         assert program.config.axis == search["chosen_pipeline_axis"]
+
+
+def test_bubble_benchmark_smallest_and_1f1b_keeps_fewer_activations(pool):
+    """benchmarks/pipeline_bubbles.py's task on 2 pool ranks (kept from rotting); GPipe holds every
+    micro-batch's activations at stage 0, 1F1B at most p of them."""
+    from benchmarks.pipeline_bubbles import bubble_task
+    peaks = {}
+    for schedule in ("GPipe", "1F1B"):
+        results = {r: v for r, v in pool.run(bubble_task, 2, 4, schedule, 0.002, 1).items() if v is not None}
+        assert set(results) == {0, 1}
+        (start, end, busy), = results[0]["steps"]
+        assert 0 < busy < end - start
+        peaks[schedule] = results[0]["peak_saved_bytes"]
+    assert 0 < peaks["1F1B"] < peaks["GPipe"]
