@@ -234,7 +234,6 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     from .mesh import Mesh
     from .program import parallelize
     from .runtime.launch import run_distributed
-    from .runtime.simulator import run_ranks
     mesh = Mesh.of(mesh, axis_names)
     model, inputs, loss_fn = build_case(factory_spec)
     program = parallelize(copy.deepcopy(model), mesh, inputs, hints=hints, loss_fn=loss_fn, **options)

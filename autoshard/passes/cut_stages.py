@@ -54,7 +54,8 @@ def _from_annotations(nodes, annotations, num_stages) -> dict:
     stage, used = {}, set()
     for node in nodes:
         for path in reversed(module_stack(node)):  # the innermost annotated module wins
-            hits = {k for glob, k in annotations.module_stages.items() if path == glob or fnmatch.fnmatchcase(path, glob)}
+            hits = {k for glob, k in annotations.module_stages.items()
+                    if path == glob or fnmatch.fnmatchcase(path, glob)}
             if len(hits) > 1:
                 raise UserInputError(f"module {path!r} gets pipeline stages {sorted(hits)} from {annotations.source}; "
                                      "give each module one stage")
@@ -71,8 +72,8 @@ def _from_annotations(nodes, annotations, num_stages) -> dict:
                                                  f"; modules are e.g. {known[:6]}"))
     numbers = sorted(set(annotations.module_stages.values()))
     if numbers != list(range(num_stages)):
-        raise UserInputError(f"{annotations.source} name pipeline stages {numbers} but the pipeline has {num_stages} "
-                             f"stages (0..{num_stages - 1}: pp axis size x virtual stages per rank); number the "
+        raise UserInputError(f"{annotations.source}: the annotations use pipeline stages {numbers} but the pipeline "
+                             f"has {num_stages} stages (0..{num_stages - 1}: pp axis size x virtual stages per rank); number the "
                              "stages 0, 1, ... in execution order, one per stage")
     return stage
 
@@ -92,7 +93,8 @@ def _from_split_points(nodes, annotations, num_stages) -> dict:
                              "(or one makes an empty stage); list them in the order the modules run")
     if len(cuts) + 1 != num_stages:
         raise UserInputError(f"{len(cuts)} split points make {len(cuts) + 1} stages but the pipeline has "
-                             f"{num_stages} (pp axis size x virtual stages per rank); give {num_stages - 1} split points")
+                             f"{num_stages} (pp axis size x virtual stages per rank); give {num_stages - 1} split "
+                             "points")
     stage, k = {}, 0
     for i, node in enumerate(nodes):
         while k < len(cuts) and i >= cuts[k]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.utils._pytree as pytree
 
 from ..placement import local_shape, shard_tensor
 from .collectives import use_communicator

@@ -1,8 +1,8 @@
 """Tier 3: pipelines on real gloo ranks — (2,2,2) pp x dp x tp, every schedule, every way to cut.
 
 The default suite runs each schedule and each cut notation at least once (a diagonal through the
-matrix, both zoo transformers); `AUTOSHARD_PIPELINE_MATRIX=1` runs the full product (models x
-schedules x cuts, ~3 minutes on the pool): `AUTOSHARD_PIPELINE_MATRIX=1 python -m pytest
+matrix, both zoo transformers); `AUTOSHARD_FULL_MATRIX=1` runs the full product (models x
+schedules x cuts, ~3 minutes on the pool): `AUTOSHARD_FULL_MATRIX=1 python -m pytest
 tests/multirank/test_pipeline.py`.
 """
 import os
@@ -50,7 +50,7 @@ DIAGONAL = [("gpt2", "1f1b", "auto"), ("llama", "gpipe", "balance"), ("gpt2", "i
             ("llama", "interleavedzerobubble", "hints"), ("gpt2", "zbv", "attributes"),
             ("llama", "1f1b", "attributes"), ("gpt2", "gpipe", "hints")]
 MATRIX = [(m, s, c) for m in ("gpt2", "llama") for s in SCHEDULES for c in CUTS]
-CASES = MATRIX if os.environ.get("AUTOSHARD_PIPELINE_MATRIX") == "1" else DIAGONAL
+CASES = MATRIX if os.environ.get("AUTOSHARD_FULL_MATRIX") == "1" else DIAGONAL
 
 
 @pytest.mark.parametrize("model, schedule, cut", CASES)

@@ -93,7 +93,7 @@ def test_split_stage_modules_compute_the_rank_program():
 
 @pytest.mark.parametrize("pipeline, hints, message", [
     ({"balance": [3, 3]}, DP, r"balance=\[3, 3\] covers 6 layers but the model's top-level sequence has 7"),
-    ({"balance": [7]}, DP, r"name pipeline stages \[0\] but the pipeline has 2 stages"),
+    ({"balance": [7]}, DP, r"the annotations use pipeline stages \[0\] but the pipeline has 2 stages"),
     ({"split_points": ["layers.9"]}, DP, r"split point 'layers.9' names no module .* did you mean"),
     ({"split_points": ["layers.1", "layers.0"]}, DP, r"not in execution order"),
     ({"balance": [4, 3], "split_points": ["layers.1"]}, DP, r"more than one notation"),

@@ -8,7 +8,6 @@ import torch.nn as nn
 import autoshard
 import autoshard.verify
 from autoshard import meta
-from autoshard.placement import P, R, S, Spec
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import plan_hints
 

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.errors import HintError, UserInputError
+from autoshard.errors import HintError
 from autoshard.hints import Hints
-from autoshard.placement import R, S
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.zoo import gpt2

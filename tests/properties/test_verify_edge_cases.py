@@ -1,9 +1,7 @@
 """Edge cases found by the random-model property tests (size-1 mesh axes, models without parameters)."""
-import pytest
 import torch
 import torch.nn as nn
 
-from autoshard.errors import PlanError
 from autoshard.verify import verify_simulated
 
 
