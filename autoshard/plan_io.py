@@ -38,6 +38,7 @@ _ROW_KEYS = (*_ROW_STR_KEYS, "bytes_fwd", "bytes_bwd", "choice")
 _TOP_KEYS = ("version", "mesh", "hints", "nodes", "grad_reduce", "predicted", "fingerprint")
 _OPTIONAL_TOP_KEYS = ("pipeline", "search")  # pipelined plans / unnamed-mesh search records
 _PREDICTED_SECONDS = ("step_time_s", "compute_s", "comm_s")
+_OPTIONAL_PREDICTED_SECONDS = ("recompute_s",)  # activation checkpointing's recompute time
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 4, 4
 
@@ -309,9 +310,10 @@ class _Checker:
         return out
 
     def predicted(self, value, mesh: Mesh) -> dict:
-        keys = (*_PREDICTED_SECONDS, "comm_bytes_per_step", "memory_bytes_per_rank")
+        optional = tuple(k for k in _OPTIONAL_PREDICTED_SECONDS if isinstance(value, dict) and k in value)
+        keys = (*_PREDICTED_SECONDS, "comm_bytes_per_step", "memory_bytes_per_rank", *optional)
         self.obj(value, "predicted", keys, "the predicted costs")
-        for key in _PREDICTED_SECONDS:
+        for key in (*_PREDICTED_SECONDS, *optional):
             self.seconds(value[key], f"predicted.{key}")
         self.count(value["memory_bytes_per_rank"], "predicted.memory_bytes_per_rank")
         per_axis = self.obj(value["comm_bytes_per_step"], "predicted.comm_bytes_per_step", mesh.names,

@@ -211,8 +211,12 @@ def build_case(factory_spec: str):
 
 
 def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
-                     offload=False):
-    """What each real rank runs for `verify`: plan, check fingerprints, train, return local results."""
+                     offload=False, shared_plan=None):
+    """What each real rank runs for `verify`: plan (or apply the plan the launcher made, as every rank of
+    a job can: `parallelize(plan=...)`), check fingerprints, train, return local results."""
+    if shared_plan is not None:
+        from .plan_io import plan_from_json
+        options = dict(options or {}, plan=plan_from_json(shared_plan, "the launcher's plan"))
     from .mesh import Mesh
     from .program import parallelize
     from .runtime.launch import check_fingerprint, communicator_for
@@ -241,8 +245,12 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     if simulate:
         ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
     else:
+        # Ranks apply the launcher's plan instead of each solving the ILP again (a pipeline re-plans: its
+        # cut is not applied from a plan file yet); the fingerprint check still compares every rank's program.
+        shared = None if getattr(program, "config", None) is not None else \
+            {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
         args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
-                optimizer, offload)
+                optimizer, offload, shared)
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
         ranks = {r: res for r, res in results.items() if res is not None}
     return compare(program, ref, ranks, steps), program

@@ -64,7 +64,7 @@ def test_meta_model_plans_without_allocating_weights():
 
 def test_meta_model_auto_plan_and_rank_graph():
     model, inputs, loss_fn = small_mlp(device="meta")
-    prog = autoshard.parallelize(model, mesh=(2,), example_inputs=inputs, loss_fn=loss_fn)
+    prog = autoshard.parallelize(model, mesh=(2,), example_inputs=inputs, loss_fn=loss_fn, pipeline=False)
     assert isinstance(prog.graph(1), torch.fx.GraphModule)
     assert all(p.is_meta for p in prog.graph(1).parameters())
 

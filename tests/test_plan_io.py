@@ -363,3 +363,15 @@ def test_pipelined_plan_saves_and_loads_with_its_stage_table(gpt2_case, tmp_path
     assert loaded.pipeline["stages"] == 2 and {r.stage for r in loaded.rows} == {0, 1}
     with pytest.raises(autoshard.UserInputError, match=r"does not reproduce pipelined programs yet"):
         autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"), plan=loaded)
+
+
+def test_checkpointed_plan_round_trips(gpt2_case, tmp_path):
+    """A plan with activation checkpointing predicts recompute time; its file loads and applies."""
+    model, inputs, loss_fn = gpt2_case
+    prog = autoshard.parallelize(model, MESH, inputs, loss_fn=loss_fn, axis_names=NAMES, hints=GPT2_HINTS,
+                                 checkpoint=["layers.*"])
+    assert prog.plan.predicted["recompute_s"] > 0
+    prog.plan.save(tmp_path / "ckpt.json")
+    again = autoshard.parallelize(model, MESH, inputs, loss_fn=loss_fn, axis_names=NAMES,
+                                  checkpoint=["layers.*"], plan=str(tmp_path / "ckpt.json"))
+    assert again.plan.fingerprint == prog.plan.fingerprint
