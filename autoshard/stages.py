@@ -43,7 +43,11 @@ def stage(module: nn.Module, k: int) -> nn.Module:
 @dataclass(frozen=True)
 class StageAnnotations:
     """Stage numbers per module-path glob, or split points (path, 'beginning'|'end'); `source` names the
-    notation for error messages."""
+    notation for error messages.
+
+    >>> StageAnnotations({"layers.0": 0, "layers.1": 1}, source="':stage' hints").module_stages["layers.1"]
+    1
+    """
 
     module_stages: dict = field(default_factory=dict)
     split_points: tuple = ()
@@ -52,7 +56,11 @@ class StageAnnotations:
 
 def top_level_sequence(model: nn.Module) -> list[str]:
     """The model's layers in order as FairScale's `balance` counts them: top-level children, with
-    ModuleList/Sequential children expanded into their items."""
+    ModuleList/Sequential children expanded into their items.
+
+    >>> top_level_sequence(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.ReLU(), nn.ReLU()])))
+    ['0', '1.0', '1.1']
+    """
     paths = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child):
@@ -63,7 +71,13 @@ def top_level_sequence(model: nn.Module) -> list[str]:
 
 
 def collect_annotations(model: nn.Module, hints=None, balance=None, split_points=None) -> StageAnnotations | None:
-    """The user's stage annotations, in whichever one notation they used (None: cut automatically)."""
+    """The user's stage annotations, in whichever one notation they used (None: cut automatically).
+
+    >>> collect_annotations(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), split_points=["1"]).split_points
+    (('1', 'beginning'),)
+    >>> collect_annotations(nn.Sequential(nn.Linear(2, 2))) is None
+    True
+    """
     found = []
     attrs = _module_attributes(model)
     if attrs:

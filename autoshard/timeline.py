@@ -22,35 +22,66 @@ from .errors import PlanError
 
 @dataclass
 class Timeline:
-    """Events `(rank, stage, kind, microbatch, start_s, end_s)` of one training step."""
+    """Events `(rank, stage, kind, microbatch, start_s, end_s)` of one training step.
+
+    >>> Timeline([(0, 0, "F", 0, 0.0, 1.0), (0, 0, "B", 0, 1.0, 3.0)]).busy(0)
+    3.0
+    """
 
     events: list = field(default_factory=list)
     source: str = "planned"
 
     @property
     def ranks(self) -> list[int]:
+        """The pp ranks with events.
+
+        >>> Timeline([(1, 1, "F", 0, 0.0, 1.0), (0, 0, "F", 0, 0.0, 1.0)]).ranks
+        [0, 1]
+        """
         return sorted({e[0] for e in self.events})
 
     def span(self) -> float:
+        """First start to last end (seconds).
+
+        >>> Timeline([(0, 0, "F", 0, 2.0, 3.0), (1, 1, "F", 0, 3.0, 5.0)]).span()
+        3.0
+        """
         return max(e[5] for e in self.events) - min(e[4] for e in self.events) if self.events else 0.0
 
     def busy(self, rank: int) -> float:
+        """Seconds `rank` spent in forward/backward chunks.
+
+        >>> Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).busy(1)
+        1.0
+        """
         return sum(e[5] - e[4] for e in self.events if e[0] == rank)
 
     def bubble_fraction(self, span: float | None = None) -> float:
-        """Idle share of the step averaged over ranks: 1 - busy / (ranks x step span)."""
+        """Idle share of the step averaged over ranks: 1 - busy / (ranks x step span).
+
+        >>> Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).bubble_fraction()
+        0.5
+        """
         span = self.span() if span is None else span
         if span <= 0:
             return 0.0
         return 1.0 - sum(self.busy(r) for r in self.ranks) / (len(self.ranks) * span)
 
     def plot_events(self) -> list[tuple]:
-        """Events for `autoshard.viz.plot_timeline` (one row per pp rank; I counts as backward)."""
+        """Events for `autoshard.viz.plot_timeline` (one row per pp rank; I counts as backward).
+
+        >>> Timeline([(0, 0, "I", 3, 1.0, 2.0)]).plot_events()
+        [('pp rank 0', 0.0, 1.0, 'B', 3)]
+        """
         t0 = min(e[4] for e in self.events) if self.events else 0.0
         return [(f"pp rank {r}", s0 - t0, s1 - t0, "B" if kind == "I" else kind, mb)
                 for r, _, kind, mb, s0, s1 in sorted(self.events, key=lambda e: (e[0], e[4]))]
 
     def plot(self, title: str | None = None):
+        """A matplotlib Gantt chart of the step (one row per pp rank).
+
+        >>> figure = Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).plot()
+        """
         from .viz import plot_timeline
         return plot_timeline(self.plot_events(), title=title or f"{self.source} pipeline step")
 
@@ -73,7 +104,12 @@ class Timeline:
 
 
 def schedule_order(config) -> dict[int, list[tuple]]:
-    """{pp rank: [(stage, kind, microbatch), ...]} in the order the schedule runs them."""
+    """{pp rank: [(stage, kind, microbatch), ...]} in the order the schedule runs them.
+
+    >>> from autoshard.pipeline import PipelineConfig
+    >>> schedule_order(PipelineConfig("pp", 2, 2, "1F1B"))[0]
+    [(0, 'F', 0), (0, 'F', 1), (0, 'B', 0), (0, 'B', 1)]
+    """
     p, m = config.pp_size, config.microbatches
     if config.schedule == "GPipe":
         return {r: [(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)}
@@ -128,7 +164,13 @@ def _torch_order(config) -> dict[int, list[tuple]]:
 def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
     """Run the per-rank action orders as early as their dependencies allow.
 
-    `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split)."""
+    `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split).
+
+    >>> from autoshard.pipeline import PipelineConfig
+    >>> even = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}}
+    >>> round(simulate(PipelineConfig("pp", 2, 4, "1F1B"), even).bubble_fraction(), 3)  # (p-1)/(m+p-1)
+    0.2
+    """
     orders = schedule_order(config)
     done: dict = {}
     position = {r: 0 for r in orders}
@@ -177,7 +219,10 @@ def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
 
 
 def planned_timeline(program) -> Timeline:
-    """The step the plan predicts for a pipelined program (its stage table and the pp link)."""
+    """The step the plan predicts for a pipelined program (its stage table and the pp link).
+
+    >>> # print(planned_timeline(prog))  # == prog.planned_timeline(); .plot() in a notebook
+    """
     config = program.config
     table = program.state.pipeline_stages
     durations = {row["stage"]: {"F": row["fwd_s"], "B": row["bwd_s"]} for row in table}
@@ -188,7 +233,10 @@ def planned_timeline(program) -> Timeline:
 
 def measured_timeline(results: dict, program) -> Timeline:
     """The measured step from rank results of `pipeline_rank_run` ({rank: {"timeline": [...]}}): one row
-    per pp rank (the rank with intra-op coordinate 0 of each pp coordinate)."""
+    per pp rank (the rank with intra-op coordinate 0 of each pp coordinate).
+
+    >>> # results = runner(verify_rank_task, ...); print(measured_timeline(results, prog))
+    """
     events = []
     for rank, res in sorted(results.items()):
         if res is None or program.inner_rank(rank) != 0:

@@ -43,7 +43,8 @@ def test_tutorial_code_runs(tmp_path, monkeypatch):
 
 
 DOCUMENTED = ["autoshard.plan", "autoshard.mesh", "autoshard.placement", "autoshard.hints", "autoshard.errors",
-              "autoshard.cost", "autoshard.plan_diff", "autoshard.viz", "autoshard.progress", "autoshard.checkpoint"]
+              "autoshard.cost", "autoshard.plan_diff", "autoshard.viz", "autoshard.progress", "autoshard.checkpoint",
+              "autoshard.stages", "autoshard.timeline"]
 
 
 @pytest.mark.parametrize("module_name", DOCUMENTED)
