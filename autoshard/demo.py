@@ -1,4 +1,5 @@
-"""The main demo: GPT-2-style model on a (2,2,2) mesh — plan, one rank's graph, 8 real gloo ranks.
+"""The main demo: GPT-2-style model on a (2,2,2) mesh — plan, one rank's graph, 8 real gloo ranks;
+then the same model pipelined over one axis of the mesh (pp x dp x tp).
 
     python -m autoshard.demo
 
@@ -15,6 +16,7 @@ from .zoo.hints import plan_hints
 
 FACTORY = "autoshard.zoo:gpt2"
 MESH, NAMES = (2, 2, 2), ("dp", "sp", "tp")
+PIPE_NAMES = ("pp", "dp", "tp")
 
 
 def main() -> int:
@@ -37,7 +39,18 @@ def main() -> int:
     report, _ = verify_factory(FACTORY, MESH, NAMES, hints=hints, steps=2)
     print(report)
     print(f"({time.perf_counter() - start:.1f} s)")
-    return 0 if report.ok else 1
+    print("\nThe same model as a pipeline: pp x dp x tp, 1F1B over 4 micro-batches, cut automatically ...")
+    pipeline = {"schedule": "1f1b", "microbatches": 4}
+    piped_hints = plan_hints("gpt2", PIPE_NAMES[1:], batch_axes=("dp",), tp_axis="tp")
+    piped = parallelize(model, MESH, inputs, hints=piped_hints, loss_fn=loss_fn, axis_names=PIPE_NAMES,
+                        pipeline=pipeline)
+    print("\n".join(line for line in piped.plan.summary().splitlines() if "pipeline" in line or "stage" in line))
+    print(piped.planned_timeline())
+    start = time.perf_counter()
+    piped_report, _ = verify_factory(FACTORY, MESH, PIPE_NAMES, hints=piped_hints, steps=2, pipeline=pipeline)
+    print(piped_report)
+    print(f"({time.perf_counter() - start:.1f} s)")
+    return 0 if report.ok and piped_report.ok else 1
 
 
 if __name__ == "__main__":

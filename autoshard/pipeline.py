@@ -143,7 +143,7 @@ def inner_profile(profile, mesh: Mesh, axis: str):
 
 
 def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, hints, loss_fn, debug,
-                         compile_options: dict):
+                         compile_options: dict, plan=None):
     """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut."""
     from .pipeline_program import PipelineProgram
     from .program import compile_state
@@ -155,5 +155,5 @@ def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, 
     sub = inner_mesh(mesh, axis)
     opts = dict(compile_options, profile=inner_profile(profile, mesh, axis), pipeline=config)
     state, history = compile_state(model, sub, microbatch_inputs(example_inputs, config.microbatches), hints,
-                                   loss_fn, debug, opts, pipeline=True)
+                                   loss_fn, debug, opts, plan=plan, pipeline=True)
     return PipelineProgram(state, history, mesh, config)

@@ -40,9 +40,7 @@ def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeli
         saved = plan if isinstance(plan, Plan) else Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else None
         if saved is None or not saved.pipeline:  # resolve_plan reports a plan= of the wrong type
             return None
-        raise UserInputError("parallelize(plan=...) does not reproduce pipelined programs yet; plan again with the "
-                             f"same pipeline options (the cut is deterministic; this plan: {saved.pipeline.get('cut')}, "
-                             f"{saved.pipeline.get('schedule')}, {saved.pipeline.get('microbatches')} micro-batches)")
+        return _from_saved(model, mesh, example_inputs, saved, pipeline, hints, loss_fn, options, debug)
     opts = check_options(pipeline)
     axis = opts.get("axis") or ("pp" if "pp" in mesh.names else None)
     if axis is None and pipeline is not None and not unnamed:
@@ -55,6 +53,29 @@ def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeli
             raise UserInputError(f"pipeline axis {axis!r} is not a mesh axis; mesh axes: {list(mesh.names)}")
         return _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, options, debug)
     return _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug)
+
+
+def _from_saved(model, mesh, example_inputs, saved, pipeline, hints, loss_fn, options, debug):
+    """A saved pipelined plan: its axis, schedule and micro-batches, its intra-op decisions applied (no
+    solving); the cut is computed again from the same annotations (it is deterministic) and the plan's
+    fingerprint, which covers every row's stage, must come out the same."""
+    from .plan_io import PlanMismatchError
+    record = saved.pipeline
+    if record["axis"] not in mesh.names:
+        raise PlanMismatchError(f"the plan pipelines over axis {record['axis']!r}, which mesh {mesh!r} does not have; "
+                                "pass the mesh and axis_names the plan was made for")
+    opts = dict(check_options(pipeline), axis=record["axis"], schedule=record["schedule"],
+                microbatches=record["microbatches"], virtual_stages=record["virtual_stages"])
+    prog = parallelize_pipeline(model, mesh, example_inputs, record["axis"], opts, hints, loss_fn, debug, options,
+                                plan=saved)
+    prog.plan.search = dict(saved.search)  # the records of why this axis and micro-batch count (made where
+    if "microbatch_search" in record:       # the plan was made)
+        prog.plan.pipeline["microbatch_search"] = record["microbatch_search"]
+    if prog.plan.fingerprint != saved.fingerprint:
+        raise PlanMismatchError(f"the pipelined plan cuts the model differently here (fingerprint "
+                                f"{prog.plan.fingerprint} vs the plan's {saved.fingerprint}): give the same stage "
+                                f"annotations as when it was made (its cut: {record['cut']})")
+    return prog
 
 
 def _microbatch_candidates(p: int, batch: int) -> list[int]:

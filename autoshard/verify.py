@@ -245,10 +245,9 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     if simulate:
         ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
     else:
-        # Ranks apply the launcher's plan instead of each solving the ILP again (a pipeline re-plans: its
-        # cut is not applied from a plan file yet); the fingerprint check still compares every rank's program.
-        shared = None if getattr(program, "config", None) is not None else \
-            {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
+        # Ranks apply the launcher's plan instead of each solving the ILP again; the fingerprint check still
+        # compares every rank's program.
+        shared = {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
         args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
                 optimizer, offload, shared)
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)

@@ -361,8 +361,12 @@ def test_pipelined_plan_saves_and_loads_with_its_stage_table(gpt2_case, tmp_path
     loaded = Plan.load(path)
     assert loaded.fingerprint == prog.plan.fingerprint
     assert loaded.pipeline["stages"] == 2 and {r.stage for r in loaded.rows} == {0, 1}
-    with pytest.raises(autoshard.UserInputError, match=r"does not reproduce pipelined programs yet"):
-        autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"), plan=loaded)
+    again = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"), plan=str(path))
+    assert again.plan.fingerprint == prog.plan.fingerprint
+    assert "apply_plan" in [e.name for e in again.history] and "solve" not in [e.name for e in again.history]
+    for rank in range(4):
+        for a, b in zip(again.graph(rank), prog.graph(rank)):
+            assert a.gm.code == b.gm.code
 
 
 def test_checkpointed_plan_round_trips(gpt2_case, tmp_path):
@@ -375,3 +379,15 @@ def test_checkpointed_plan_round_trips(gpt2_case, tmp_path):
     again = autoshard.parallelize(model, MESH, inputs, loss_fn=loss_fn, axis_names=NAMES,
                                   checkpoint=["layers.*"], plan=str(tmp_path / "ckpt.json"))
     assert again.plan.fingerprint == prog.plan.fingerprint
+
+
+def test_pipelined_plan_with_another_cut_is_a_mismatch(gpt2_case, tmp_path):
+    model, inputs, loss_fn = gpt2_case
+    names, dp = ("pp", "dp"), {"input:0": {"dp": "S(0)"}}
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=names, hints=dp,
+                                 pipeline={"microbatches": 2, "balance": [4, 3]})
+    with pytest.raises(PlanMismatchError, match=r"cuts the model differently here .*its cut: balance=\[4, 3\]"):
+        autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=names, plan=prog.plan,
+                              pipeline={"balance": [5, 2]})
+    with pytest.raises(PlanMismatchError, match=r"pipelines over axis 'pp', which mesh Mesh\(dp=2, tp=2\)"):
+        autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"), plan=prog.plan)
