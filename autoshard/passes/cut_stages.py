@@ -95,6 +95,11 @@ def _from_split_points(nodes, annotations, num_stages) -> dict:
         raise UserInputError(f"{len(cuts)} split points make {len(cuts) + 1} stages but the pipeline has "
                              f"{num_stages} (pp axis size x virtual stages per rank); give {num_stages - 1} split "
                              "points")
+    return stages_from_cuts(nodes, cuts)
+
+
+def stages_from_cuts(nodes, cuts) -> dict:
+    """Stage of each op when a new stage begins at every position in the sorted `cuts`."""
     stage, k = {}, 0
     for i, node in enumerate(nodes):
         while k < len(cuts) and i >= cuts[k]:
@@ -254,12 +259,7 @@ def auto_cut(state, nodes, config) -> dict:
         j = back[s][j]
         cuts.append(positions[j])
     cuts = sorted(cuts)[1:]
-    stage, k = {}, 0
-    for i, node in enumerate(nodes):
-        while k < len(cuts) and i >= cuts[k]:
-            k += 1
-        stage[node] = k
-    return stage
+    return stages_from_cuts(nodes, cuts)
 
 
 def stage_summary(state, config) -> list[dict]:
