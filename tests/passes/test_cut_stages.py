@@ -215,3 +215,14 @@ def test_planned_timeline_matches_the_bubble_formula():
     zero_bubble = simulate(config, {s: {"F": 0.5, "B": 1.0} for s in range(8)}).bubble_fraction()
     assert zero_bubble < 3 / 11 / 2
     assert "bubble" in repr(simulate(PipelineConfig("pp", 2, 4, "1F1B"), {0: {"F": 1, "B": 2}, 1: {"F": 1, "B": 2}}))
+
+
+def test_measured_timeline_takes_one_row_per_pp_rank():
+    from autoshard.timeline import measured_timeline
+    model, inputs, loss_fn = gpt2()
+    prog = _plan(model, inputs, loss_fn, {"microbatches": 2})
+    # what pipeline_rank_run returns per rank: (stage, kind, micro-batch, start, end) chunk timings
+    results = {r: {"timeline": [(prog.stages_of(r)[0], "F", 0, 1.0 * r, 1.0 * r + 1.0)]} for r in range(4)}
+    timeline = measured_timeline(results, prog)
+    assert timeline.ranks == [0, 1] and len(timeline.events) == 2  # intra-op rank 0 of each pp coordinate
+    assert timeline.source == "measured" and "pp rank 1" in repr(timeline)
