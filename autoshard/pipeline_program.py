@@ -120,7 +120,8 @@ class PipelineProgram(Program):
 
     def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
         """The global tensor from ranks' blocks (one rank per intra-op coordinate counts); blocks that are
-        lists hold one block per micro-batch and assemble to their concatenation along dim 0."""
+        lists hold one block per micro-batch and assemble to their concatenation along dim 0 (0-dim values,
+        like a per-micro-batch loss, to their mean)."""
         by_coord = {}
         for rank, block in sorted(blocks_by_rank.items()):
             if block is not None:

@@ -119,13 +119,8 @@ class _ReduceScatter(torch.autograd.Function):
         return out, None, None, None
 
 
-class _AllGatherSumGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, axis, dim):
-        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
-        out = comm.all_gather(x, axis, dim)
-        comm.log.record(axis, "all_gather", _nbytes(out), "fwd")
-        return out
+class _AllGatherSumGrad(_AllGather):
+    """All-gather whose gradient comes back partial: the backward reduce-scatters (sequence parallel)."""
 
     @staticmethod
     def backward(ctx, grad):
