@@ -94,9 +94,15 @@ class PipelineProgram(Program):
         stages = split_stages(super().graph(self.inner_rank(rank)), self.config.num_stages)
         return StageGraphs(stages[s] for s in self.stages_of(rank))
 
-    def all_stage_graphs(self, inner_rank: int) -> list:
-        """Every stage of one intra-op rank, sharing one fresh set of parameter shards."""
-        return split_stages(build_rank_module(self.state, inner_rank), self.config.num_stages)
+    def all_stage_graphs(self, inner_rank: int, stages=None) -> list:
+        """Every stage of one intra-op rank, sharing one fresh set of parameter shards; with `stages`, only
+        the parameters those stages use get storage (the rest are meta tensors)."""
+        keep = None
+        if stages is not None:
+            keep = {n.meta[meta.PATH] for n in self.state.gm.graph.nodes if n.op == "placeholder"
+                    and n.meta.get(meta.KIND) in ("param", "buffer")
+                    and any(u.meta.get(STAGE) in stages for u in n.users)}
+        return split_stages(build_rank_module(self.state, inner_rank, keep), self.config.num_stages)
 
     def module(self, rank: int, comm):
         """Rank `rank`'s trainable pipeline module; `comm` is its communicator on the full mesh."""

@@ -45,7 +45,9 @@ def attr_names(state) -> dict[str, str]:
     return names
 
 
-def build_rank_module(state, rank: int) -> fx.GraphModule:
+def build_rank_module(state, rank: int, keep=None) -> fx.GraphModule:
+    """Rank `rank`'s GraphModule; with `keep` (a set of FQNs) only those parameters and buffers get real
+    storage, the others meta tensors of the local shape (a pipeline rank holds only its stages' weights)."""
     mesh = state.mesh
     coord = mesh.coord(rank)
     traced = state.traced
@@ -59,7 +61,11 @@ def build_rank_module(state, rank: int) -> fx.GraphModule:
         if node.op == "placeholder" and kind in ("param", "buffer"):
             fqn = node.meta[meta.PATH]
             source = traced.params[fqn] if kind == "param" else traced.buffers[fqn]
-            local = shard_tensor(source.detach(), node.meta[meta.SPEC], coord, mesh.shape).clone()
+            if keep is None or fqn in keep:
+                local = shard_tensor(source.detach(), node.meta[meta.SPEC], coord, mesh.shape).clone()
+            else:
+                shape = local_shape(source.shape, node.meta[meta.SPEC], mesh.shape)
+                local = torch.empty(shape, dtype=source.dtype, device="meta")
             if kind == "param":
                 root.register_parameter(names[fqn], torch.nn.Parameter(local, requires_grad=source.requires_grad))
             else:

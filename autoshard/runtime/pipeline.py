@@ -123,8 +123,9 @@ class PipelineRankModule(_StagesModule):
         inner_rank = program.inner_rank(rank)
         inner = DistCommunicator(program.inner_mesh, inner_rank, {a: comm.groups.get(a) for a in program.inner_mesh.names},
                                  comm.mesh_group, exact=comm.exact, timeout=comm.timeout)
-        stages = program.all_stage_graphs(inner_rank)
-        super().__init__(program, [stages[s] for s in program.stages_of(rank)], inner)
+        mine = program.stages_of(rank)
+        stages = program.all_stage_graphs(inner_rank, stages=set(mine))  # other stages' weights stay meta
+        super().__init__(program, [stages[s] for s in mine], inner)
         self.full_comm = comm
         self.global_rank = rank
         self.pp_group = comm.groups[program.config.axis]

@@ -226,3 +226,13 @@ def test_measured_timeline_takes_one_row_per_pp_rank():
     timeline = measured_timeline(results, prog)
     assert timeline.ranks == [0, 1] and len(timeline.events) == 2  # intra-op rank 0 of each pp coordinate
     assert timeline.source == "measured" and "pp rank 1" in repr(timeline)
+
+
+def test_a_pipeline_rank_allocates_only_its_stages_weights():
+    model, inputs, loss_fn = gpt2()
+    prog = _plan(model, inputs, loss_fn, {"microbatches": 2, "balance": [4, 3]})
+    first = prog.all_stage_graphs(0, stages={0})
+    held = {name for name, p in first[0].gm.named_parameters()}
+    assert all(not p.is_meta for p in first[0].gm.parameters())
+    assert all(p.is_meta for name, p in first[1].gm.named_parameters() if name not in held)
+    assert any(p.is_meta for p in first[1].gm.parameters())  # layers.1 and ln_f live on pp rank 1 only
