@@ -18,6 +18,7 @@ number: equal to one full-batch step for batch-mean losses (the default loss and
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,17 @@ def inner_profile(profile, mesh: Mesh, axis: str):
     return dataclasses.replace(profile, axis_links=links)
 
 
+def _warn_batch_statistics(model, microbatches: int) -> None:
+    """BatchNorm in training normalises each micro-batch by its own statistics: not the full-batch step."""
+    norms = [path for path, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and m.training] if isinstance(model, torch.nn.Module) else []
+    if norms and microbatches > 1:
+        warnings.warn(f"autoshard: {len(norms)} BatchNorm module(s) in training mode (e.g. {norms[0]!r}) see one "
+                      f"micro-batch at a time ({microbatches} per step), so their statistics and the step differ "
+                      "from a full-batch step; use microbatches=1, eval-mode norms, or LayerNorm/GroupNorm",
+                      stacklevel=3)
+
+
 def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, hints, loss_fn, debug,
                          compile_options: dict, plan=None):
     """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut."""
@@ -152,6 +164,7 @@ def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, 
     annotations = collect_annotations(model, hints, options.get("balance"), options.get("split_points"))
     profile = compile_options.get("profile") or DEFAULT_PROFILE
     config = make_config(mesh, axis, options, annotations, batch_size(example_inputs), profile)
+    _warn_batch_statistics(model, config.microbatches)
     sub = inner_mesh(mesh, axis)
     opts = dict(compile_options, profile=inner_profile(profile, mesh, axis), pipeline=config)
     state, history = compile_state(model, sub, microbatch_inputs(example_inputs, config.microbatches), hints,

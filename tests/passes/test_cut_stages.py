@@ -236,3 +236,10 @@ def test_a_pipeline_rank_allocates_only_its_stages_weights():
     assert all(not p.is_meta for p in first[0].gm.parameters())
     assert all(p.is_meta for name, p in first[1].gm.named_parameters() if name not in held)
     assert any(p.is_meta for p in first[1].gm.parameters())  # layers.1 and ln_f live on pp rank 1 only
+
+
+def test_batchnorm_with_microbatches_warns_that_the_step_differs():
+    from autoshard.zoo import resnet
+    model, inputs, loss_fn = resnet()
+    with pytest.warns(UserWarning, match=r"BatchNorm module\(s\) in training mode .* see one micro-batch at a time"):
+        autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",), pipeline={"microbatches": 2})
