@@ -145,7 +145,7 @@ class PipelineProgram(Program):
         from .runtime.pipeline import simulated_rank_step
         from .runtime.simulator import run_ranks
         self.check_inputs(inputs)
-        results = run_ranks(_InnerView(self), lambda module: simulated_rank_step(module, inputs, train=False),
+        results = run_ranks(InnerRanks(self), lambda module: simulated_rank_step(module, inputs, train=False),
                             timeout_s=timeout_s)
         ranks = {self.mesh.rank(self._full_coord(r)): res for r, res in results.items()}
         flat = [self.assemble({r: res[i] for r, res in ranks.items()}, spec)
@@ -159,7 +159,7 @@ class PipelineProgram(Program):
         return tuple(coord)
 
 
-class _InnerView:
+class InnerRanks:
     """What the thread simulator needs: the intra-op mesh, and a module per intra-op rank that runs all
     stages (the pp ranks of one intra-op coordinate, in one thread)."""
 

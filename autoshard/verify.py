@@ -175,8 +175,8 @@ def simulate_ranks(program, fn) -> dict:
     from .runtime.simulator import run_ranks
     if getattr(program, "config", None) is None:
         return run_ranks(program, fn)
-    from .pipeline_program import _InnerView
-    results = run_ranks(_InnerView(program), fn)
+    from .pipeline_program import InnerRanks
+    results = run_ranks(InnerRanks(program), fn)
     return {program.mesh.rank(program._full_coord(r)): res for r, res in results.items()}
 
 

@@ -59,19 +59,24 @@ def regathered(gather) -> bool:
     return False
 
 
+def _trained_param_shards(state):
+    """(node, spec, local numel, itemsize, local bytes) of every parameter with a gradient, in graph order."""
+    grad = needs_grad(state.gm.graph)
+    for node in state.gm.graph.nodes:
+        if node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not grad.get(node):
+            continue
+        spec = node.meta[meta.SPEC]
+        numel, itemsize = _local_numel(node, spec, state.mesh), node.meta["val"].element_size()
+        yield node, spec, numel, itemsize, numel * itemsize
+
+
 def memory_breakdown(state) -> dict:
     """Predicted bytes per rank: {"params", "grads", "optimizer", "gathered"} (ZeRO or not)."""
     mesh, zero = state.mesh, getattr(state, "zero", None)
     f = state.options.get("optimizer_state_factor", 2.0)
     axis = mesh.axis(zero.axis) if zero is not None else None
-    grad = needs_grad(state.gm.graph)
     out = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
-    for node in state.gm.graph.nodes:
-        if node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not grad.get(node):
-            continue
-        spec = node.meta[meta.SPEC]
-        numel, itemsize = _local_numel(node, spec, mesh), node.meta["val"].element_size()
-        kept = numel * itemsize
+    for node, spec, numel, itemsize, kept in _trained_param_shards(state):
         if zero is None:
             parts = {"params": kept, "grads": kept, "optimizer": f * kept}
         else:
@@ -108,15 +113,9 @@ def apply_zero(state) -> None:
     k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
     f = state.options.get("optimizer_state_factor", 2.0)
     sync = predicted["comm_bytes_per_step"][zero.axis]
-    grad = needs_grad(state.gm.graph)
     seconds = 0.0
     memory = 0
-    for node in state.gm.graph.nodes:
-        if node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not grad.get(node):
-            continue
-        spec = node.meta[meta.SPEC]
-        numel, itemsize = _local_numel(node, spec, mesh), node.meta["val"].element_size()
-        kept = numel * itemsize
+    for node, spec, numel, itemsize, kept in _trained_param_shards(state):
         memory -= int(kept * (2 + f))
         if zero.stage == 3 and isinstance(spec[axis], Shard):
             memory += int(kept * (2 + f))

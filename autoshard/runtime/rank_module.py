@@ -67,7 +67,7 @@ class RankModule(torch.nn.Module):
             if axes and param.grad is not None:
                 groups.setdefault(axes, []).append(param)
         for axes, params in groups.items():
-            for bucket in _buckets(params):
+            for bucket in buckets(params, lambda p: p.grad):
                 flat = torch.cat([p.grad.reshape(-1) for p in bucket])
                 for axis in axes:
                     self.comm.log.record(axis, "all_reduce", flat.numel() * flat.element_size(), "sync")
@@ -92,14 +92,16 @@ class RankModule(torch.nn.Module):
         return self.zero_optimizer.managed()
 
 
-def _buckets(params):
+def buckets(entries, tensor_of):
+    """Runs of entries whose tensors share a dtype, up to BUCKET_BYTES each (same order on every rank)."""
     bucket, size = [], 0
-    for p in params:
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or p.grad.dtype != bucket[0].grad.dtype):
+    for e in entries:
+        t = tensor_of(e)
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != tensor_of(bucket[0]).dtype):
             yield bucket
             bucket, size = [], 0
-        bucket.append(p)
+        bucket.append(e)
         size += nbytes
     if bucket:
         yield bucket

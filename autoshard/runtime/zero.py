@@ -29,9 +29,9 @@ import torch
 
 from ..errors import UserInputError
 from ..placement import Shard
+from .rank_module import buckets
 from .zero_gather import compact
 
-BUCKET_BYTES = 25 << 20
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
 
 
@@ -133,7 +133,7 @@ class ZeroOptimizer:
         if self.config.stage < 2:
             return
         flat = [e for e in self._flat_entries() if e.param.grad is not None]
-        for bucket in _buckets([e for e in flat if e.reduce], lambda e: e.param.grad):
+        for bucket in buckets([e for e in flat if e.reduce], lambda e: e.param.grad):
             rows = torch.cat([_padded_rows(e.param.grad, self.k, e.chunk) for e in bucket], dim=1)
             self.comm.log.record(self.axis, "reduce_scatter", rows.numel() * rows.element_size(), "sync")
             mine = compact(self.comm.reduce_scatter(rows, self.axis, 0)).reshape(-1)
@@ -162,7 +162,7 @@ class ZeroOptimizer:
             if e.owned and e.master is not e.param:
                 e.param.copy_(e.master.to(e.param.device, e.param.dtype))
         stepped = [e for e in self._flat_entries() if e.master.grad is not None]
-        for bucket in _buckets(stepped, lambda e: e.param):
+        for bucket in buckets(stepped, lambda e: e.param):
             mine = torch.cat([e.master.to(e.param.device, e.param.dtype) for e in bucket]).unsqueeze(0)
             rows = self.comm.all_gather(mine, self.axis, 0)  # [k, sum of chunks]
             self.comm.log.record(self.axis, "all_gather", rows.numel() * rows.element_size(), "sync")
@@ -220,21 +220,6 @@ def _padded_rows(grad: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
     if flat.numel() < k * chunk:
         flat = torch.cat([flat, flat.new_zeros(k * chunk - flat.numel())])
     return flat.view(k, chunk)
-
-
-def _buckets(entries, tensor_of):
-    """Runs of entries of one dtype up to BUCKET_BYTES (same order on every rank)."""
-    bucket, size = [], 0
-    for e in entries:
-        t = tensor_of(e)
-        nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != tensor_of(bucket[0]).dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(e)
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _same_optimizer(optimizer, groups):
