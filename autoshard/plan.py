@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+from html import escape
 from dataclasses import dataclass, field
 
 import torch
@@ -187,20 +188,84 @@ class Plan:
         return [r for r in self.rows if fnmatch.fnmatchcase(r.path, glob) or r.path == glob
                 or r.path.startswith(glob + ".")]
 
-    def table(self, rows=None) -> str:
-        """The rows (all, or `rows`) as aligned text: node, op, module, sharded type, collective, bytes.
+    def table_cells(self, rows=None) -> tuple[list[str], list[list[str]]]:
+        """(header, one list of cells per row): the columns `table()` prints and `_repr_html_` shows — node,
+        op, module path, sharded type, the placement on each mesh axis (one column per axis), pipeline stage
+        (blank without a pipeline), collective, bytes, and predicted time and memory per step and rank
+        (blank for a plan loaded from JSON, which keeps only decisions). `rows`: all, a list, or a glob.
 
-        >>> print(plan.table(plan.filter("layers.0.weight")))
-        node                     op     module           type             collective  fwd B  bwd B
-        p_model_layers_0_weight  param  layers.0.weight  f32[128@tp, 32]
+        >>> head, body = plan.table_cells("layers.0.weight")
+        >>> dict(zip(head, body[0]))["tp (2)"], dict(zip(head, body[0]))["predicted memory (B)"]
+        ('S(0)', '32768')
         """
-        rows = self.rows if rows is None else rows
-        head = ("node", "op", "module", "type", "collective", "fwd B", "bwd B")
-        body = [(r.name, r.op, r.path, r.type, f"{r.collective}@{r.axis}" if r.collective else "",
-                 str(r.bytes_fwd or ""), str(r.bytes_bwd or "")) for r in rows]
-        widths = [max(len(x) for x in col) for col in zip(head, *body)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
-        return "\n".join(lines)
+        rows = self._rows(rows)
+        head = ["node", "op", "module path", "type", *[f"{n} ({s})" for n, s in zip(self.mesh.names, self.mesh.shape)],
+                "stage", "collective", "fwd bytes", "bwd bytes", "predicted time (s)", "predicted memory (B)"]
+        costs = self.row_costs()
+        body = []
+        for r in rows:
+            cost = costs.get(r.name)
+            stage = getattr(r, "stage", None)  # rows carry a stage only in pipeline plans
+            body.append([r.name, r.op, r.path, r.type, *[repr(p) for p in Spec.parse(r.spec)],
+                         "" if stage is None else str(stage), f"{r.collective}@{r.axis}" if r.collective else "",
+                         str(r.bytes_fwd or ""), str(r.bytes_bwd or ""),
+                         f"{cost['seconds'] + cost['sync_s']:.3g}" if cost else "",
+                         str(int(cost["memory_bytes"])) if cost else ""])
+        return head, body
+
+    def totals_cells(self, rows=None) -> tuple[list[str], list[list[str]]]:
+        """(header, cells) of the totals under the table: per mesh axis its collectives, their bytes and
+        predicted time, and the gradients reduced on it; then all rows' predicted time and memory.
+
+        >>> head, body = plan.totals_cells()
+        >>> [dict(zip(head, line))["collectives"] for line in body]
+        ['0', '1', '1']
+        >>> body[-1][0], float(body[-1][-2]) == float(f"{plan.predicted['step_time_s']:.3g}")
+        ('all axes', True)
+        """
+        rows = self._rows(rows)
+        costs = self.row_costs()
+        head = ["mesh axis", "collectives", "fwd bytes", "bwd bytes", "gradients reduced", "predicted time (s)",
+                "predicted memory (B)"]
+        body = []
+        for name in self.mesh.names:
+            comms = [r for r in rows if r.collective and r.axis == name]
+            reduced = [r for r in rows if r.kind == "param" and name in self.grad_reduce.get(r.path, ())]
+            seconds = sum(costs[r.name]["seconds"] for r in comms if r.name in costs)
+            body.append([name, str(len(comms)), str(sum(r.bytes_fwd for r in comms)),
+                         str(sum(r.bytes_bwd for r in comms)), str(len(reduced)),
+                         f"{seconds:.3g}" if costs else "", ""])
+        shown = [costs[r.name] for r in rows if r.name in costs]
+        body.append(["all axes", str(sum(1 for r in rows if r.collective)), str(sum(r.bytes_fwd for r in rows)),
+                     str(sum(r.bytes_bwd for r in rows)),
+                     str(sum(1 for r in rows if r.kind == "param" and self.grad_reduce.get(r.path))),
+                     f"{sum(c['seconds'] + c['sync_s'] for c in shown):.3g}" if costs else "",
+                     str(int(sum(c["memory_bytes"] for c in shown))) if costs else ""])
+        return head, body
+
+    def table(self, rows=None) -> str:
+        """The rows (all, a list such as `filter(glob)`'s, or a module glob) as aligned text with the
+        columns of `table_cells`, then the totals per mesh axis (`totals_cells`). The example's long lines
+        are wrapped.
+
+        >>> print(plan.table(plan.collectives()))  # doctest: +NORMALIZE_WHITESPACE
+        node        op          module path  type               dp (2)  tp (2)  stage  collective     fwd bytes
+            bwd bytes  predicted time (s)  predicted memory (B)
+        all_to_all  all_to_all  layers.0     f32[8@dp@tp, 128]  S(0)    S(0)           all_to_all@tp  1024
+            1024       1e-05               0
+        mesh axis  collectives  fwd bytes  bwd bytes  gradients reduced  predicted time (s)  predicted memory (B)
+        dp         0            0          0          0                  0
+        tp         1            1024       1024       0                  1e-05
+        all axes   1            1024       1024       0                  1e-05               0
+        """
+        head, body = self.table_cells(rows)
+        totals_head, totals = self.totals_cells(rows)
+        return _aligned(head, body) + "\n\n" + _aligned(totals_head, totals)
+
+    def _rows(self, rows) -> list[PlanRow]:
+        if rows is None:
+            return self.rows
+        return self.filter(rows) if isinstance(rows, str) else list(rows)
 
     def axis_roles(self) -> dict:
         """What the plan uses each mesh axis for, in words (the planner decides this on unnamed meshes).
@@ -318,27 +383,22 @@ class Plan:
         return draw_mesh(self.mesh, self.axis_roles())
 
     def _repr_html_(self) -> str:
-        """Notebook view: the summary, then one row per tensor with its placement on each mesh axis, its
-        pipeline stage (blank without a pipeline), collective, bytes, and predicted time and memory."""
-        from html import escape
-        axes = [f"{n} ({s})" for n, s in zip(self.mesh.names, self.mesh.shape)]
-        head = ["node", "op", "module path", "type", *axes, "stage", "collective", "fwd bytes", "bwd bytes",
-                "predicted time (s)", "predicted memory (B)"]
-        costs = self.row_costs()
-        body = []
-        for r in self.rows:
-            placements = Spec.parse(r.spec)
-            cost = costs.get(r.name)
-            stage = getattr(r, "stage", None)  # rows carry a stage only in pipeline plans
-            cells = [r.name, r.op, r.path, r.type, *[repr(p) for p in placements], "" if stage is None else stage,
-                     f"{r.collective}@{r.axis}" if r.collective else "", r.bytes_fwd or "", r.bytes_bwd or "",
-                     f"{cost['seconds'] + cost['sync_s']:.3g}" if cost else "",
-                     int(cost["memory_bytes"]) if cost else ""]
-            body.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
+        """Notebook view: the summary, the table of `table_cells` (the columns `table()` prints), then the
+        totals per mesh axis."""
         summary = "<br>".join(escape(line) for line in self.summary().splitlines())
-        return (f"<div><p><code>{summary}</code></p><table><thead><tr>"
-                + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
-                + "".join(body) + "</tbody></table></div>")
+        return f"<div><p><code>{summary}</code></p>{_html(*self.table_cells())}{_html(*self.totals_cells())}</div>"
+
+
+def _aligned(head, body) -> str:
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body])
+
+
+def _html(head, body) -> str:
+    return ("<table><thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in head) + "</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in line) + "</tr>" for line in body)
+            + "</tbody></table>")
+
 
 def _op_name(node) -> str:
     if node.op == "placeholder":

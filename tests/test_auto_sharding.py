@@ -88,7 +88,9 @@ def test_profile_json_round_trip_and_named_profiles(tmp_path):
 def test_plan_html_has_a_row_per_tensor_and_a_column_per_axis():
     prog = _gpt2_plan(mesh=(2, 2))
     html = prog.plan._repr_html_()
-    assert html.count("<tr>") == len(prog.plan.rows) + 1
+    rows, totals = html.split("</table>")[:2]
+    assert rows.count("<tr>") == len(prog.plan.rows) + 1
+    assert totals.count("<tr>") == len(prog.mesh.names) + 2  # header, one per axis, all axes
     assert "<th>a0 (2)</th>" in html and "<th>collective</th>" in html
 
 

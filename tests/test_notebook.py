@@ -4,6 +4,7 @@ Also the plan's HTML table itself (no kernel): the columns a reader needs, and p
 and memory that add up to the plan's totals.
 """
 import math
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -22,9 +23,11 @@ class _Table(HTMLParser):
 
     def __init__(self):
         super().__init__()
-        self.head, self.rows, self._cell, self._in = [], [], None, None
+        self.head, self.rows, self._cell, self._in, self.done = [], [], None, None, False
 
     def handle_starttag(self, tag, attrs):
+        if self.done:
+            return
         if tag in ("th", "td"):
             self._cell = ""
         elif tag == "tr":
@@ -35,7 +38,11 @@ class _Table(HTMLParser):
             self._cell += data
 
     def handle_endtag(self, tag):
-        if tag == "th":
+        if self.done:
+            return
+        if tag == "table":
+            self.done = True
+        elif tag == "th":
             self.head.append(self._cell)
         elif tag == "td":
             self._in.append(self._cell)
@@ -76,6 +83,42 @@ def test_plan_html_columns_and_row_costs():
     memory = sum(int(row[col["predicted memory (B)"]]) for row in table.rows)
     assert math.isclose(seconds, plan.predicted["step_time_s"], rel_tol=1e-2)  # cells round to 3 digits
     assert abs(memory - plan.predicted["memory_bytes_per_rank"]) <= len(table.rows)
+
+
+def test_plan_text_table_has_the_html_columns_and_totals_per_axis():
+    model, inputs, loss_fn = mlp(n_layers=2)
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
+                                 hints={"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}})
+    plan = prog.plan
+    html_tables = plan._repr_html_().split("</table>")
+    text_rows, text_totals = plan.table().split("\n\n")
+    head = _table(html_tables[0]).head
+    assert re.split(" {2,}", text_rows.splitlines()[0]) == head
+    assert len(text_rows.splitlines()) == len(plan.rows) + 1
+    totals = _table(html_tables[1][html_tables[1].index("<table>"):])
+    assert re.split(" {2,}", text_totals.splitlines()[0]) == totals.head
+    by_axis = {row[0]: dict(zip(totals.head, row)) for row in totals.rows}
+    assert list(by_axis) == ["dp", "tp", "all axes"]
+    for axis in ("dp", "tp"):
+        comms = [r for r in plan.collectives() if r.axis == axis]
+        assert int(by_axis[axis]["collectives"]) == len(comms)
+        assert int(by_axis[axis]["fwd bytes"]) == plan.predicted["comm_bytes_per_step"][axis]["fwd"]
+        assert int(by_axis[axis]["bwd bytes"]) == plan.predicted["comm_bytes_per_step"][axis]["bwd"]
+    assert int(by_axis["dp"]["gradients reduced"]) == len(plan.grad_reduce)
+    assert abs(int(by_axis["all axes"]["predicted memory (B)"]) - plan.predicted["memory_bytes_per_rank"]) <= 1
+    only = plan.table("layers.1*").split("\n\n")[0].splitlines()[1:]
+    assert only and all("layers.1" in line for line in only)
+
+
+def test_pipelined_plan_table_shows_each_rows_stage():
+    model, inputs, loss_fn = mlp(n_layers=2)
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
+                                 hints={"input:0": {"dp": "S(0)"}}, pipeline={"microbatches": 2})
+    head, body = prog.plan.table_cells()
+    stages = [line[head.index("stage")] for line in body]
+    assert set(stages) == {"0", "1"}
+    html = _table(prog.plan._repr_html_())
+    assert [row[html.head.index("stage")] for row in html.rows] == stages
 
 
 @pytest.fixture(scope="module")
