@@ -7,6 +7,13 @@ Forbidden pairs fix e[s, t] = 0; edges with a single-candidate end fold into the
 An optional memory row bounds sum(memory[c, s] * x[c, s]). A shared charge is paid once when any of
 its groups is chosen: a variable y in [0, 1] with y >= sum(x over the group) for every group, costing
 `cost * y` (the backward all-reduce of a value used by several split ops happens once).
+
+Two classes with two candidates each; the edge forbids mixing candidate 0 of one with candidate 1 of
+the other. The cheapest consistent choice is candidate 1 for both:
+
+>>> problem = IlpProblem(sizes=[2, 2], costs=[[1.0, 2.0], [5.0, 1.0]], edges={(0, 1): [[0.0, INF], [INF, 0.0]]})
+>>> solve_ilp(problem).choice
+[1, 1]
 """
 from __future__ import annotations
 
@@ -21,7 +28,11 @@ from .errors import PlanError
 
 @dataclass
 class IlpProblem:
-    """Costs in any consistent unit (the solver works in microseconds)."""
+    """Costs in any consistent unit (the solver works in microseconds).
+
+    >>> IlpProblem(sizes=[3, 2], costs=[[1.0, 2.0, 3.0], [0.0, 1.0]]).n_classes
+    2
+    """
 
     sizes: list[int]  # candidates per class
     costs: list[list[float]]  # [class][candidate]
@@ -33,11 +44,23 @@ class IlpProblem:
 
     @property
     def n_classes(self) -> int:
+        """How many decision classes (one-hot groups of candidates) the problem has.
+
+        >>> problem.n_classes
+        2
+        """
         return len(self.sizes)
 
 
 @dataclass
 class IlpResult:
+    """The chosen candidate per class, the objective, and the ILP's size.
+
+    >>> result = solve_ilp(problem)
+    >>> result.objective, result.variables, result.constraints
+    (3.0, 8, 6)
+    """
+
     choice: list[int]
     objective: float
     variables: int
@@ -45,6 +68,14 @@ class IlpResult:
 
 
 def solve_ilp(problem: IlpProblem) -> IlpResult:
+    """Solve `problem` exactly (HiGHS, one thread, fixed seed: the same choice on every rank).
+
+    A memory budget the cheapest choice exceeds forces the other one:
+
+    >>> tight = IlpProblem(sizes=[2], costs=[[1.0, 3.0]], memory=[[100.0, 10.0]], budget=50.0)
+    >>> solve_ilp(tight).choice
+    [1]
+    """
     costs = [list(c) for c in problem.costs]
     allowed = [[True] * n for n in problem.sizes]
     joint = []
@@ -121,7 +152,13 @@ def solve_ilp(problem: IlpProblem) -> IlpResult:
 
 
 class MemoryBudgetError(PlanError):
-    """No plan fits the per-device memory budget; says the budget and the smallest footprint found."""
+    """No plan fits the per-device memory budget; says the budget and the smallest footprint found.
+
+    >>> solve_ilp(IlpProblem(sizes=[2], costs=[[1.0, 3.0]], memory=[[100.0, 60.0]], budget=50.0))
+    Traceback (most recent call last):
+    ...
+    autoshard.ilp.MemoryBudgetError: no plan fits the memory budget of 0.000 GiB (50 bytes) per device: the smallest footprint the sharding search can reach is 0.000 GiB (60 bytes). Raise the budget, use a larger mesh, or add ZeRO / activation checkpointing.
+    """
 
     def __init__(self, problem: IlpProblem):
         self.problem = problem

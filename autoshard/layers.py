@@ -8,6 +8,9 @@ does not grow with depth.
 Only instances holding at least two matmul-like ops are tied: inside such a block (a transformer
 layer) the column/row alternation of tensor parallelism is free to form, whereas tying one-linear
 "layers" would forbid alternating across them (Alpa's MLP optimum does exactly that).
+
+>>> layer_key("layers.3.attn.q")
+('layers.*.attn.q', 'layers.3')
 """
 from __future__ import annotations
 
@@ -19,7 +22,11 @@ _INDEX = re.compile(r"(^|\.)(\d+)(?=\.|$)")
 
 
 def layer_key(path: str) -> tuple[str, str]:
-    """('layers.*.attn.q', 'layers.3') for 'layers.3.attn.q'; (path, '') outside repeated containers."""
+    """('layers.*.attn.q', 'layers.3') for 'layers.3.attn.q'; (path, '') outside repeated containers.
+
+    >>> layer_key("blocks.0.mlp.fc"), layer_key("lm_head")
+    (('blocks.*.mlp.fc', 'blocks.0'), ('lm_head', ''))
+    """
     match = _INDEX.search(path)
     if match is None:
         return path, ""
@@ -31,6 +38,17 @@ def decision_classes(nodes, signature) -> tuple[list[list], dict]:
     """Group `nodes` (graph order) into classes of copies; `signature(node)` adds shape/candidate keys.
 
     Returns (classes as lists of nodes in graph order, node -> class index).
+
+    In a two-layer GPT-2 the query projection of layer 1 joins the class of its copy in layer 0:
+
+    >>> from autoshard.frontend import trace
+    >>> from autoshard.zoo import gpt2
+    >>> model, inputs, loss_fn = gpt2(n_layers=2)
+    >>> nodes = list(trace(model, inputs, loss_fn).gm.graph.nodes)
+    >>> classes, index = decision_classes(nodes, signature=lambda node: ())
+    >>> q0, q1 = [n for n in nodes if n.op == "call_function" and n.meta["autoshard.path"].endswith("attn.q")][:2]
+    >>> q0.meta["autoshard.path"], q1.meta["autoshard.path"], index[q0] == index[q1]
+    ('layers.0.attn.q', 'layers.1.attn.q', True)
     """
     from .flops import is_matmul_like
     classes: list[list] = []

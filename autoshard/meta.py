@@ -9,8 +9,18 @@ choice       [per axis: AxisStrategy] the chosen strategy (solve)
 spec         Spec of the node's output(s) (solve)
 in_specs     [Spec] required of each tensor input position (solve)
 grad_partial [tuple of axes] per tensor input position where the gradient comes back partial (solve)
-grad_reduce  axes on which a parameter's gradient is reduced after backward (insert_comm)
 comm         for inserted collectives: {"op", "axis", ...} (insert_comm)
+
+(The axes on which a parameter's gradient is reduced after backward are `state.grad_reduce`, by FQN.)
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}})
+>>> weight = next(n for n in prog.state.gm.graph.nodes if n.meta.get(PATH) == "layers.0.weight")
+>>> weight.meta[KIND], weight.meta[SPEC], prog.state.grad_reduce[weight.meta[PATH]]
+('param', [R], ('dp',))
 """
 KIND = "autoshard.kind"
 PATH = "autoshard.path"
@@ -21,12 +31,16 @@ CHOICE = "autoshard.choice"
 SPEC = "autoshard.spec"
 IN_SPECS = "autoshard.in_specs"
 GRAD_PARTIAL = "autoshard.grad_partial"
-GRAD_REDUCE = "autoshard.grad_reduce"
 COMM = "autoshard.comm"
 
 
 def module_path(node) -> str:
-    """Innermost module path of a node from export's nn_module_stack ('' at top level)."""
+    """Innermost module path of a node from export's nn_module_stack ('' at top level).
+
+    >>> linear = next(n for n in prog.traced.gm.graph.nodes if n.name == "linear_default")
+    >>> module_path(linear)
+    'layers.0'
+    """
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""

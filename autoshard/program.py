@@ -2,11 +2,20 @@
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
->>> model, inputs, loss_fn = mlp()
+>>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> prog = autoshard.parallelize(model, mesh=(2,), axis_names=("dp",), example_inputs=inputs,
 ...                              loss_fn=loss_fn, hints={"input:0": {"dp": "S(0)"}})
 >>> prog.plan.grad_reduce["layers.0.weight"]
 ('dp',)
+>>> loss, out = prog.simulate(*inputs)  # both ranks in this process: equals the single device
+>>> torch.allclose(loss, loss_fn(model(*inputs), *inputs))
+True
+
+Megatron's tensor parallelism of the same MLP, used by some examples below:
+
+>>> tp = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
+...                            hints={"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
+...                                   "layers.1.weight": {"tp": "S(1)"}})
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ from .passes.codegen import attr_names, build_rank_module, codegen
 from .passes.cut_stages import cut_stages
 from .passes.fuse_comm import fuse_comm
 from .passes.insert_comm import insert_comm
-from .passes.manager import CompileState, History, run_passes
+from .passes.manager import CompileState, History, pass_name as pass_name_of, run_passes
 from .passes.normalize import normalize
 from .passes.predict import predict
 from .passes.solve import solve
@@ -63,6 +72,9 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
     axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
     mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
+
+    >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
+    [('all_reduce', 'tp', 'layers.1')]
     """
     if parallel is not None:
         from .tp_modes import apply_parallel_config
@@ -85,7 +97,13 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
 
 
 def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan=None, pipeline=False):
-    """Trace and run the passes (cut_stages too for a pipeline's micro-batch program): (state, history)."""
+    """Trace and run the passes (cut_stages too for a pipeline's micro-batch program): (state, history).
+
+    >>> state, history = compile_state(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn,
+    ...                                False, {"profile": load_profile(None)})
+    >>> [entry.name for entry in history] == [p.name for p in PASSES]
+    True
+    """
     passes = PASSES
     if plan is not None:
         plan, hints = resolve_plan(plan, mesh, hints)
@@ -100,8 +118,33 @@ def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, p
     return state, history
 
 
+def state_before(pass_name: str, model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None,
+                 **options) -> CompileState:
+    """The CompileState that pass `pass_name` (one of PASSES) sees: `model` traced and the passes before it
+    run. For watching one pass at work on a small graph (the passes' docstring examples use it).
+
+    >>> state = state_before("insert_comm", model, (2,), inputs, hints={"input:0": {"dp": "S(0)"}},
+    ...                      axis_names=("dp",))
+    >>> next(n for n in state.gm.graph.nodes if n.op == "placeholder").meta["autoshard.spec"]
+    [R]
+    """
+    names = [pass_name_of(p) for p in PASSES]
+    if pass_name not in names:
+        raise UserInputError(f"no pass named {pass_name!r}; the passes are {names}")
+    traced = trace(model, example_inputs, loss_fn)
+    state = CompileState(traced.gm, Mesh.of(mesh, axis_names), traced, hints,
+                         {**options, "profile": load_profile(options.get("profile"))})
+    for pass_ in PASSES[:names.index(pass_name)]:
+        pass_(state)
+    return state
+
+
 def describe_graph(state) -> str:
-    """The graph's code with sharding-annotated types on every line that has a spec."""
+    """The graph's code with sharding-annotated types on every line that has a spec (`prog.history`'s text).
+
+    >>> print(next(line for line in describe_graph(prog.state).splitlines() if line.startswith("linear_default:")))
+    linear_default: f32[8@dp, 128] = call_function[target=torch.ops.aten.linear.default](args = (%inputs_0, ...)
+    """
     lines = []
     for node in state.gm.graph.nodes:
         spec = node.meta.get(meta.SPEC)
@@ -118,7 +161,12 @@ def describe_graph(state) -> str:
 
 
 class Program:
-    """Plan + per-rank modules + runtime helpers for one model on one mesh."""
+    """Plan + per-rank modules + runtime helpers for one model on one mesh (what `parallelize` returns).
+
+    >>> prog
+    Program(Mesh(dp=2), fingerprint=...)
+    Plan on Mesh(dp=2): ...
+    """
 
     def __init__(self, state: CompileState, history: History):
         self.state = state
@@ -137,6 +185,11 @@ class Program:
 
     @functools.cached_property
     def plan(self) -> Plan:
+        """The Plan: every tensor's placement, every collective, predicted costs (see autoshard.plan).
+
+        >>> prog.plan.mesh
+        Mesh(dp=2)
+        """
         return Plan.from_state(self.state)
 
     def __repr__(self) -> str:
@@ -150,7 +203,12 @@ class Program:
         return self.plan.draw(collapse, color_by)
 
     def graph(self, rank: int) -> torch.fx.GraphModule:
-        """Rank `rank`'s GraphModule: local parameter shards, local shapes, visible collectives (cached)."""
+        """Rank `rank`'s GraphModule: local parameter shards, local shapes, visible collectives (cached).
+
+        >>> gm = prog.graph(1)
+        >>> gm.layers_0_weight.shape, "inputs_0" in gm.code
+        (torch.Size([128, 32]), True)
+        """
         if not isinstance(rank, int) or not 0 <= rank < self.mesh.size:
             raise UserInputError(f"rank {rank!r} is outside the mesh {self.mesh!r} (ranks 0..{self.mesh.size - 1})")
         if rank not in self._graphs:
@@ -158,33 +216,63 @@ class Program:
         return self._graphs[rank]
 
     def module(self, rank: int, comm) -> RankModule:
-        """A fresh trainable module for `rank` talking through `comm` (its own parameter copies)."""
+        """A fresh trainable module for `rank` talking through `comm` (its own parameter copies); under
+        torchrun `comm` is `autoshard.runtime.launch.communicator_for(prog.mesh)`.
+
+        >>> from autoshard.runtime.simulator import run_ranks   # one thread per rank, module(r, comm) each
+        >>> losses = run_ranks(prog, lambda module: module(*module.local_inputs(*inputs))[0])
+        >>> torch.allclose(losses[0] + losses[1], loss)          # batch-sharded: each rank holds a partial sum
+        True
+        """
         return RankModule(build_rank_module(self.state, rank), comm, self)
 
     def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
-        """The global tensor from every rank's block (sums partial axes)."""
+        """The global tensor from every rank's block (sums partial axes).
+
+        >>> prog.assemble({0: torch.zeros(4, 3), 1: torch.ones(4, 3)}, prog.input_specs[0]).shape
+        torch.Size([8, 3])
+        """
         return unshard_tensors({self.mesh.coord(r): b for r, b in blocks_by_rank.items()}, spec, self.mesh.shape)
 
     @property
     def output_specs(self):
-        """Specs of (loss, *flat outputs) as the rank modules return them."""
+        """Specs of (loss, *flat outputs) as the rank modules return them.
+
+        >>> prog.output_specs
+        [[P], [S(0)]]
+        """
         return self._output_specs
 
     def canonical_param(self, fqn: str) -> str:
-        """The FQN a tied parameter is held under (its first name in the traced graph)."""
+        """The FQN a tied parameter is held under (its first name in the traced graph).
+
+        >>> prog.canonical_param("layers.1.weight")  # the MLP ties nothing: every name is its own
+        'layers.1.weight'
+        """
         for first, others in self.traced.aliases.items():
             if fqn in others:
                 return first
         return fqn
 
     def param_spec(self, fqn: str):
+        """The spec parameter `fqn` is stored with (KeyError for a name the model does not have).
+
+        >>> tp.param_spec("layers.0.weight"), tp.param_spec("layers.1.weight")
+        ([S(0)], [S(1)])
+        """
         for node in self.state.gm.graph.nodes:
             if node.op == "placeholder" and node.meta.get(meta.PATH) == fqn:
                 return node.meta[meta.SPEC]
         raise KeyError(fqn)
 
     def check_inputs(self, inputs) -> None:
-        """Global inputs must match the example inputs the program was traced with (count, shape, dtype)."""
+        """Global inputs must match the example inputs the program was traced with (count, shape, dtype).
+
+        >>> prog.check_inputs((torch.randn(4, 32),))
+        Traceback (most recent call last):
+        ...
+        autoshard.errors.UserInputError: input 0 is torch.float32 (4, 32) but the program was planned for ... (8, 32); ...
+        """
         examples = [n.meta["val"] for n in self.state.gm.graph.nodes
                     if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
         if len(inputs) != len(examples):
@@ -197,7 +285,12 @@ class Program:
                                      f"{tuple(ex.shape)}; re-plan with example inputs of the new shape")
 
     def simulate(self, *inputs, timeout_s: float = 60.0):
-        """Run all ranks in this process (threads); return the global (loss, outputs) like the model."""
+        """Run all ranks in this process (threads); return the global (loss, outputs) like the model.
+
+        >>> loss, out = tp.simulate(*inputs)
+        >>> torch.allclose(out, model(*inputs), atol=1e-6)
+        True
+        """
         from .runtime.simulator import run_ranks
         import torch.utils._pytree as pytree
         self.check_inputs(inputs)

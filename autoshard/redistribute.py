@@ -23,7 +23,11 @@ from .placement import R, Partial, Replicate, Shard, Spec
 
 @dataclass(frozen=True)
 class Step:
-    """One collective on one mesh axis; `dim`/`to_dim` are tensor dims where the op needs them."""
+    """One collective on one mesh axis; `dim`/`to_dim` are tensor dims where the op needs them.
+
+    >>> Step("all_to_all", axis=1, dim=0, to_dim=1)
+    all_to_all(axis=1, gather_dim=0, scatter_dim=1)
+    """
 
     op: str  # all_gather | chunk | reduce_scatter | all_reduce | all_to_all
     axis: int
@@ -39,6 +43,11 @@ class Step:
         return f"{self.op}({', '.join(args)})"
 
     def apply(self, spec: Spec) -> Spec:
+        """The spec after this step.
+
+        >>> Step("chunk", axis=0, dim=1).apply(Spec([R, S(0)]))
+        [S(1), S(0)]
+        """
         if self.op in ("all_gather", "all_reduce"):
             return spec.with_axis(self.axis, R)
         if self.op in ("chunk", "reduce_scatter"):
@@ -51,6 +60,15 @@ def _axes_of(spec, dim):
 
 
 def plan_redistribute(src: Spec, dst: Spec) -> list[Step]:
+    """The steps turning spec `src` into `dst` (empty when equal); a partial sum cannot be created.
+
+    >>> plan_redistribute(Spec([S(0), R]), Spec([S(1), R]))
+    [all_to_all(axis=0, gather_dim=0, scatter_dim=1)]
+    >>> plan_redistribute(Spec([R]), Spec([P]))
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.PlanError: cannot turn [R] into [P]: axis 0 would have to become a partial sum
+    """
     if src == dst:
         return []
     for axis, (s, d) in enumerate(zip(src, dst)):
