@@ -8,6 +8,15 @@ Invariant: the plan's rows (inserted collectives aside) match the graph's nodes 
 name, op, module path, kind, shape and dtype — and each chosen strategy is one solve could have chosen
 on that axis (solve's `_axis_candidates`: divisible after the earlier axes, hints respected); otherwise
 PlanMismatchError names the first node where the plan and the traced graph differ.
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> hints = {"input:0": {"dp": "S(0)"}}
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
+>>> again = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), plan=prog.plan)
+>>> [entry.name for entry in again.history][:5], again.plan.fingerprint == prog.plan.fingerprint
+(['normalize', 'check_plan', 'annotate', 'strategies', 'allow_planned_zero_shards'], True)
 """
 from __future__ import annotations
 
@@ -34,7 +43,15 @@ _REPLAN = ("pass the plan saved for this model and these example inputs (same sh
 
 def resolve_plan(plan, mesh: Mesh, hints):
     """`parallelize(plan=...)`: the Plan (loaded when a path) and the hints to compile with (the plan's
-    own unless the caller's agree with them); a plan for another mesh or other hints is an error."""
+    own unless the caller's agree with them); a plan for another mesh or other hints is an error.
+
+    >>> resolve_plan(prog.plan, Mesh((2,), ("dp",)), None)[1]
+    {'input:0': {'dp': 'S(0)'}}
+    >>> resolve_plan(prog.plan, Mesh((2,), ("tp",)), None)
+    Traceback (most recent call last):
+    ...
+    autoshard.plan_io.PlanMismatchError: the plan was made for mesh Mesh(dp=2) but parallelize got Mesh(tp=2); ...
+    """
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
     elif not isinstance(plan, Plan):
@@ -55,7 +72,14 @@ def resolve_plan(plan, mesh: Mesh, hints):
 
 @dataclass(frozen=True, eq=False)
 class CheckPlan:
-    """Runs right after normalize: a plan for another model fails here, before its hints are resolved."""
+    """Runs right after normalize: a plan for another model fails here, before its hints are resolved.
+
+    >>> other, other_inputs, _ = mlp(n_layers=3)
+    >>> autoshard.parallelize(other, (2,), other_inputs, axis_names=("dp",), plan=prog.plan)
+    Traceback (most recent call last):
+    ...
+    autoshard.plan_io.PlanMismatchError: the plan was made for another model or other example inputs: ...
+    """
 
     plan: Plan
     name: str = "check_plan"
@@ -66,7 +90,14 @@ class CheckPlan:
 
 @dataclass(frozen=True, eq=False)
 class ApplyPlan:
-    """The pass, in solve's place: `ApplyPlan(plan)(state)`."""
+    """The pass, in solve's place: `ApplyPlan(plan)(state)`.
+
+    >>> from autoshard.program import state_before
+    >>> state = state_before("solve", model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
+    >>> ApplyPlan(prog.plan)(state)
+    >>> next(n for n in state.gm.graph.nodes if n.name == "inputs_0").meta["autoshard.spec"]
+    [S(0)]
+    """
 
     plan: Plan
     name: str = "apply_plan"
@@ -98,7 +129,12 @@ class ApplyPlan:
 
 def match_rows(plan: Plan, graph) -> list:
     """(node, row) for every node solve would decide (placeholders and tensor-valued ops), in graph order;
-    the first node where the plan and the graph differ raises PlanMismatchError."""
+    the first node where the plan and the graph differ raises PlanMismatchError.
+
+    >>> node, row = match_rows(prog.plan, prog.state.gm.graph)[0]
+    >>> node.name == row.name, row.path
+    (True, 'layers.0.weight')
+    """
     rows = [r for r in plan.rows if r.kind != "comm"]
     nodes = [n for n in graph.nodes if n.op == "placeholder" or (n.op == "call_function" and is_tensor_value(n))]
     for index in range(max(len(rows), len(nodes))):

@@ -11,6 +11,16 @@ re-runs them, in the same order on every rank (every rank has the same regions).
 called through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: only its inputs are
 saved for backward. predict counts the recompute (forward compute and forward collectives again) and
 the dropped activations.
+
+>>> import autoshard
+>>> from autoshard.zoo import gpt2
+>>> model, inputs, loss_fn = gpt2(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}}, checkpoint=["layers.*"])
+>>> prog.state.checkpoint_regions
+['layers.0', 'layers.1']
+>>> ops = [n for n in prog.state.gm.graph.nodes if n.op == "call_function"]
+>>> gm = prog.graph(0)  # codegen wrapped each region in a Recomputed submodule
 """
 from __future__ import annotations
 
@@ -30,6 +40,11 @@ _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a Modu
 
 
 def checkpoint(state) -> None:
+    """The pass: mark every op of each region with `autoshard.checkpoint` = the region's path.
+
+    >>> sorted({n.meta.get(CHECKPOINT, "-") for n in ops})
+    ['-', 'layers.0', 'layers.1']
+    """
     option = state.options.get("checkpoint")
     state.checkpoint_regions = []
     if not option:
@@ -86,7 +101,12 @@ def _recompute(state, node) -> tuple[float, dict]:
 
 
 def region_savings(state, nodes) -> tuple[float, float]:
-    """(activation bytes per rank no longer kept, seconds of recompute) of checkpointing `nodes`."""
+    """(activation bytes per rank no longer kept, seconds of recompute) of checkpointing `nodes`.
+
+    >>> saved, seconds = region_savings(prog.state, [n for n in ops if n.meta.get(CHECKPOINT) == "layers.0"])
+    >>> saved > 0 and seconds > 0
+    True
+    """
     from .predict import NODE_COST
     members = set(nodes)
     saved = sum(n.meta[NODE_COST]["memory_bytes"] for n in nodes if all(u in members for u in n.users))
@@ -96,7 +116,11 @@ def region_savings(state, nodes) -> tuple[float, float]:
 def account_recompute(state) -> None:
     """Adjust `state.predicted` (written by predict) for the checkpoint regions: forward compute and
     forward collectives run twice; a region keeps only its outputs, and while one region is recomputed
-    its activations are live again (the largest region counts once)."""
+    its activations are live again (the largest region counts once).
+
+    >>> prog.plan.predicted["recompute_s"] > 0  # predict called it
+    True
+    """
     regions = getattr(state, "checkpoint_regions", [])
     if not regions:
         return
@@ -150,7 +174,14 @@ def _auto_regions(state, ops, layers) -> list[str]:
 
 
 def wrap_regions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Move each checkpoint region of a rank's module into a submodule run under torch.utils.checkpoint."""
+    """Move each checkpoint region of a rank's module into a submodule run under torch.utils.checkpoint.
+
+    >>> gm.checkpointed_0  # codegen called it for the module docstring's gm
+    Recomputed(
+      region='layers.0'
+      (body): Region()
+    )
+    """
     regions = list(dict.fromkeys(n.meta[CHECKPOINT] for n in gm.graph.nodes if CHECKPOINT in n.meta))
     for index, region in enumerate(regions):
         _wrap_one(gm, region, f"checkpointed_{index}")
@@ -160,7 +191,11 @@ def wrap_regions(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class Recomputed(torch.nn.Module):
-    """A region's subgraph; forward saves only the region's inputs and recomputes the rest in backward."""
+    """A region's subgraph; forward saves only the region's inputs and recomputes the rest in backward.
+
+    >>> type(gm.checkpointed_1).__name__, gm.checkpointed_1.region
+    ('Recomputed', 'layers.1')
+    """
 
     def __init__(self, body: fx.GraphModule, region: str):
         super().__init__()
@@ -168,6 +203,12 @@ class Recomputed(torch.nn.Module):
         self.region = region
 
     def forward(self, *inputs):
+        """The region's outputs; run by the rank module (its communicator is current), as here:
+
+        >>> loss, _ = prog.simulate(*inputs)
+        >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs), atol=1e-5)
+        True
+        """
         comm = current()  # the recompute runs in backward, outside the rank module's forward
 
         def run(*args):
@@ -178,6 +219,11 @@ class Recomputed(torch.nn.Module):
             return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
 
     def extra_repr(self) -> str:
+        """The region's module path, in the module's repr.
+
+        >>> gm.checkpointed_0.extra_repr()
+        "region='layers.0'"
+        """
         return f"region={self.region!r}"
 
 

@@ -5,6 +5,13 @@ model's tensors. Writes nothing into the shared graph: `build_rank_module(state,
 GraphModule where parameters and buffers are `get_attr`s of local shards (copied from the model's
 weights), shape arguments of view/expand-like ops are the local shapes, `autoshard.constrain` calls
 are dropped, and collectives stay visible call nodes naming their mesh axis.
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
+...                              hints={"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
+...                                     "layers.1.weight": {"tp": "S(1)"}})
 """
 from __future__ import annotations
 
@@ -19,7 +26,11 @@ from .checkpoint import wrap_regions
 
 
 def codegen(state) -> None:
-    """Checks that every rank's module can be built (local shapes divide); modules are built lazily."""
+    """The pass: checks that every rank's module can be built (local shapes divide); modules are built
+    lazily by `build_rank_module` (`prog.graph(rank)`).
+
+    >>> codegen(prog.state)  # nothing to report: every local shape divides
+    """
     for node in state.gm.graph.nodes:
         if meta.SPEC in node.meta and isinstance(node.meta.get("val"), torch.Tensor):
             try:
@@ -32,7 +43,11 @@ codegen.name = "codegen"
 
 
 def attr_names(state) -> dict[str, str]:
-    """Parameter/buffer FQN -> attribute name on the rank module (unique, deterministic)."""
+    """Parameter/buffer FQN -> attribute name on the rank module (unique, deterministic).
+
+    >>> attr_names(prog.state)["layers.0.weight"]
+    'layers_0_weight'
+    """
     names, used = {}, set()
     for node in state.gm.graph.nodes:
         if node.op == "placeholder" and node.meta.get(meta.KIND) in ("param", "buffer"):
@@ -47,7 +62,14 @@ def attr_names(state) -> dict[str, str]:
 
 def build_rank_module(state, rank: int, keep=None) -> fx.GraphModule:
     """Rank `rank`'s GraphModule; with `keep` (a set of FQNs) only those parameters and buffers get real
-    storage, the others meta tensors of the local shape (a pipeline rank holds only its stages' weights)."""
+    storage, the others meta tensors of the local shape (a pipeline rank holds only its stages' weights).
+
+    >>> gm = build_rank_module(prog.state, 1)
+    >>> gm.layers_0_weight.shape, gm.layers_1_weight.shape  # rank 1's halves of [128, 32] and [32, 128]
+    (torch.Size([64, 32]), torch.Size([32, 64]))
+    >>> [line.strip() for line in gm.code.splitlines() if "collectives" in line]
+    ["all_reduce = autoshard_runtime_collectives_all_reduce(linear_default_1, 'tp');  linear_default_1 = None"]
+    """
     mesh = state.mesh
     coord = mesh.coord(rank)
     traced = state.traced

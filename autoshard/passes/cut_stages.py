@@ -9,6 +9,16 @@ multi-output node and its getitems share a stage (a tuple never crosses a stage 
 
 Runs after `predict` rather than before insert_comm (DESIGN.md's order) for that reason: the cut
 balances the plan's real collectives, not an estimate of them.
+
+The examples cut a three-layer MLP into two stages automatically:
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=3)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+...                              pipeline={"microbatches": 2})
+>>> state, config = prog.state, prog.config
+>>> nodes = [n for n in state.gm.graph.nodes if n.op == "call_function"]
 """
 from __future__ import annotations
 
@@ -27,6 +37,11 @@ AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidat
 
 
 def cut_stages(state) -> None:
+    """The pass: write `autoshard.stage` on every node and `state.pipeline_stages`.
+
+    >>> [(n.name, n.meta[STAGE]) for n in nodes][::3]
+    [('linear_default', 0), ('linear_default_1', 0), ('linear_default_2', 0), ('sum_dim_int_list', 1)]
+    """
     config = state.options["pipeline"]
     nodes = [n for n in state.gm.graph.nodes if n.op == "call_function"]
     if config.annotations is not None:
@@ -41,7 +56,11 @@ cut_stages.name = "cut_stages"
 
 
 def module_stack(node) -> list[str]:
-    """Module paths of a node, outermost first (model-relative, '' omitted)."""
+    """Module paths of a node, outermost first (model-relative, '' omitted).
+
+    >>> module_stack(nodes[0])
+    ['layers.0']
+    """
     stack = node.meta.get("nn_module_stack") or {}
     return [p for p in (meta._strip_root(path) for path, _ in stack.values()) if p]
 
@@ -99,7 +118,11 @@ def _from_split_points(nodes, annotations, num_stages) -> dict:
 
 
 def stages_from_cuts(nodes, cuts) -> dict:
-    """Stage of each op when a new stage begins at every position in the sorted `cuts`."""
+    """Stage of each op when a new stage begins at every position in the sorted `cuts`.
+
+    >>> list(stages_from_cuts(nodes[:4], [1, 3]).values())
+    [0, 1, 1, 2]
+    """
     stage, k = {}, 0
     for i, node in enumerate(nodes):
         while k < len(cuts) and i >= cuts[k]:
@@ -153,7 +176,12 @@ def _where(node) -> str:
 
 def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
     """Per cut position k (before nodes[k], k = 0..n): bytes of the values crossing it, bytes of their
-    gradients, and whether the position is allowed (no tuple crosses it)."""
+    gradients, and whether the position is allowed (no tuple crosses it).
+
+    >>> fwd, bwd, ok = boundary_bytes(state, nodes)
+    >>> len(fwd) == len(nodes) + 1, fwd[3], bwd[3]  # after layers.0's linear + bias + GELU: 4 x 128 floats
+    (True, 2048, 2048)
+    """
     n = len(nodes)
     index = {node: i for i, node in enumerate(nodes)}
     fwd, bwd, bad = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
@@ -191,7 +219,11 @@ def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
 
 def candidate_positions(nodes, ok) -> list[int]:
     """Where a cut may go: every allowed position for small graphs, else where the block (the first two
-    components of the innermost module path, e.g. 'layers.3') changes."""
+    components of the innermost module path, e.g. 'layers.3') changes.
+
+    >>> candidate_positions(nodes, boundary_bytes(state, nodes)[2])[:4]
+    [1, 2, 3, 4]
+    """
     n = len(nodes)
     if n <= AUTO_CUT_ALL_POSITIONS:
         return [k for k in range(1, n) if ok[k]]
@@ -205,7 +237,12 @@ def candidate_positions(nodes, ok) -> list[int]:
 
 class CutCosts:
     """The automatic cut's cost model over the op sequence `nodes`: stage time of ops [a, b) = their
-    compute + intra-op communication + the transfers across both ends (forward values and gradients)."""
+    compute + intra-op communication + the transfers across both ends (forward values and gradients).
+
+    >>> costs = CutCosts(state, nodes, config)
+    >>> costs.stage_time(0, 3) > costs.prefix[3]  # layers.0's compute plus sending its output
+    True
+    """
 
     def __init__(self, state, nodes, config):
         from ..axis_cost import needs_grad
@@ -219,21 +256,43 @@ class CutCosts:
         self.positions = [0] + candidate_positions(nodes, self.allowed) + [self.n]
 
     def transfer(self, k: int) -> float:
+        """Seconds to send the values crossing position `k` forward and their gradients back (0 at the ends).
+
+        >>> costs = CutCosts(state, nodes, config)
+        >>> costs.transfer(0), costs.transfer(3) > 0
+        (0.0, True)
+        """
         if k in (0, self.n):
             return 0.0
         return 2 * self.link.alpha + (self.fwd_bytes[k] + self.bwd_bytes[k]) / self.link.bandwidth
 
     def stage_time(self, a: int, b: int) -> float:
+        """Seconds of a stage running ops [a, b): compute, intra-op communication and both transfers.
+
+        >>> costs = CutCosts(state, nodes, config)
+        >>> costs.stage_time(0, 3) == costs.prefix[3] + costs.transfer(3)
+        True
+        """
         return self.prefix[b] - self.prefix[a] + self.transfer(a) + self.transfer(b)
 
     def max_stage_time(self, cuts) -> float:
+        """The slowest stage's seconds when stages begin at `cuts` (what the automatic cut minimises).
+
+        >>> costs = CutCosts(state, nodes, config)
+        >>> costs.max_stage_time([3]) == max(costs.stage_time(0, 3), costs.stage_time(3, costs.n))
+        True
+        """
         bounds = [0, *cuts, self.n]
         return max(self.stage_time(a, b) for a, b in zip(bounds, bounds[1:]))
 
 
 def auto_cut(state, nodes, config) -> dict:
     """Contiguous stages minimising (max stage time, total crossing bytes) by dynamic programming over
-    the candidate positions (exact over them: O(stages x positions^2))."""
+    the candidate positions (exact over them: O(stages x positions^2)).
+
+    >>> auto_cut(state, nodes, config) == {n: n.meta[STAGE] for n in nodes}  # what cut_stages chose
+    True
+    """
     costs = CutCosts(state, nodes, config)
     positions, n, stages = costs.positions, costs.n, config.num_stages
     if len(positions) - 1 < stages:
@@ -263,7 +322,11 @@ def auto_cut(state, nodes, config) -> dict:
 
 
 def stage_summary(state, config) -> list[dict]:
-    """Per stage: ops, modules, predicted forward/backward seconds per micro-batch, memory, bytes sent."""
+    """Per stage: ops, modules, predicted forward/backward seconds per micro-batch, memory, bytes sent.
+
+    >>> [(s["stage"], s["ops"], s["first_module"], s["last_module"]) for s in stage_summary(state, config)]
+    [(0, 7, 'layers.0', 'layers.2'), (1, 4, 'layers.2', 'layers.2')]
+    """
     from ..axis_cost import needs_grad
     grads = getattr(state, "grad_flags", None) or needs_grad(state.gm.graph)
     from ..cost import DEFAULT_PROFILE

@@ -3,6 +3,14 @@
 A pass is a callable `pass_(state) -> None` with a `name`; it reads and writes
 `node.meta["autoshard.*"]` of `state.gm` (and `state` fields the docstring names). In tests and debug
 runs `verify_state` checks the invariants between passes and names the node, placement and axis.
+
+>>> import torch
+>>> from autoshard.frontend import trace
+>>> from autoshard.mesh import Mesh
+>>> from autoshard.passes.normalize import normalize
+>>> traced = trace(torch.nn.Linear(4, 2), (torch.randn(8, 4),))
+>>> state = CompileState(traced.gm, Mesh((2,), ("dp",)), traced)
+>>> history = run_passes(state, [normalize], verify=True)
 """
 from __future__ import annotations
 
@@ -17,7 +25,12 @@ from ..mesh import Mesh
 
 @dataclass
 class CompileState:
-    """What the passes share: the graph, the mesh, the user's hints and options."""
+    """What the passes share: the graph, the mesh, the user's hints and options (passes add fields such as
+    `grad_reduce`, `predicted`, `zero`).
+
+    >>> state.mesh, state.grad_reduce
+    (Mesh(dp=2), {})
+    """
 
     gm: fx.GraphModule
     mesh: Mesh
@@ -29,7 +42,11 @@ class CompileState:
     @property
     def semi_auto(self) -> bool:
         """Any user constraint (hint file/dict or `autoshard.constrain` in forward) makes the plan
-        semi-automatic: unhinted parameters stay replicated and hinted shardings propagate."""
+        semi-automatic: unhinted parameters stay replicated and hinted shardings propagate.
+
+        >>> state.semi_auto, CompileState(state.gm, state.mesh, traced, hints={"input:0": {"dp": "S(0)"}}).semi_auto
+        (False, True)
+        """
         from .. import meta
         return bool(self.hints) or any(meta.HINT in n.meta or "autoshard.input_hint" in n.meta
                                        for n in self.gm.graph.nodes)
@@ -37,7 +54,12 @@ class CompileState:
 
 @dataclass(frozen=True)
 class HistoryEntry:
-    """One pass's record: name, seconds, and the annotated graph it left."""
+    """One pass's record: name, seconds, and the annotated graph it left.
+
+    >>> print(HistoryEntry("normalize", 0.012, "add = linear + bias"))
+    # after normalize (12 ms)
+    add = linear + bias
+    """
 
     name: str
     seconds: float
@@ -48,18 +70,32 @@ class HistoryEntry:
 
 
 class History(list):
-    """`prog.history`: printable list of HistoryEntry."""
+    """`prog.history`: printable list of HistoryEntry.
+
+    >>> history[0].name, "aten.add.Tensor" in history[0].graph_text  # the linear's bias became an add
+    ('normalize', True)
+    """
 
     def __repr__(self) -> str:
         return "\n\n".join(repr(e) for e in self)
 
     def summary(self) -> str:
+        """One line per pass: its name and milliseconds.
+
+        >>> print(history.summary())  # doctest: +ELLIPSIS
+        normalize ... ms
+        """
         return "\n".join(f"{e.name:<14} {e.seconds * 1e3:8.1f} ms" for e in self)
 
 
 def run_passes(state: CompileState, passes: list[Callable], verify: bool = False,
                describe: Callable | None = None) -> History:
-    """Run `passes` on `state`; return their history. `describe(state)` renders the graph text."""
+    """Run `passes` on `state`; return their history. `describe(state)` renders the graph text; `verify`
+    checks the invariants after each pass (`verify_state`).
+
+    >>> [entry.name for entry in run_passes(state, [normalize])]
+    ['normalize']
+    """
     from ..progress import StepProgress
     from .verifier import verify_state
     history = History()
@@ -77,4 +113,9 @@ def run_passes(state: CompileState, passes: list[Callable], verify: bool = False
 
 
 def pass_name(pass_) -> str:
+    """A pass's name: its `name` attribute (functions get one after their definition), else its __name__.
+
+    >>> pass_name(normalize)
+    'normalize'
+    """
     return getattr(pass_, "name", getattr(pass_, "__name__", type(pass_).__name__))

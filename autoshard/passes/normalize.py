@@ -27,6 +27,16 @@ aten = torch.ops.aten
 
 
 def normalize(state) -> None:
+    """The pass: rewrite `state.gm` in place (see the module docstring). A linear's bias becomes an add
+    and the default loss's mean a sum divided by the global count:
+
+    >>> import torch
+    >>> from autoshard.program import state_before
+    >>> state = state_before("normalize", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
+    >>> normalize(state)
+    >>> [str(n.target) for n in state.gm.graph.nodes if n.op == "call_function"]
+    ['aten.linear.default', 'aten.add.Tensor', 'aten.sum.dim_IntList', 'aten.div.Tensor']
+    """
     gm = state.gm
     changed = _inline_grad_regions(gm)
     mode = detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder" and "val" in n.meta])

@@ -6,6 +6,15 @@ collective node and `state.predicted` = {"step_time_s", "compute_s", "comm_s", "
 {axis: {"fwd", "bwd", "sync"}}, "memory_bytes_per_rank"}. Bytes use the runtime's counting convention
 (all_gather: gathered output; others: the rank's input), so `verify --json` can compare them.
 Communication is assumed not to overlap compute (an upper bound on step time).
+
+The examples use Megatron's MLP on a 2-way tensor-parallel axis:
+
+>>> import autoshard
+>>> from autoshard.program import state_before
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> hints = {"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"}, "layers.1.weight": {"tp": "S(1)"}}
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), hints=hints)
 """
 from __future__ import annotations
 
@@ -24,13 +33,24 @@ NODE_COST = "autoshard.node_cost"  # {"seconds", "memory_bytes", "sync_s"}: what
 
 
 def local_bytes(node, spec, mesh) -> int:
+    """Bytes of one rank's block of `node`'s value under `spec`.
+
+    >>> weight = next(n for n in prog.state.gm.graph.nodes if n.meta.get("autoshard.path") == "layers.0.weight")
+    >>> weight.meta["autoshard.spec"], local_bytes(weight, weight.meta["autoshard.spec"], prog.mesh)  # 128 x 32 f32
+    ([S(0)], 8192)
+    """
     split = math.prod(mesh.shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
     return node_bytes(node) // split
 
 
 def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends into a collective node, runtime convention; a value
-    without a gradient has no backward."""
+    without a gradient has no backward.
+
+    >>> comm = next(n for n in prog.state.gm.graph.nodes if n.meta.get("autoshard.kind") == "comm")
+    >>> comm.meta["autoshard.comm"]["op"], collective_bytes(comm, prog.mesh)
+    ('all_reduce', (1024, 0))
+    """
     op = node.meta[meta.COMM]["op"]
     src = local_bytes(node, node.args[0].meta[meta.SPEC], mesh)
     dst = local_bytes(node, node.meta[meta.SPEC], mesh)
@@ -55,6 +75,14 @@ def _collective_time(op, fwd, bwd, k, link) -> float:
 
 
 def predict(state) -> None:
+    """The pass: write `state.predicted` and each node's `autoshard.node_cost` (collectives also
+    `autoshard.comm_cost`), per step and rank.
+
+    >>> state = state_before("predict", model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), hints=hints)
+    >>> predict(state)
+    >>> sorted(state.predicted), state.predicted["comm_bytes_per_step"]["tp"]
+    (['comm_bytes_per_step', 'comm_s', 'compute_s', 'memory_bytes_per_rank', 'step_time_s'], {'fwd': 1024, 'bwd': 0, 'sync': 0})
+    """
     mesh = state.mesh
     profile = state.options.get("profile") or DEFAULT_PROFILE
     opt_factor = state.options.get("optimizer_state_factor", 2.0)

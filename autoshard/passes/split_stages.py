@@ -6,6 +6,15 @@ later stages use — values are carried through every stage in between, because 
 connect stage s only to s + 1 — and the last stage returns the program's `(loss, *outputs)`.
 Parameters are get_attrs of the same Parameter objects the rank module holds, so a parameter used
 by two stages on one rank (tied weights with virtual stages) accumulates one gradient.
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+...                              pipeline={"microbatches": 2})
+>>> import torch
+>>> from autoshard.passes.codegen import build_rank_module
+>>> stages = split_stages(build_rank_module(prog.state, 0), 2)
 """
 from __future__ import annotations
 
@@ -19,7 +28,11 @@ from .cut_stages import STAGE
 
 @dataclass
 class StageGraph:
-    """Stage `index` of one rank: its GraphModule and the names of the values it takes and returns."""
+    """Stage `index` of one rank: its GraphModule and the names of the values it takes and returns.
+
+    >>> stages[1].inputs
+    ['linear_default_1']
+    """
 
     index: int
     gm: fx.GraphModule
@@ -31,6 +44,15 @@ class StageGraph:
 
 
 def split_stages(gm: fx.GraphModule, num_stages: int) -> list[StageGraph]:
+    """`gm` (a rank module whose nodes carry `autoshard.stage`) as `num_stages` StageGraphs, in order.
+
+    >>> [(s.index, s.outputs) for s in stages]
+    [(0, ['linear_default_1']), (1, ['div_tensor', 'add_tensor_1'])]
+    >>> mb = prog.microbatches(inputs)[0]  # the program was traced at the micro-batch shape
+    >>> loss, out = stages[1].gm(*stages[0].gm(*mb))  # the last stage returns (loss, *outputs)
+    >>> torch.allclose(loss, loss_fn(model(*mb), *mb))
+    True
+    """
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     inputs = [n for n in nodes if n.op == "placeholder"]

@@ -17,6 +17,18 @@ from ..strategies.base import is_tensor_value, output_shapes
 
 
 def strategies(state) -> None:
+    """The pass: write `autoshard.candidates` (per mesh axis, the feasible AxisStrategy list) on every
+    placeholder and op. A linear on an axis of size 2 may shard the batch (S(0)), the output features
+    (S(1)), or the contracted features (partial output P):
+
+    >>> import torch
+    >>> from autoshard.program import state_before
+    >>> state = state_before("strategies", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
+    >>> strategies(state)
+    >>> linear = next(n for n in state.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    >>> linear.meta["autoshard.candidates"][0]
+    [(R, R) -> R, (S(0), R) -> S(0), (S(1), S(1)) -> P, (R, S(0)) -> S(1), (P, R) -> P, (R, P) -> P]
+    """
     mesh = state.mesh
     semi_auto = state.semi_auto
     unknown: dict[str, list[str]] = {}

@@ -1,4 +1,11 @@
-"""Invariant checks run between passes in tests and debug mode; errors name node, placement and axis."""
+"""Invariant checks run between passes in tests and debug mode; errors name node, placement and axis.
+
+>>> import torch
+>>> from autoshard.program import state_before
+>>> from autoshard.placement import Spec, S
+>>> state = state_before("codegen", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
+>>> verify_state(state, after="predict")  # a state the passes left: nothing to report
+"""
 from __future__ import annotations
 
 import torch
@@ -9,10 +16,27 @@ from ..strategies import tensor_inputs
 
 
 class VerifierError(AssertionError):
-    """A pass left the graph in a state that breaks an invariant (an autoshard bug)."""
+    """A pass left the graph in a state that breaks an invariant (an autoshard bug).
+
+    >>> weight = next(n for n in state.gm.graph.nodes if n.op == "placeholder")
+    >>> kept, weight.meta["autoshard.spec"] = weight.meta["autoshard.spec"], Spec([S(2)])  # a 2-d weight
+    >>> try:
+    ...     verify_state(state, after="a broken pass")
+    ... except VerifierError as exc:
+    ...     print(exc)
+    ... finally:
+    ...     weight.meta["autoshard.spec"] = kept
+    after a broken pass: node 'p_model_weight' placement S(2) on axis 'dp' names a dim of a 2-d tensor
+    """
 
 
 def verify_state(state, after: str) -> None:
+    """Raise VerifierError naming the node, placement and axis where the graph breaks an invariant after
+    pass `after`: a node without a FakeTensor value or candidates, a partial placeholder, a shard of a
+    dim the tensor lacks, an edge whose producer's spec is not what its consumer needs.
+
+    >>> verify_state(state, after="codegen")  # the module docstring's state: fine
+    """
     graph = state.gm.graph
     graph.lint()
     names = state.mesh.names

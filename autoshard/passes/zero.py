@@ -10,6 +10,15 @@ choice become S(d) there): insert_comm then gathers it right before each use wit
 kept). Stages 1 and 2 change no placement: the runtime shards optimizer state and gradients
 (autoshard/runtime/zero.py). A parameter with no evenly divisible free dim stays replicated and is
 treated as in stage 2.
+
+The examples ask for ZeRO-3 on the data-parallel axis of a two-layer MLP:
+
+>>> import autoshard
+>>> from autoshard.program import state_before
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> hints = {"input:0": {"dp": "S(0)"}}
+>>> state = state_before("zero", model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints, zero=3)
 """
 from __future__ import annotations
 
@@ -26,7 +35,11 @@ from .solve import record_choice
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """ZeRO `stage` on mesh axis `axis`; `reason` says who chose it ("requested" or "memory budget")."""
+    """ZeRO `stage` on mesh axis `axis`; `reason` says who chose it ("requested" or "memory budget").
+
+    >>> ZeroConfig("dp", 2, "memory budget")
+    ZeRO-2 on 'dp', chosen by the memory budget
+    """
 
     axis: str
     stage: int
@@ -38,7 +51,11 @@ class ZeroConfig:
 
 
 def requested_zero(state) -> dict:
-    """{axis or None: stage} asked for by `zero=` and/or the hint file ({} when neither); they must agree."""
+    """{axis or None: stage} asked for by `zero=` and/or the hint file ({} when neither); they must agree.
+
+    >>> requested_zero(state)  # zero=3 names no axis: the batch axis, whichever it is
+    {None: 3}
+    """
     option = state.options.get("zero")
     if option is None:
         from_option = {}
@@ -60,7 +77,11 @@ def requested_zero(state) -> dict:
 
 
 def batch_axes(state) -> list[str]:
-    """Mesh axes on which some input is split along its first (batch) dim, after solve."""
+    """Mesh axes on which some input is split along its first (batch) dim, after solve.
+
+    >>> batch_axes(state)
+    ['dp']
+    """
     names = state.mesh.names
     found = set()
     for node in state.gm.graph.nodes:
@@ -70,6 +91,12 @@ def batch_axes(state) -> list[str]:
 
 
 def resolve_zero(state) -> ZeroConfig | None:
+    """The ZeRO to apply after solve: the memory budget's choice, else the request on its (batch) axis;
+    None when neither asks for it. A request off the batch axis is an error.
+
+    >>> resolve_zero(state)
+    ZeRO-3 on 'dp'
+    """
     auto = getattr(state, "auto_zero", None)
     if auto is not None:
         return auto
@@ -101,7 +128,11 @@ def _hinted_batch_axes(state) -> list[str]:
 
 
 def planned_zero(state) -> ZeroConfig | None:
-    """The requested ZeRO when its axis is known before solving (named, or the one hinted batch axis)."""
+    """The requested ZeRO when its axis is known before solving (named, or the one hinted batch axis).
+
+    >>> planned_zero(state)
+    ZeRO-3 on 'dp'
+    """
     request = requested_zero(state)
     if not request:
         return None
@@ -114,7 +145,15 @@ def planned_zero(state) -> ZeroConfig | None:
 
 def solve_with_zero(state, solve_once) -> bool:
     """No plan fits the memory budget: plan with ZeRO-1, -2, -3 on the batch axis in turn and keep the first
-    that fits (`state.auto_zero`); False when none does or there is no batch axis."""
+    that fits (`state.auto_zero`); False when none does or there is no batch axis. `solve` calls it
+    when the plan without ZeRO exceeds `memory_budget`:
+
+    >>> plain = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
+    >>> budget = 0.8 * plain.plan.predicted["memory_bytes_per_rank"]
+    >>> autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints,
+    ...                       memory_budget=budget).zero
+    ZeRO-2 on 'dp', chosen by the memory budget
+    """
     axes = _hinted_batch_axes(state)
     if not axes:  # where does the unbounded plan put the batch?
         budget = state.options.get("memory_budget")
@@ -140,6 +179,12 @@ def solve_with_zero(state, solve_once) -> bool:
 
 
 def zero(state) -> None:
+    """The pass: write `state.zero`; ZeRO-3 shards each replicated parameter on the ZeRO axis.
+
+    >>> zero(state)
+    >>> state.zero, [n.meta["autoshard.spec"] for n in state.gm.graph.nodes if n.op == "placeholder"][:2]
+    (ZeRO-3 on 'dp', [[S(0)], [S(0)]])
+    """
     config = state.zero = resolve_zero(state)
     if config is None:
         return
@@ -154,7 +199,12 @@ zero.name = "zero"
 
 def shard_dim(shape, spec, axis: int, k: int) -> int | None:
     """The dim ZeRO-3 shards a parameter along on `axis`: the first one no other axis shards and `k`
-    divides (so one all-gather on `axis` restores it); None when there is none."""
+    divides (so one all-gather on `axis` restores it); None when there is none.
+
+    >>> from autoshard.placement import Spec, R, S
+    >>> shard_dim((128, 32), Spec([R, S(0)]), axis=0, k=2), shard_dim((3,), Spec([R]), axis=0, k=2)
+    (1, None)
+    """
     taken = {p.dim for a, p in enumerate(spec) if a != axis and isinstance(p, Shard)}
     for d, size in enumerate(shape):
         if d not in taken and size >= k and size % k == 0:
@@ -186,7 +236,13 @@ def _shard_parameters(state, axis: int) -> None:
 @dataclass(frozen=True, eq=False)
 class AllowPlannedZeroShards:
     """Runs before apply_plan: a saved ZeRO-3 plan stores parameters S(d) on the ZeRO axis, which semi-auto
-    planning offers no candidate for; add exactly those candidates so the plan applies as saved."""
+    planning offers no candidate for; add exactly those candidates so the plan applies as saved.
+
+    >>> zero3 = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints, zero=3)
+    >>> again = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), plan=zero3.plan)
+    >>> "allow_planned_zero_shards" in [entry.name for entry in again.history], again.zero
+    (True, ZeRO-3 on 'dp')
+    """
 
     plan: object
     name: str = "allow_planned_zero_shards"
