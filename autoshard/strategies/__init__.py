@@ -1,4 +1,9 @@
-"""The strategy registry: ATen op -> rule listing per-axis sharding candidates (see base.py)."""
+"""The strategy registry: ATen op -> rule listing per-axis sharding candidates (see base.py).
+
+>>> import torch
+>>> REGISTRY.lookup(torch.ops.aten.gelu.default).note
+'elementwise'
+"""
 from . import einsum, nn_ops, pointwise, reduction, views  # noqa: F401  (rules register on import)
 from .base import REGISTRY, AxisStrategy, RuleContext, candidates_for, register, tensor_inputs
 

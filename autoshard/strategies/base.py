@@ -4,6 +4,14 @@ A rule is written for ONE mesh axis of size `k`: it lists `AxisStrategy` candida
 per tensor input position, one for the output). The solver expands it to N axes by choosing one
 candidate per axis; candidates whose shards do not divide evenly are dropped centrally
 (`feasible`), so rules need not check sizes.
+
+The examples look at the linear of a traced `nn.Linear(4, 2)` on a batch of 8, on an axis of size 2:
+
+>>> import torch
+>>> from autoshard.frontend import trace
+>>> gm = trace(torch.nn.Linear(4, 2), (torch.randn(8, 4),)).gm
+>>> linear = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+>>> ctx = RuleContext(linear, [(8, 4), (2, 4), (2,)], [(8, 2)], axis_size=2)
 """
 from __future__ import annotations
 
@@ -19,7 +27,11 @@ from ..placement import Partial, Placement, Replicate, Shard, R
 
 @dataclass(frozen=True)
 class AxisStrategy:
-    """Input placements (per tensor input position) and output placement on one mesh axis."""
+    """Input placements (per tensor input position) and output placement on one mesh axis.
+
+    >>> AxisStrategy((Shard(1), Shard(1)), Partial())  # contract the sharded features: a partial sum
+    (S(1), S(1)) -> P
+    """
 
     inputs: tuple[Placement, ...]
     output: Placement
@@ -30,26 +42,48 @@ class AxisStrategy:
     @property
     def splits_work(self) -> bool:
         """True when ranks on the axis compute different things (some placement is not R): the
-        gradient of a replicated input then comes back partial (the duality rule)."""
+        gradient of a replicated input then comes back partial (the duality rule).
+
+        >>> AxisStrategy((R, R), R).splits_work, AxisStrategy((R, Shard(0)), Shard(1)).splits_work
+        (False, True)
+        """
         return not all(isinstance(p, Replicate) for p in (*self.inputs, self.output))
 
     @property
     def divides_compute(self) -> bool:
-        """True when each rank does 1/k of the work (something is sharded; partial sums do not shrink it)."""
+        """True when each rank does 1/k of the work (something is sharded; partial sums do not shrink it).
+
+        >>> AxisStrategy((Partial(), R), Partial()).divides_compute, AxisStrategy((Shard(0),), Shard(0)).divides_compute
+        (False, True)
+        """
         return any(isinstance(p, Shard) for p in (*self.inputs, self.output))
 
     def to_json(self):
+        """The plan file's form of the strategy (a row's `choice` per axis).
+
+        >>> AxisStrategy((Shard(0), R), Shard(0)).to_json()
+        {'inputs': ['S(0)', 'R'], 'output': 'S(0)'}
+        """
         return {"inputs": [repr(p) for p in self.inputs], "output": repr(self.output)}
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor-valued inputs in argument order (repeats kept: `mul(x, x)` has two)."""
+    """The node's tensor-valued inputs in argument order (repeats kept: `mul(x, x)` has two).
+
+    >>> [n.name for n in tensor_inputs(linear)]
+    ['inputs_0', 'p_model_weight', 'p_model_bias']
+    """
     found: list[fx.Node] = []
     fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
     return [n for n in found if is_tensor_value(n)]
 
 
 def is_tensor_value(node: fx.Node) -> bool:
+    """Whether the node's value is a tensor or a tuple holding one (the nodes strategies are made for).
+
+    >>> is_tensor_value(linear), is_tensor_value(list(gm.graph.nodes)[-1])  # the output node has no value
+    (True, False)
+    """
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
         return any(isinstance(v, torch.Tensor) for v in val)
@@ -57,6 +91,11 @@ def is_tensor_value(node: fx.Node) -> bool:
 
 
 def output_shapes(node: fx.Node) -> list[tuple[int, ...]]:
+    """The shapes of the node's tensor outputs (several for a multi-output op).
+
+    >>> output_shapes(linear)
+    [(8, 2)]
+    """
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else [val]
     return [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)]
@@ -64,7 +103,11 @@ def output_shapes(node: fx.Node) -> list[tuple[int, ...]]:
 
 @dataclass
 class RuleContext:
-    """Everything a rule may look at for one node on one mesh axis."""
+    """Everything a rule may look at for one node on one mesh axis.
+
+    >>> ctx.axis_size, ctx.in_shapes
+    (2, [(8, 4), (2, 4), (2,)])
+    """
 
     node: fx.Node
     in_shapes: list[tuple[int, ...]]
@@ -73,19 +116,38 @@ class RuleContext:
 
     @property
     def args(self):
+        """The node's positional arguments (fx nodes and constants).
+
+        >>> [getattr(a, "name", a) for a in ctx.args]
+        ['inputs_0', 'p_model_weight', 'p_model_bias']
+        """
         return self.node.args
 
     @property
     def out_shape(self) -> tuple[int, ...]:
+        """The (first) output's shape.
+
+        >>> ctx.out_shape
+        (8, 2)
+        """
         return self.out_shapes[0]
 
     def arg(self, index: int, name: str, default=None):
-        """Positional-or-keyword argument of the node."""
+        """Positional-or-keyword argument of the node.
+
+        >>> ctx.arg(2, "bias").name, ctx.arg(5, "missing", "default")
+        ('p_model_bias', 'default')
+        """
         if len(self.node.args) > index:
             return self.node.args[index]
         return self.node.kwargs.get(name, default)
 
     def replicated(self) -> AxisStrategy:
+        """The always-correct candidate: everything replicated.
+
+        >>> ctx.replicated()
+        (R, R, R) -> R
+        """
         return AxisStrategy((R,) * len(self.in_shapes), R)
 
 
@@ -94,7 +156,11 @@ RuleFn = Callable[[RuleContext], list[AxisStrategy]]
 
 @dataclass(frozen=True)
 class Rule:
-    """A strategy rule; `shape_arg` names the argument holding the output shape (rewritten locally)."""
+    """A strategy rule; `shape_arg` names the argument holding the output shape (rewritten locally).
+
+    >>> REGISTRY.lookup(torch.ops.aten.view.default).shape_arg
+    1
+    """
 
     fn: RuleFn
     shape_arg: int | None = None
@@ -103,15 +169,33 @@ class Rule:
 
 @dataclass
 class Registry:
-    """ATen op (overload or packet) -> Rule. Overload entries win over packet entries."""
+    """ATen op (overload or packet) -> Rule. Overload entries win over packet entries.
+
+    >>> registry = Registry()
+    >>> registry.register(torch.ops.aten.relu, lambda ctx: [], note="a packet: every overload")
+    >>> registry.lookup(torch.ops.aten.relu.default).note
+    'a packet: every overload'
+    """
 
     rules: dict = field(default_factory=dict)
 
     def register(self, ops, fn: RuleFn, shape_arg: int | None = None, note: str = ""):
+        """Map `ops` (one op or a list: overloads or packets) to the rule `fn`.
+
+        >>> registry = Registry()
+        >>> registry.register([torch.ops.aten.relu.default], lambda ctx: [ctx.replicated()])
+        >>> sorted(map(str, registry.rules))
+        ['aten.relu.default']
+        """
         for op in ops if isinstance(ops, (list, tuple)) else [ops]:
             self.rules[op] = Rule(fn, shape_arg, note)
 
     def lookup(self, target) -> Rule | None:
+        """The rule of an op: its overload's entry, else its packet's, else None.
+
+        >>> REGISTRY.lookup(torch.ops.aten.linear.default) is not None, REGISTRY.lookup(torch.ops.aten.lgamma.default)
+        (True, None)
+        """
         if target in self.rules:
             return self.rules[target]
         packet = getattr(target, "overloadpacket", None)
@@ -122,7 +206,15 @@ REGISTRY = Registry()
 
 
 def register(ops, shape_arg: int | None = None, note: str = ""):
-    """Decorator form of `REGISTRY.register`."""
+    """Decorator form of `REGISTRY.register`.
+
+    >>> @register([torch.ops.aten.lgamma.default], note="elementwise")
+    ... def _lgamma_rule(ctx):
+    ...     return [AxisStrategy((Shard(d),), Shard(d)) for d in range(len(ctx.out_shape))]
+    >>> REGISTRY.lookup(torch.ops.aten.lgamma.default).note
+    'elementwise'
+    >>> del REGISTRY.rules[torch.ops.aten.lgamma.default]  # the example leaves the registry as it was
+    """
     def wrap(fn):
         REGISTRY.register(ops, fn, shape_arg, note)
         return fn
@@ -130,7 +222,11 @@ def register(ops, shape_arg: int | None = None, note: str = ""):
 
 
 def feasible(strategy: AxisStrategy, ctx: RuleContext) -> bool:
-    """Shards must name existing dims and split them evenly over the axis."""
+    """Shards must name existing dims and split them evenly over the axis.
+
+    >>> feasible(AxisStrategy((Shard(0), R, R), Shard(0)), ctx), feasible(AxisStrategy((Shard(2), R, R), R), ctx)
+    (True, False)
+    """
     k = ctx.axis_size
     for placement, shape in zip(strategy.inputs, ctx.in_shapes):
         if isinstance(placement, Shard) and not _divides(shape, placement.dim, k):
@@ -145,7 +241,11 @@ def _divides(shape, dim, k) -> bool:
 
 
 def unique(strategies) -> list[AxisStrategy]:
-    """Drop repeats, keeping first-seen order (deterministic)."""
+    """Drop repeats, keeping first-seen order (deterministic).
+
+    >>> unique([AxisStrategy((R,), R), AxisStrategy((Shard(0),), Shard(0)), AxisStrategy((R,), R)])
+    [(R) -> R, (S(0)) -> S(0)]
+    """
     seen, out = set(), []
     for s in strategies:
         if s not in seen:
@@ -155,7 +255,12 @@ def unique(strategies) -> list[AxisStrategy]:
 
 
 def candidates_for(node: fx.Node, in_shapes, out_shapes, axis_size: int, warn=True) -> list[AxisStrategy]:
-    """Feasible candidates of `node` on an axis of `axis_size`; unknown ops are replicated with a warning."""
+    """Feasible candidates of `node` on an axis of `axis_size`; unknown ops are replicated with a warning.
+    The all-replicated candidate comes first.
+
+    >>> candidates_for(linear, [(8, 4), (2, 4), (2,)], [(8, 2)], axis_size=2)
+    [(R, R, R) -> R, (S(0), R, R) -> S(0), (R, S(0), S(0)) -> S(1)]
+    """
     ctx = RuleContext(node, list(in_shapes), list(out_shapes), axis_size)
     rule = REGISTRY.lookup(node.target)
     if rule is None:

@@ -17,6 +17,12 @@ _BATCH = "ABCDEFGHIJ"
 
 
 def einsum_strategies(operands: list[str], output: str, partial_ok: bool = True) -> list[AxisStrategy]:
+    """The candidates of an einsum-like op from its subscripts (see the module docstring); with
+    `partial_ok`, a contracted letter makes a partial output and a partial operand passes through.
+
+    >>> einsum_strategies(["mk", "kn"], "mn")  # matrix multiplication
+    [(R, R) -> R, (S(1), S(0)) -> P, (S(0), R) -> S(0), (R, S(1)) -> S(1), (P, R) -> P, (R, P) -> P]
+    """
     n = len(operands)
     found = [AxisStrategy((R,) * n, R)]
     for letter in sorted(set("".join(operands)) - {"1"}):
@@ -34,7 +40,11 @@ def einsum_strategies(operands: list[str], output: str, partial_ok: bool = True)
 
 
 def matmul_subscripts(a_shape, b_shape) -> tuple[list[str], str]:
-    """Subscripts of torch.matmul with right-aligned broadcasting batch dims (1-D operands included)."""
+    """Subscripts of torch.matmul with right-aligned broadcasting batch dims (1-D operands included).
+
+    >>> matmul_subscripts((4, 8, 16), (16, 2)), matmul_subscripts((16,), (3, 16, 2))
+    ((['Amk', 'kn'], 'Amn'), (['k', 'Akn'], 'An'))
+    """
     cores = ["k" if len(a_shape) == 1 else "mk", "k" if len(b_shape) == 1 else "kn"]
     batch_shapes = [tuple(a_shape[: len(a_shape) - len(cores[0])]), tuple(b_shape[: len(b_shape) - len(cores[1])])]
     nbatch = max(len(b) for b in batch_shapes)
@@ -51,7 +61,7 @@ def matmul_subscripts(a_shape, b_shape) -> tuple[list[str], str]:
 
 
 @register([aten.linear.default])
-def linear_rule(ctx: RuleContext):
+def _linear_rule(ctx: RuleContext):
     x_shape = ctx.in_shapes[0]
     batch = _BATCH[: len(x_shape) - 1]
     operands = [batch + "k", "nk"]
@@ -61,23 +71,23 @@ def linear_rule(ctx: RuleContext):
 
 
 @register([aten.mm.default])
-def mm_rule(ctx):
+def _mm_rule(ctx):
     return einsum_strategies(["mk", "kn"], "mn")
 
 
 @register([aten.bmm.default])
-def bmm_rule(ctx):
+def _bmm_rule(ctx):
     return einsum_strategies(["bmk", "bkn"], "bmn")
 
 
 @register([aten.matmul.default])
-def matmul_rule(ctx):
+def _matmul_rule(ctx):
     operands, out = matmul_subscripts(ctx.in_shapes[0], ctx.in_shapes[1])
     return einsum_strategies(operands, out)
 
 
 @register([aten.einsum.default])
-def einsum_rule(ctx):
+def _einsum_rule(ctx):
     equation = ctx.args[0].replace(" ", "")
     if "..." in equation or "->" not in equation:
         return []
@@ -86,7 +96,7 @@ def einsum_rule(ctx):
 
 
 @register([aten.embedding.default])
-def embedding_rule(ctx):
+def _embedding_rule(ctx):
     """weight [V, D], ids [...] -> [..., D]; linear in the weight."""
     ids_dims = len(ctx.in_shapes[1])
     found = [AxisStrategy((R, Shard(d)), Shard(d)) for d in range(ids_dims)]
@@ -96,7 +106,7 @@ def embedding_rule(ctx):
 
 
 @register([aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default])
-def conv_rule(ctx):
+def _conv_rule(ctx):
     """Batch (N), output channels (O) and, without groups, input channels (C, partial output)."""
     generic = ctx.node.target is aten.convolution.default
     groups = ctx.arg(8, "groups", 1) if generic else ctx.arg(6, "groups", 1)

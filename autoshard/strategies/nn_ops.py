@@ -1,4 +1,8 @@
-"""Special ops: each a short rule next to a one-line reason."""
+"""Special ops: each a short rule next to a one-line reason.
+
+>>> REGISTRY.lookup(torch.ops.aten.layer_norm.default).note
+'statistics over trailing dims: only leading dims shard'
+"""
 from __future__ import annotations
 
 import torch

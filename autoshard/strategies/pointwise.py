@@ -4,6 +4,9 @@ Each output dim may be sharded: operands that carry it (same size, right-aligned
 operands that broadcast it are replicated. Partial sums pass through ops that are linear in them:
 `ADDITIVE` ops when every tensor operand is partial, `SCALING` ops when exactly one (allowed) operand
 is partial and the others replicated.
+
+>>> from autoshard.strategies.base import RuleContext
+>>> ctx = RuleContext(None, [(8, 4), (4,)], [(8, 4)], axis_size=2)  # x [8, 4] and w [4] broadcast over rows
 """
 from __future__ import annotations
 
@@ -18,6 +21,11 @@ aten = torch.ops.aten
 
 
 def broadcast_strategies(ctx: RuleContext) -> list[AxisStrategy]:
+    """Shard any output dim; operands holding it are sharded alike, operands broadcasting it replicated.
+
+    >>> broadcast_strategies(ctx)
+    [(R, R) -> R, (S(0), R) -> S(0), (S(1), S(0)) -> S(1)]
+    """
     out = ctx.out_shape
     found = [ctx.replicated()]
     for d in range(len(out)):
@@ -34,7 +42,7 @@ def _nonzero_scalars(ctx: RuleContext) -> bool:
     return any(a != 0 for a in scalars[: 1])  # `alpha` (a later scalar) only scales a partial operand
 
 
-def additive_rule(ctx):
+def _additive_rule(ctx):
     found = broadcast_strategies(ctx)
     if not _nonzero_scalars(ctx) and all(s == ctx.out_shape for s in ctx.in_shapes):
         found.append(AxisStrategy((P,) * len(ctx.in_shapes), P))
@@ -42,6 +50,12 @@ def additive_rule(ctx):
 
 
 def scaling_rule(partial_positions=None):
+    """A rule for ops linear in each of `partial_positions` (default: every operand): besides the
+    broadcast candidates, a partial operand there (the others replicated) gives a partial output.
+
+    >>> scaling_rule((0,))(ctx)[-1]  # x * w: a partial x times a replicated w is a partial product
+    (P, R) -> P
+    """
     def rule(ctx):
         found = broadcast_strategies(ctx)
         n = len(ctx.in_shapes)
@@ -78,7 +92,7 @@ NONLINEAR = [
     aten.triu.default,
 ]
 
-REGISTRY.register(ADDITIVE, additive_rule, note="elementwise; partial when every operand is partial")
+REGISTRY.register(ADDITIVE, _additive_rule, note="elementwise; partial when every operand is partial")
 REGISTRY.register(SCALING_ANY, scaling_rule(), note="elementwise, linear in each operand")
 REGISTRY.register(SCALING_FIRST, scaling_rule((0,)), note="elementwise, linear in the first operand")
 REGISTRY.register(NONLINEAR, broadcast_strategies, note="elementwise")

@@ -1,4 +1,8 @@
-"""Reductions: a reduced sharded dim makes a partial sum (sums) or must stay whole (max, var, ...)."""
+"""Reductions: a reduced sharded dim makes a partial sum (sums) or must stay whole (max, var, ...).
+
+>>> REGISTRY.lookup(torch.ops.aten.sum.dim_IntList).note, REGISTRY.lookup(torch.ops.aten.amax.default).note
+('sharded reduced dim -> partial', 'reduced dims stay whole')
+"""
 from __future__ import annotations
 
 import torch
@@ -9,7 +13,7 @@ from .base import AxisStrategy, RuleContext, REGISTRY
 aten = torch.ops.aten
 
 
-def reduced_dims(ctx: RuleContext, dim_index=1, keepdim_index=2):
+def _reduced_dims(ctx: RuleContext, dim_index=1, keepdim_index=2):
     """(sorted reduced dims, keepdim) of a reduction node; no dims or an empty list = all dims."""
     ndim = len(ctx.in_shapes[0])
     dims = ctx.arg(dim_index, "dim", None)
@@ -25,9 +29,9 @@ def _out_dim(d, reduced, keepdim):
     return d if keepdim else d - sum(1 for r in reduced if r < d)
 
 
-def reduction_rule(partial: bool, dim_index=1, keepdim_index=2):
+def _reduction_rule(partial: bool, dim_index=1, keepdim_index=2):
     def rule(ctx):
-        reduced, keepdim = reduced_dims(ctx, dim_index, keepdim_index)
+        reduced, keepdim = _reduced_dims(ctx, dim_index, keepdim_index)
         n = len(ctx.in_shapes)
         found = [ctx.replicated()]
         for d in range(len(ctx.in_shapes[0])):
@@ -47,19 +51,19 @@ def _whole_sum(ctx):
     return [AxisStrategy((Shard(d),), P) for d in range(len(ctx.in_shapes[0]))] + [AxisStrategy((P,), P)]
 
 
-REGISTRY.register([aten.sum.dim_IntList], reduction_rule(True), note="sharded reduced dim -> partial")
+REGISTRY.register([aten.sum.dim_IntList], _reduction_rule(True), note="sharded reduced dim -> partial")
 REGISTRY.register([aten.sum.default], _whole_sum, note="sum of everything: any shard -> partial")
 REGISTRY.register([aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
                    aten.argmin.default, aten.logsumexp.default, aten.prod.dim_int, aten.any.dim, aten.all.dim],
-                  reduction_rule(False), note="reduced dims stay whole")
+                  _reduction_rule(False), note="reduced dims stay whole")
 # norm(x, p, dim, keepdim) and linalg_vector_norm(x, ord, dim, keepdim): the order comes before the dims.
-REGISTRY.register([aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default], reduction_rule(False, 2, 3),
+REGISTRY.register([aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default], _reduction_rule(False, 2, 3),
                   note="reduced dims stay whole")
 # var.dim(x, dim, unbiased, keepdim): `unbiased` sits where other reductions keep `keepdim`.
-REGISTRY.register([aten.var.dim, aten.std.dim, aten.var_mean.dim], reduction_rule(False, 1, 3),
+REGISTRY.register([aten.var.dim, aten.std.dim, aten.var_mean.dim], _reduction_rule(False, 1, 3),
                   note="reduced dims whole")
 REGISTRY.register([aten.var.correction, aten.std.correction, aten.var_mean.correction],
-                  reduction_rule(False, 1, 3), note="reduced dims stay whole")
+                  _reduction_rule(False, 1, 3), note="reduced dims stay whole")
 
 
 def _along_dim(linear: bool):

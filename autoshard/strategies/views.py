@@ -21,6 +21,9 @@ def reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
     """[(input dims, output dims)] with equal products, in order; size-1 dims between groups alone.
 
     Needs equal non-zero products. A size-1 dim inside a run stays in its group (`[2, 1, 3] -> [6]`).
+
+    >>> reshape_groups((8, 16, 4), (8, 4, 4, 4))  # [8 | 16 -> 4 x 4 | 4]
+    [([0], [0]), ([1], [1, 2]), ([2], [3])]
     """
     groups, i, o = [], 0, 0
     while i < len(in_shape) or o < len(out_shape):
@@ -49,11 +52,15 @@ def reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
 
 
 def reshape_dim_map(in_shape, out_shape) -> dict[int, int]:
-    """Input dim -> output dim whose shards coincide (leading dims of each group)."""
+    """Input dim -> output dim whose shards coincide (leading dims of each group).
+
+    >>> reshape_dim_map((8, 16, 4), (8, 4, 4, 4))
+    {0: 0, 1: 1, 2: 3}
+    """
     return {ins[0]: outs[0] for ins, outs in reshape_groups(in_shape, out_shape) if ins and outs}
 
 
-def reshape_rule(ctx: RuleContext):
+def _reshape_rule(ctx: RuleContext):
     in_shape, out_shape = ctx.in_shapes[0], ctx.out_shape
     if math.prod(in_shape) != math.prod(out_shape) or math.prod(in_shape) == 0:  # empty: nothing to pair
         return []
@@ -62,7 +69,7 @@ def reshape_rule(ctx: RuleContext):
     return found + [AxisStrategy((P,) + rest, P)]
 
 
-def permute_rule(ctx):
+def _permute_rule(ctx):
     node = ctx.node
     ndim = len(ctx.in_shapes[0])
     if node.target is aten.permute.default:
@@ -76,7 +83,7 @@ def permute_rule(ctx):
     return [AxisStrategy((Shard(src),), Shard(dst)) for dst, src in enumerate(order)] + [AxisStrategy((P,), P)]
 
 
-def expand_rule(ctx):
+def _expand_rule(ctx):
     """Expanded (size-1) dims may be sharded for free: each rank expands to its block only."""
     in_shape, out_shape = ctx.in_shapes[0], ctx.out_shape
     offset = len(out_shape) - len(in_shape)
@@ -90,7 +97,7 @@ def expand_rule(ctx):
     return found + [AxisStrategy((P,), P)]
 
 
-def keep_dim_whole(dim_index: int, removes_dim: bool = False):
+def _keep_dim_whole(dim_index: int, removes_dim: bool = False):
     """slice/select/split/narrow/index_select along one dim: every other dim may be sharded."""
     def rule(ctx):
         ndim = len(ctx.in_shapes[0])
@@ -104,7 +111,7 @@ def keep_dim_whole(dim_index: int, removes_dim: bool = False):
     return rule
 
 
-def cat_rule(ctx):
+def _cat_rule(ctx):
     ndim = len(ctx.out_shape)
     dim = ctx.arg(1, "dim", 0) % ndim
     n = len(ctx.in_shapes)
@@ -112,7 +119,7 @@ def cat_rule(ctx):
     return found + [AxisStrategy((P,) * n, P)]
 
 
-def stack_rule(ctx):
+def _stack_rule(ctx):
     ndim = len(ctx.out_shape)
     dim = ctx.arg(1, "dim", 0) % ndim
     n = len(ctx.in_shapes)
@@ -120,26 +127,26 @@ def stack_rule(ctx):
     return found + [AxisStrategy((P,) * n, P)]
 
 
-def getitem_rule(ctx):
+def _getitem_rule(ctx):
     """Picking one output of a multi-output op keeps that op's placement."""
     producer_shapes = output_shapes(ctx.node.args[0])
     ndim = max((len(s) for s in producer_shapes), default=0)
     return [AxisStrategy((Shard(d),), Shard(d)) for d in range(ndim)] + [AxisStrategy((P,), P)]
 
 
-REGISTRY.register([aten.view.default, aten.reshape.default, aten._unsafe_view.default], reshape_rule, shape_arg=1,
+REGISTRY.register([aten.view.default, aten.reshape.default, aten._unsafe_view.default], _reshape_rule, shape_arg=1,
                   note="dimension-mapping algebra")
 REGISTRY.register([aten.flatten.using_ints, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-                   aten.unsqueeze.default, aten.unflatten.int], reshape_rule, note="dimension-mapping algebra")
-REGISTRY.register([aten.permute.default, aten.transpose.int, aten.t.default], permute_rule, note="dims permuted")
-REGISTRY.register([aten.expand.default], expand_rule, shape_arg=1, note="broadcast dims shard for free")
-REGISTRY.register([aten.slice.Tensor, aten.narrow.default], keep_dim_whole(1), note="the sliced dim stays whole")
+                   aten.unsqueeze.default, aten.unflatten.int], _reshape_rule, note="dimension-mapping algebra")
+REGISTRY.register([aten.permute.default, aten.transpose.int, aten.t.default], _permute_rule, note="dims permuted")
+REGISTRY.register([aten.expand.default], _expand_rule, shape_arg=1, note="broadcast dims shard for free")
+REGISTRY.register([aten.slice.Tensor, aten.narrow.default], _keep_dim_whole(1), note="the sliced dim stays whole")
 # split(x, size, dim) / chunk(x, chunks, dim): the dim comes after the sizes.
-REGISTRY.register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], keep_dim_whole(2),
+REGISTRY.register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _keep_dim_whole(2),
                   note="the split dim stays whole")
-REGISTRY.register([aten.select.int, aten.unbind.int], keep_dim_whole(1, removes_dim=True),
+REGISTRY.register([aten.select.int, aten.unbind.int], _keep_dim_whole(1, removes_dim=True),
                   note="the selected dim stays whole")
-REGISTRY.register([aten.index_select.default], keep_dim_whole(1), note="the indexed dim stays whole")
-REGISTRY.register([aten.cat.default], cat_rule, note="the concatenated dim stays whole")
-REGISTRY.register([aten.stack.default], stack_rule, note="shards move past the new dim")
-REGISTRY.register([__import__("operator").getitem], getitem_rule, note="follows the multi-output producer")
+REGISTRY.register([aten.index_select.default], _keep_dim_whole(1), note="the indexed dim stays whole")
+REGISTRY.register([aten.cat.default], _cat_rule, note="the concatenated dim stays whole")
+REGISTRY.register([aten.stack.default], _stack_rule, note="shards move past the new dim")
+REGISTRY.register([__import__("operator").getitem], _getitem_rule, note="follows the multi-output producer")
