@@ -5,6 +5,17 @@ plus local arithmetic in a fixed order, in both the in-process simulator and the
 So the simulator and a real run agree bit for bit in float64. On GPUs (`exact=False`) the native
 NCCL collectives run instead. Each call is recorded (kind, axis, bytes, forward/backward) so
 `verify --json` can count collectives per mesh axis.
+
+The examples run two ranks as threads (`run_on_mesh`, autoshard/runtime/simulator.py):
+
+>>> import torch
+>>> from autoshard.mesh import Mesh
+>>> from autoshard.runtime.simulator import run_on_mesh
+>>> mesh = Mesh((2, 2), ("dp", "tp"))
+
+and a DistCommunicator without process groups (its collectives on size-1 axes are identities):
+
+>>> solo = DistCommunicator(Mesh((1, 2), ("pp", "dp")), 1, groups={}, mesh_group=None)
 """
 from __future__ import annotations
 
@@ -22,14 +33,26 @@ from ..mesh import Mesh
 
 
 class CollectiveTimeout(AutoshardError):
-    """A collective did not complete: another rank died, raised, or runs a different plan."""
+    """A collective did not complete: another rank died, raised, or runs a different plan.
+
+    >>> def only_rank_0_gathers(comm):
+    ...     return comm.all_gather_list(torch.ones(1), "dp", "all_gather") if comm.rank == 0 else None
+    >>> run_on_mesh(Mesh((2,), ("dp",)), only_rank_0_gathers, timeout_s=0.2)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: simulated rank 0 failed: CollectiveTimeout: rank 0: all_gather on mesh axis 'dp' (group [0, 1]) ...
+    """
 
 
 _PHASES = {"fwd": "forward", "bwd": "backward", "sync": "gradient sync"}
 
 
 def backend_reason(exc: BaseException) -> str:
-    """The gist of a gloo/NCCL error: its first line without the source location and the boilerplate."""
+    """The gist of a gloo/NCCL error: its first line without the source location and the boilerplate.
+
+    >>> backend_reason(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:1234"))
+    'Connection closed by peer [10.0.0.2]:1234'
+    """
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
     return re.split(r"\. This (is typically|may indicate)", text)[0].rstrip(". ")
@@ -37,21 +60,49 @@ def backend_reason(exc: BaseException) -> str:
 
 @dataclass
 class CommLog:
-    """Counts and bytes per (axis, kind, phase)."""
+    """Counts and bytes per (axis, kind, phase).
+
+    >>> log = CommLog()
+    >>> log.record("tp", "all_reduce", 1024, "fwd")
+    >>> log.record("tp", "all_reduce", 1024, "bwd")
+    >>> log.summary()
+    {'tp': {'all_reduce': {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 2048}}}
+    """
 
     counts: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(int))
 
     def record(self, axis: str, kind: str, nbytes: int, phase: str):
+        """Count one collective of `kind` on `axis` moving `nbytes` in `phase` ("fwd", "bwd" or "sync").
+
+        >>> log = CommLog()
+        >>> log.record("dp", "all_gather", 64, "sync")
+        >>> dict(log.bytes)
+        {('dp', 'all_gather', 'sync'): 64}
+        """
         self.counts[(axis, kind, phase)] += 1
         self.bytes[(axis, kind, phase)] += int(nbytes)
 
     def clear(self):
+        """Forget everything recorded (e.g. after a warm-up step).
+
+        >>> log = CommLog()
+        >>> log.record("dp", "all_gather", 64, "sync")
+        >>> log.clear()
+        >>> log.summary()
+        {}
+        """
         self.counts.clear()
         self.bytes.clear()
 
     def summary(self) -> dict:
-        """{axis: {kind: {"fwd": n, "bwd": n, "bytes": b}}}"""
+        """{axis: {kind: {"fwd": n, "bwd": n, "sync": n, "bytes": b}}}: counts per phase, bytes in total.
+
+        >>> log = CommLog()
+        >>> log.record("dp", "all_reduce", 8, "sync")
+        >>> log.summary()["dp"]["all_reduce"]
+        {'fwd': 0, 'bwd': 0, 'sync': 1, 'bytes': 8}
+        """
         out: dict = {}
         for (axis, kind, phase), n in sorted(self.counts.items()):
             entry = out.setdefault(axis, {}).setdefault(kind, {"fwd": 0, "bwd": 0, "sync": 0, "bytes": 0})
@@ -61,7 +112,12 @@ class CommLog:
 
 
 class Communicator:
-    """One rank's view of the mesh: its coordinate and a way to talk along each axis."""
+    """One rank's view of the mesh: its coordinate and a way to talk along each axis. Subclasses give
+    `all_gather_list`; the other collectives are fixed-order arithmetic on it.
+
+    >>> run_on_mesh(mesh, lambda comm: (comm.coord, comm.axis_rank("tp")))
+    {0: ((0, 0), 0), 1: ((0, 1), 1), 2: ((1, 0), 0), 3: ((1, 1), 1)}
+    """
 
     def __init__(self, mesh: Mesh, rank: int):
         self.mesh = mesh
@@ -71,27 +127,67 @@ class Communicator:
         self.phase = "fwd"
 
     def axis_rank(self, axis: str) -> int:
+        """This rank's index along mesh axis `axis`.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.axis_rank("dp"))
+        {0: 0, 1: 0, 2: 1, 3: 1}
+        """
         return self.coord[self.mesh.axis(axis)]
 
     def axis_size(self, axis: str) -> int:
+        """How many ranks mesh axis `axis` has.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.axis_size("tp"))[0]
+        2
+        """
         return self.mesh.shape[self.mesh.axis(axis)]
 
     def all_gather_list(self, tensor: torch.Tensor, axis: str, what: str) -> list[torch.Tensor]:
+        """Every rank's `tensor` along `axis`, in axis order (`what` names the collective in errors).
+
+        >>> run_on_mesh(mesh, lambda comm: comm.all_gather_list(torch.tensor([comm.rank]), "dp", "example"))[1]
+        [tensor([1]), tensor([3])]
+        """
         raise NotImplementedError
 
     # Derived collectives: fixed-order arithmetic on the gathered list (bitwise reproducible).
     def all_reduce(self, tensor, axis):
+        """The sum over `axis` of every rank's `tensor` (in axis order, so bitwise reproducible).
+
+        >>> run_on_mesh(mesh, lambda comm: comm.all_reduce(torch.tensor([comm.rank]), "tp"))
+        {0: tensor([1]), 1: tensor([1]), 2: tensor([5]), 3: tensor([5])}
+        """
         parts = self.all_gather_list(tensor, axis, "all_reduce")
         return _ordered_sum(parts)
 
     def all_gather(self, tensor, axis, dim):
+        """Every rank's `tensor` along `axis`, concatenated on `dim`.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.all_gather(torch.tensor([comm.rank]), "tp", 0))[2]
+        tensor([2, 3])
+        """
         return torch.cat(self.all_gather_list(tensor, axis, "all_gather"), dim)
 
     def reduce_scatter(self, tensor, axis, dim):
+        """This rank's chunk (on `dim`) of the sum over `axis`.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.reduce_scatter(torch.tensor([1, 10]) * comm.rank, "tp", 0))
+        {0: tensor([1]), 1: tensor([10]), 2: tensor([5]), 3: tensor([50])}
+        """
         parts = self.all_gather_list(tensor, axis, "reduce_scatter")
         return _ordered_sum(parts).chunk(self.axis_size(axis), dim)[self.axis_rank(axis)].contiguous()
 
     def all_to_all(self, tensor, axis, gather_dim, scatter_dim):
+        """Cut `tensor` in chunks on `scatter_dim`, send chunk i to rank i of `axis`, concatenate what
+        arrives on `gather_dim`: S(gather_dim) -> S(scatter_dim).
+
+        >>> out = run_on_mesh(mesh, lambda comm: comm.all_to_all(torch.arange(4).view(1, 4) + 4 * comm.rank,
+        ...                                                      "tp", gather_dim=0, scatter_dim=1))
+        >>> out[0], out[1]
+        (tensor([[0, 1],
+                [4, 5]]), tensor([[2, 3],
+                [6, 7]]))
+        """
         parts = self.all_gather_list(tensor, axis, "all_to_all")
         mine = self.axis_rank(axis)
         k = self.axis_size(axis)
@@ -106,7 +202,11 @@ def _ordered_sum(parts):
 
 
 class ThreadHub:
-    """Shared state of the in-process simulator: one exchange slot and barrier per axis group."""
+    """Shared state of the in-process simulator: one exchange slot and barrier per axis group.
+
+    >>> sorted(ThreadHub(mesh).slots)  # (axis, ranks of one group along it)
+    [(0, (0, 2)), (0, (1, 3)), (1, (0, 1)), (1, (2, 3))]
+    """
 
     def __init__(self, mesh: Mesh, timeout_s: float = 60.0):
         self.mesh = mesh
@@ -119,18 +219,36 @@ class ThreadHub:
                 self.barriers[(axis, group)] = threading.Barrier(len(group), timeout=timeout_s)
 
     def abort(self):
+        """Break every barrier: ranks waiting in a collective raise CollectiveTimeout (a rank failed).
+
+        >>> hub = ThreadHub(mesh)
+        >>> hub.abort()
+        >>> ThreadCommunicator(hub, 0).all_reduce(torch.ones(1), "dp")
+        Traceback (most recent call last):
+        ...
+        autoshard.runtime.communicator.CollectiveTimeout: rank 0: all_reduce on mesh axis 'dp' (group [0, 2]) ...
+        """
         for barrier in self.barriers.values():
             barrier.abort()
 
 
 class ThreadCommunicator(Communicator):
-    """A rank of the simulator: threads of one process exchange tensors through a ThreadHub."""
+    """A rank of the simulator: threads of one process exchange tensors through a ThreadHub.
+
+    >>> type(run_on_mesh(mesh, lambda comm: comm)[0]).__name__
+    'ThreadCommunicator'
+    """
 
     def __init__(self, hub: ThreadHub, rank: int):
         super().__init__(hub.mesh, rank)
         self.hub = hub
 
     def all_gather_list(self, tensor, axis, what):
+        """Every rank's `tensor` along `axis` (snapshots taken when each rank arrives), in axis order.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.all_gather_list(torch.tensor(comm.rank), "tp", "example"))[3]
+        [tensor(2), tensor(3)]
+        """
         index = self.mesh.axis(axis)
         group = self.mesh.axis_group(self.rank, index)
         key = (index, group)
@@ -148,7 +266,13 @@ class ThreadCommunicator(Communicator):
 
 
 class DistCommunicator(Communicator):
-    """A real rank: torch.distributed sub-groups per mesh axis (gloo on CPU, NCCL on GPUs)."""
+    """A real rank: torch.distributed sub-groups per mesh axis (gloo on CPU, NCCL on GPUs). Under torchrun
+    `autoshard.runtime.launch.communicator_for(mesh)` builds it; `solo` (see the module docstring) has
+    no process groups:
+
+    >>> solo.axis_size("pp"), solo.axis_rank("dp")
+    (1, 1)
+    """
 
     def __init__(self, mesh: Mesh, rank: int, groups: dict, mesh_group, exact: bool = True,
                  timeout: timedelta = timedelta(seconds=120)):
@@ -166,7 +290,13 @@ class DistCommunicator(Communicator):
             raise CollectiveTimeout(self.failure(what, axis, exc, time.monotonic() - start)) from exc
 
     def failure(self, what: str, axis, exc: BaseException, seconds: float) -> str:
-        """What failed (rank, collective, axis, group, phase), how, and whom to look at."""
+        """What failed (rank, collective, axis, group, phase), how, and whom to look at.
+
+        >>> error = RuntimeError("Connection closed by peer")
+        >>> print(solo.failure("all_reduce", "dp", error, 0.5))  # doctest: +NORMALIZE_WHITESPACE
+        rank 1: all_reduce on mesh axis 'dp' (group ranks [0, 1], forward) failed after 0.5 s: Connection closed by
+        peer. Rank 0 died, raised, hangs or runs a different plan: look at its error (AUTOSHARD_TIMEOUT_S ...)
+        """
         group = list(self.mesh.axis_group(self.rank, axis)) if axis is not None else list(range(self.mesh.size))
         peers = [r for r in group if r != self.rank]
         reason = backend_reason(exc)
@@ -181,6 +311,11 @@ class DistCommunicator(Communicator):
                 "raised, hangs or runs a different plan: look at its error (AUTOSHARD_TIMEOUT_S sets the timeout)")
 
     def all_gather_list(self, tensor, axis, what):
+        """Every rank's `tensor` along `axis` (dist.all_gather on the axis's group; a size-1 axis has none).
+
+        >>> solo.all_gather_list(torch.ones(2), "pp", "example")
+        [tensor([1., 1.])]
+        """
         import torch.distributed as dist
         if self.axis_size(axis) == 1:  # a size-1 axis has no process group: the collective is the identity
             return [tensor.clone()]
@@ -190,6 +325,11 @@ class DistCommunicator(Communicator):
         return parts
 
     def all_reduce(self, tensor, axis):
+        """The sum over `axis`: exact (gathered, fixed-order sum) on gloo, NCCL's all_reduce otherwise.
+
+        >>> solo.all_reduce(torch.ones(2), "pp")  # one rank on the axis: the tensor itself
+        tensor([1., 1.])
+        """
         if self.exact or self.axis_size(axis) == 1:
             return super().all_reduce(tensor, axis)
         import torch.distributed as dist
@@ -198,6 +338,11 @@ class DistCommunicator(Communicator):
         return out
 
     def reduce_scatter(self, tensor, axis, dim):
+        """This rank's chunk of the sum over `axis`: exact on gloo, NCCL's reduce_scatter otherwise.
+
+        >>> solo.reduce_scatter(torch.arange(4.0), "pp", 0)
+        tensor([0., 1., 2., 3.])
+        """
         if self.exact or self.axis_size(axis) == 1:
             return super().reduce_scatter(tensor, axis, dim)
         import torch.distributed as dist
