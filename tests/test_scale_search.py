@@ -1,0 +1,101 @@
+"""The scale search (autoshard/scale_search.py): one export, tp inside a node, memory forces model
+parallelism, and its figures are the project's own predictions (equal to parallelize's where both apply)."""
+import doctest
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import scale_search
+from autoshard.cost import HardwareProfile, Link
+from autoshard.scale_search import ScaleSearch
+from autoshard.zoo import gpt2
+
+TINY = {"batch": 2, "seq": 16, "dim": 64, "n_heads": 4, "vocab_size": 128, "device": "meta"}
+
+
+def tiny_profile(memory_bytes=1e9, devices_per_node=4):
+    return HardwareProfile(name="tiny", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=memory_bytes,
+                           devices_per_node=devices_per_node, intra_node=Link(5e-6, 1e10),
+                           inter_node=Link(1e-5, 1e9))
+
+
+def test_docstring_examples_run():
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in finder.find(scale_search):
+        runner.run(test)
+    assert runner.failures == 0, f"{runner.failures} failing examples (run with -s to see them)"
+
+
+def test_model_is_exported_once_for_every_candidate(monkeypatch):
+    calls = []
+    export = torch.export.export
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    search = ScaleSearch(*gpt2(n_layers=3, **TINY), n_layers=8, devices=16, global_batch=32, profile=tiny_profile())
+    result = search.search()
+    assert len(calls) == 1 and result.exports == 1
+    assert len([c for c in result.candidates if c.feasible]) > 5
+    assert result.planned == 3  # one intra-op plan (ILP) per tensor-parallel degree: 1, 2, 4
+
+
+def test_tensor_parallelism_stays_inside_a_node():
+    search = ScaleSearch(*gpt2(n_layers=3, **TINY), n_layers=8, devices=16, global_batch=32,
+                         profile=tiny_profile(devices_per_node=2))
+    result = search.search()
+    assert {c.tp for c in result.candidates} == {1, 2}
+    assert result.best.tp <= 2 and result.best.dp * result.best.tp * result.best.pp == 16
+
+
+def test_memory_bound_model_needs_tensor_or_pipeline_parallelism():
+    search = ScaleSearch(*gpt2(n_layers=3, **TINY), n_layers=8, devices=8, global_batch=16, profile=tiny_profile())
+    static = search.static_bytes()
+    search.profile = tiny_profile(memory_bytes=static / 2.5)  # parameters and optimizer state need >= 3 devices
+    result = search.search()
+    replicated = [c for c in result.candidates if c.tp * c.pp == 1]
+    assert replicated and not any(c.feasible for c in replicated)
+    assert result.best.tp * result.best.pp > 2
+    assert result.best.memory_bytes <= search.profile.memory_bytes
+
+
+def test_recomputes_layers_only_to_fit():
+    search = ScaleSearch(*gpt2(n_layers=3, **TINY), n_layers=8, devices=2, global_batch=16, profile=tiny_profile(),
+                         microbatch_sizes=(4,))  # one micro-batch size: memory is traded against recompute only
+    loose = search.evaluate(1, 1, 2, recompute="auto")
+    assert loose.recomputed == (0, 0)
+    everything = search.evaluate(1, 1, 2, recompute="full")
+    assert everything.recomputed == everything.stage_layers and everything.step_s > loose.step_s
+    assert everything.hfu > everything.mfu
+    search.profile = tiny_profile(memory_bytes=(loose.memory_bytes + everything.memory_bytes) / 2)
+    tight = search.evaluate(1, 1, 2, recompute="auto")
+    assert tight.feasible and 0 < sum(tight.recomputed) < sum(tight.stage_layers)
+    assert tight.memory_bytes <= search.profile.memory_bytes
+
+
+def test_one_replica_one_stage_equals_parallelize():
+    """With dp = pp = 1 and one micro-batch the search's figures are parallelize's own predictions."""
+    model, inputs, loss_fn = gpt2(n_layers=3, **TINY)
+    profile = tiny_profile()
+    search = ScaleSearch(model, inputs, loss_fn, n_layers=3, devices=2, global_batch=1, profile=profile,
+                         microbatch_sizes=(1,))
+    mine = search.evaluate(1, 2, 1)
+    prog = autoshard.parallelize(model, (2,), tuple(x[:1] for x in inputs), loss_fn=loss_fn, axis_names=("tp",),
+                                 profile=profile, optimizer_state_factor=scale_search.MIXED_PRECISION_ADAM)
+    predicted = prog.plan.predicted
+    assert mine.step_s == pytest.approx(predicted["step_time_s"], rel=1e-9)
+    assert mine.memory_bytes == pytest.approx(predicted["memory_bytes_per_rank"], rel=1e-9)
+
+
+def test_depth_from_three_traced_layers_equals_tracing_them_all():
+    profile = tiny_profile()
+    scaled = ScaleSearch(*gpt2(n_layers=3, **TINY), n_layers=6, devices=8, global_batch=16, profile=profile)
+    whole = ScaleSearch(*gpt2(n_layers=6, **TINY), n_layers=6, devices=8, global_batch=16, profile=profile)
+    for degrees in [(8, 1, 1), (2, 2, 2), (1, 4, 2)]:
+        a, b = scaled.evaluate(*degrees), whole.evaluate(*degrees)
+        assert a.step_s == pytest.approx(b.step_s, rel=1e-9) and a.memory_bytes == pytest.approx(b.memory_bytes)
+        assert a.mfu == pytest.approx(b.mfu, rel=1e-9)
