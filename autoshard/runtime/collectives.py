@@ -16,6 +16,19 @@ S(d) <-> S(d), P <-> R, R <-> R. So each forward redistribution has a fixed back
 
 The functions find the calling rank's communicator via `use_communicator` (set by the rank module
 around its forward) and keep it in the autograd context for the backward.
+
+The examples run two ranks as threads; `grads(fn, x)` is each rank's gradient of `fn(x).sum()`:
+
+>>> import torch
+>>> from autoshard.mesh import Mesh
+>>> from autoshard.runtime.simulator import run_on_mesh
+>>> mesh = Mesh((2,), ("tp",))
+>>> def grads(fn, rank_value):
+...     def step(comm):
+...         x = rank_value(comm.rank).requires_grad_()
+...         fn(x).sum().backward()
+...         return x.grad
+...     return run_on_mesh(mesh, step)
 """
 from __future__ import annotations
 
@@ -31,6 +44,14 @@ _LOCAL = threading.local()
 
 @contextlib.contextmanager
 def use_communicator(comm: Communicator):
+    """Make `comm` the calling thread's communicator for the collectives inside the `with` block.
+
+    >>> from autoshard.runtime.communicator import DistCommunicator
+    >>> solo = DistCommunicator(Mesh((1,), ("dp",)), 0, groups={}, mesh_group=None)
+    >>> with use_communicator(solo):
+    ...     all_reduce(torch.ones(2), "dp")  # one rank on the axis: the identity
+    tensor([1., 1.])
+    """
     previous = getattr(_LOCAL, "comm", None)
     _LOCAL.comm = comm
     try:
@@ -40,6 +61,13 @@ def use_communicator(comm: Communicator):
 
 
 def current() -> Communicator:
+    """The calling thread's communicator (set by `use_communicator`); an error outside a rank.
+
+    >>> current()
+    Traceback (most recent call last):
+    ...
+    RuntimeError: a per-rank autoshard module ran outside its rank: call it through RankModule ...
+    """
     comm = getattr(_LOCAL, "comm", None)
     if comm is None:
         raise RuntimeError("a per-rank autoshard module ran outside its rank: call it through RankModule "
@@ -143,38 +171,77 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """P -> R on `axis` (backward: identity)."""
+    """P -> R on `axis` (backward: identity).
+
+    >>> run_on_mesh(mesh, lambda comm: all_reduce(torch.tensor([1.0, 2.0]) * (comm.rank + 1), "tp"))
+    {0: tensor([3., 6.]), 1: tensor([3., 6.])}
+    >>> grads(lambda x: all_reduce(x, "tp"), lambda rank: torch.ones(2))
+    {0: tensor([1., 1.]), 1: tensor([1., 1.])}
+    """
     return _AllReduce.apply(x, current(), axis)
 
 
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
-    """Identity forward; all-reduces the gradient on `axis` in backward."""
+    """Identity forward; all-reduces the gradient on `axis` in backward.
+
+    >>> grads(lambda x: grad_all_reduce(x, "tp") * 2, lambda rank: torch.ones(2))  # each rank's grad 2: sum 4
+    {0: tensor([4., 4.]), 1: tensor([4., 4.])}
+    """
     return _GradAllReduce.apply(x, current(), axis)
 
 
 def all_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    """S(dim) -> R on `axis` (backward: take this rank's chunk)."""
+    """S(dim) -> R on `axis` (backward: take this rank's chunk).
+
+    >>> run_on_mesh(mesh, lambda comm: all_gather(torch.tensor([comm.rank]), "tp", 0))
+    {0: tensor([0, 1]), 1: tensor([0, 1])}
+    >>> grads(lambda x: all_gather(x, "tp", 0) * torch.tensor([1.0, 2.0]), lambda rank: torch.ones(1))
+    {0: tensor([1.]), 1: tensor([2.])}
+    """
     return _AllGather.apply(x, current(), axis, dim)
 
 
 def chunk(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    """R -> S(dim) on `axis`, no communication (backward: all_gather)."""
+    """R -> S(dim) on `axis`, no communication (backward: all_gather).
+
+    >>> run_on_mesh(mesh, lambda comm: chunk(torch.tensor([5, 6]), "tp", 0))
+    {0: tensor([5]), 1: tensor([6])}
+    >>> grads(lambda x: chunk(x, "tp", 0), lambda rank: torch.ones(2))
+    {0: tensor([1., 1.]), 1: tensor([1., 1.])}
+    """
     return _Chunk.apply(x, current(), axis, dim)
 
 
 def reduce_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
-    """P -> S(dim) on `axis` (backward: all_gather)."""
+    """P -> S(dim) on `axis` (backward: all_gather).
+
+    >>> run_on_mesh(mesh, lambda comm: reduce_scatter(torch.tensor([1, 10]) * (comm.rank + 1), "tp", 0))
+    {0: tensor([3]), 1: tensor([30])}
+    """
     return _ReduceScatter.apply(x, current(), axis, dim)
 
 
 def all_gather_sum_grad(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     """S(dim) -> R on `axis` for a consumer that splits its work (backward: reduce_scatter of the
-    partial gradient, i.e. all_gather + grad_all_reduce fused)."""
+    partial gradient, i.e. all_gather + grad_all_reduce fused).
+
+    >>> def step(comm):  # rank r weighs the gathered [x0, x1] by (r + 1) * [1, 2]
+    ...     x = torch.ones(1, requires_grad=True)
+    ...     (all_gather_sum_grad(x, "tp", 0) * torch.tensor([1.0, 2.0]) * (comm.rank + 1)).sum().backward()
+    ...     return x.grad
+    >>> run_on_mesh(mesh, step)  # x0's gradient sums both ranks' weights of it: 1 + 2; x1's: 2 + 4
+    {0: tensor([3.]), 1: tensor([6.])}
+    """
     return _AllGatherSumGrad.apply(x, current(), axis, dim)
 
 
 def all_to_all(x: torch.Tensor, axis: str, gather_dim: int, scatter_dim: int) -> torch.Tensor:
-    """S(gather_dim) -> S(scatter_dim) on `axis` (backward: the reverse all_to_all)."""
+    """S(gather_dim) -> S(scatter_dim) on `axis` (backward: the reverse all_to_all).
+
+    >>> out = run_on_mesh(mesh, lambda comm: all_to_all(torch.arange(2).view(1, 2) + 2 * comm.rank, "tp", 0, 1))
+    >>> out[0].tolist(), out[1].tolist()  # rows were split over ranks; now columns are
+    ([[0], [2]], [[1], [3]])
+    """
     return _AllToAll.apply(x, current(), axis, gather_dim, scatter_dim)
 
 
@@ -186,7 +253,11 @@ COLLECTIVES = {"all_reduce": all_reduce, "grad_all_reduce": grad_all_reduce, "al
 def param_all_gather(x: torch.Tensor, axis: str, dim: int, reduce_grad: bool) -> torch.Tensor:
     """ZeRO-3: a parameter shard S(dim) -> R on `axis` right before its use (backward: reduce_scatter of
     the partial gradient when `reduce_grad`, else this rank's chunk); backward re-gathers the parameter
-    instead of keeping the gathered copy (autoshard/runtime/zero_gather.py)."""
+    instead of keeping the gathered copy (autoshard/runtime/zero_gather.py).
+
+    >>> run_on_mesh(mesh, lambda comm: param_all_gather(torch.tensor([comm.rank + 0.0]), "tp", 0, reduce_grad=True))
+    {0: tensor([0., 1.]), 1: tensor([0., 1.])}
+    """
     from .zero_gather import ParamAllGather
     return ParamAllGather.apply(x, current(), axis, dim, reduce_grad)
 

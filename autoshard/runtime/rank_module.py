@@ -5,6 +5,16 @@ partial sum on batch-sharded axes, which is the right thing to call `.backward()
 is 1 on every rank). After backward, `sync_grads()` reduces the gradients that came back partial on
 some mesh axes (the duality rule), bucketed per axis set; with ZeRO-2/3 the ZeroOptimizer
 (autoshard/runtime/zero.py) reduce-scatters the gradients of replicated parameters on the ZeRO axis.
+
+The examples run the ranks of a data-parallel MLP as threads (`run_ranks`, the simulator):
+
+>>> import torch
+>>> import autoshard
+>>> from autoshard.runtime.simulator import run_ranks
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}})
 """
 from __future__ import annotations
 
@@ -23,6 +33,13 @@ BUCKET_BYTES = 25 << 20
 
 
 class RankModule(torch.nn.Module):
+    """One rank's program (`prog.module(rank, comm)`): an nn.Module holding this rank's parameter shards.
+
+    >>> modules = run_ranks(prog, lambda module: module)
+    >>> type(modules[1]).__name__, modules[1].rank
+    ('RankModule', 1)
+    """
+
     def __init__(self, gm: torch.fx.GraphModule, comm: Communicator, program):
         super().__init__()
         self.gm = gm
@@ -33,6 +50,12 @@ class RankModule(torch.nn.Module):
         self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
 
     def forward(self, *local_inputs):
+        """(loss, outputs) of this rank on its local inputs; the loss is partial on batch-sharded axes.
+
+        >>> out = run_ranks(prog, lambda module: module(*module.local_inputs(*inputs)))
+        >>> torch.allclose(out[0][0] + out[1][0], loss_fn(model(*inputs), *inputs)), out[0][1].shape
+        (True, torch.Size([4, 32]))
+        """
         zero = getattr(self._program, "zero", None)
         regather = save_shards_for_backward(self.gathered_memory) if zero is not None and zero.stage == 3 \
             else contextlib.nullcontext()
@@ -43,21 +66,41 @@ class RankModule(torch.nn.Module):
         return loss, (pytree.tree_unflatten(outputs, spec) if spec is not None else outputs)
 
     def local_inputs(self, *global_inputs):
-        """This rank's blocks of the global inputs, by the plan's input specs."""
+        """This rank's blocks of the global inputs, by the plan's input specs.
+
+        >>> blocks = run_ranks(prog, lambda module: module.local_inputs(*inputs)[0])
+        >>> torch.equal(blocks[1], inputs[0][4:])  # the batch is split in two on dp
+        True
+        """
         specs = self._program.input_specs
         self._program.check_inputs(global_inputs)
         return tuple(shard_tensor(x, spec, self.comm.coord, self.comm.mesh.shape)
                      for x, spec in zip(global_inputs, specs))
 
     def named_local_parameters(self):
-        """(model FQN, local shard) of every parameter this rank holds."""
+        """(model FQN, local shard) of every parameter this rank holds.
+
+        >>> shapes = run_ranks(prog, lambda module: [(k, tuple(p.shape)) for k, p in module.named_local_parameters()])
+        >>> shapes[0][:2]
+        [('layers.0.weight', (128, 32)), ('layers.0.bias', (128,))]
+        """
         names = self._program.attr_names
         for fqn, attr in names.items():
             if fqn in self._program.traced.params:
                 yield fqn, getattr(self.gm, attr)
 
     def sync_grads(self) -> None:
-        """All-reduce partial gradients on exactly their partial axes (bucketed, fixed order)."""
+        """All-reduce partial gradients on exactly their partial axes (bucketed, fixed order).
+
+        >>> def step(module):
+        ...     module(*module.local_inputs(*inputs))[0].backward()
+        ...     module.sync_grads()
+        ...     return module.gm.layers_1_bias.grad
+        >>> grads = run_ranks(prog, step)
+        >>> loss_fn(model(*inputs), *inputs).backward()
+        >>> torch.allclose(grads[0], model.layers[1].bias.grad), torch.equal(grads[0], grads[1])
+        (True, True)
+        """
         scattered = self._zero_scattered()
         groups: dict = {}
         for fqn, param in self.named_local_parameters():
@@ -93,7 +136,12 @@ class RankModule(torch.nn.Module):
 
 
 def buckets(entries, tensor_of):
-    """Runs of entries whose tensors share a dtype, up to BUCKET_BYTES each (same order on every rank)."""
+    """Runs of entries whose tensors share a dtype, up to BUCKET_BYTES each (same order on every rank).
+
+    >>> tensors = [torch.zeros(2), torch.zeros(3), torch.zeros(1, dtype=torch.float64)]
+    >>> [[t.numel() for t in bucket] for bucket in buckets(tensors, lambda t: t)]
+    [[2, 3], [1]]
+    """
     bucket, size = [], 0
     for e in entries:
         t = tensor_of(e)

@@ -8,6 +8,13 @@ for the consumers' backward (a matmul saves its weight), so the rank module runs
 a handle holding only the shard, and backward re-gathers it once, on first use, dropping the copy when
 the parameter's gradient is reduce-scattered. `GatheredMemory` measures the bytes of gathered copies
 alive at once (ZeRO-3's transient memory).
+
+The examples gather a parameter split over two ranks (threads of the simulator):
+
+>>> import torch
+>>> from autoshard.mesh import Mesh
+>>> from autoshard.runtime.simulator import run_on_mesh
+>>> mesh = Mesh((2,), ("dp",))
 """
 from __future__ import annotations
 
@@ -25,21 +32,52 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
-    """`t` in storage of its own size: a shard cut from a gathered or summed buffer would keep all of it."""
+    """`t` in storage of its own size: a shard cut from a gathered or summed buffer would keep all of it.
+
+    >>> full = torch.zeros(1000)
+    >>> compact(full[:10]).untyped_storage().nbytes(), compact(full) is full
+    (40, True)
+    """
     return t if t.untyped_storage().nbytes() == _nbytes(t) else t.clone()
 
 
 class GatheredMemory:
-    """Bytes of gathered parameter copies alive now and at most (peak) since `reset`."""
+    """Bytes of gathered parameter copies alive now and at most (peak) since `reset`.
+
+    >>> memory = GatheredMemory()
+    >>> copy = torch.zeros(256)
+    >>> memory.track(copy)
+    >>> memory.live, memory.peak
+    (1024, 1024)
+    >>> del copy  # the copy is freed: live drops, the peak remains
+    >>> memory.live, memory.peak
+    (0, 1024)
+    """
 
     def __init__(self):
         self.live = 0
         self.peak = 0
 
     def reset(self) -> None:
+        """Start a new peak from what is alive now (e.g. at the start of a step).
+
+        >>> memory = GatheredMemory()
+        >>> memory.peak = 4096
+        >>> memory.reset()
+        >>> memory.peak
+        0
+        """
         self.peak = self.live
 
     def track(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s bytes as alive until it is freed.
+
+        >>> memory = GatheredMemory()
+        >>> kept = torch.zeros(2, 4)
+        >>> memory.track(kept)
+        >>> memory.live
+        32
+        """
         nbytes = _nbytes(tensor)
         self.live += nbytes
         self.peak = max(self.peak, self.live)
@@ -77,8 +115,21 @@ class _SavedView:
 
 
 class ParamAllGather(torch.autograd.Function):
+    """The autograd function behind `collectives.param_all_gather(x, axis, dim, reduce_grad)`.
+
+    >>> def shard_of(comm):  # each rank holds half of w = [1, 2, 3, 4]
+    ...     return (torch.tensor([1.0, 2.0]) + 2 * comm.rank).requires_grad_()
+    >>> run_on_mesh(mesh, lambda comm: ParamAllGather.apply(shard_of(comm), comm, "dp", 0, True).tolist())
+    {0: [1.0, 2.0, 3.0, 4.0], 1: [1.0, 2.0, 3.0, 4.0]}
+    """
+
     @staticmethod
     def forward(ctx, x, comm, axis, dim, reduce_grad):
+        """All-gather the shard `x` on `axis` (dim `dim`); keep a handle that can re-gather it.
+
+        >>> run_on_mesh(mesh, lambda comm: ParamAllGather.apply(torch.ones(1) * comm.rank, comm, "dp", 0, True))
+        {0: tensor([0., 1.]), 1: tensor([0., 1.])}
+        """
         gathered = getattr(_LOCAL, "gathered", None)
         memory = gathered[1] if gathered is not None else None
         out = comm.all_gather(x, axis, dim)
@@ -93,6 +144,16 @@ class ParamAllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """The shard's gradient: with `reduce_grad` the reduce-scatter of the (partial) gradient, else this
+        rank's chunk of it.
+
+        >>> def step(comm):  # rank r weighs the gathered w by r + 1: w's gradient is partial
+        ...     shard = torch.ones(2, requires_grad=True)
+        ...     (ParamAllGather.apply(shard, comm, "dp", 0, True) * (comm.rank + 1)).sum().backward()
+        ...     return shard.grad
+        >>> run_on_mesh(mesh, step)  # 1 + 2 for every element
+        {0: tensor([3., 3.]), 1: tensor([3., 3.])}
+        """
         handle = ctx.handle
         handle.full = None  # every consumer's backward has run: the re-gathered copy can go
         comm, axis, dim = handle.comm, handle.axis, handle.dim
@@ -123,7 +184,21 @@ def _unpack(saved):
 
 @contextlib.contextmanager
 def save_shards_for_backward(memory: GatheredMemory | None = None):
-    """Run a ZeRO-3 forward: gathered parameters are saved for backward as shards (re-gathered there)."""
+    """Run a ZeRO-3 forward: gathered parameters are saved for backward as shards (re-gathered there).
+
+    >>> def step(comm):
+    ...     memory = GatheredMemory()
+    ...     shard = torch.ones(512, 2, requires_grad=True)
+    ...     with save_shards_for_backward(memory):
+    ...         weight = ParamAllGather.apply(shard, comm, "dp", 0, True)  # [1024, 2]: 8 KiB
+    ...         loss = (torch.ones(3, 1024) @ weight).sum()  # the matmul saves the weight for backward
+    ...         del weight
+    ...     after_forward = memory.live
+    ...     loss.backward()  # re-gathers the weight once
+    ...     return after_forward, memory.peak
+    >>> run_on_mesh(mesh, step)[0]  # the forward's gathered copy is gone before backward
+    (0, 8192)
+    """
     previous = getattr(_LOCAL, "gathered", None)
     _LOCAL.gathered = ({}, memory)
     try:
