@@ -1,8 +1,5 @@
 """ZeroOptimizer: any elementwise torch optimizer stepping on this rank's shards (ZeRO stages 1-3).
 
->>> opt = ZeroOptimizer(module, torch.optim.Adam(module.parameters(), lr=1e-3))   # doctest: +SKIP
->>> loss.backward(); module.sync_grads(); opt.step(); module.zero_grad()          # doctest: +SKIP
-
 The wrapped optimizer's param_groups survive with their options (a scheduler may change `lr` on
 `opt.param_groups`); each parameter is replaced by its master shard on this rank of the ZeRO axis:
 - a parameter the plan stores sharded there (ZeRO-3, spec S(d)) is its own shard: the optimizer steps
@@ -18,6 +15,27 @@ Master shards are float32 at least (float16/bfloat16 parameters get float32 mast
 parameters' device, or on the CPU with `offload=True` (optimizer state too: gradient shards go there,
 updated parameters come back). Only elementwise optimizers are exact on shards: LBFGS, Adafactor and
 SparseAdam are refused.
+
+The examples train a ZeRO-2 data-parallel MLP on two simulated ranks; `train(module)` is what a rank
+runs (with torchrun, the same on each real rank):
+
+>>> import torch
+>>> import autoshard
+>>> from autoshard.runtime.simulator import run_ranks
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}}, zero=2)
+>>> def train(module, steps=1):
+...     opt = ZeroOptimizer(module, torch.optim.Adam(module.parameters(), lr=1e-3))
+...     for _ in range(steps):
+...         loss, _ = module(*module.local_inputs(*inputs))
+...         loss.backward()
+...         module.sync_grads()  # reduce-scatters the gradients into this rank's chunks
+...         opt.step()           # steps the chunks, all-gathers the updated parameters
+...         opt.zero_grad()
+...     return opt
+>>> opts = run_ranks(prog, train)
 """
 from __future__ import annotations
 
@@ -49,7 +67,11 @@ class _Entry:
 
 
 class ZeroOptimizer:
-    """`optimizer` (built on `module.parameters()`) stepping on the shards of `module`'s ZeRO axis."""
+    """`optimizer` (built on `module.parameters()`) stepping on the shards of `module`'s ZeRO axis.
+
+    >>> opts[1]
+    ZeroOptimizer(Adam, ZeRO-2 on 'dp' (rank 1 of 2), 4 parameters, master shards on the parameters' device)
+    """
 
     def __init__(self, module, optimizer: torch.optim.Optimizer, offload: bool = False):
         program = module._program
@@ -88,10 +110,20 @@ class ZeroOptimizer:
 
     @property
     def param_groups(self) -> list:
+        """The wrapped optimizer's groups over the master shards (a scheduler may change their options).
+
+        >>> [p.shape for p in opts[0].param_groups[0]["params"]][:2]  # flat chunks of [128, 32] and [128]
+        [torch.Size([2048]), torch.Size([64])]
+        """
         return self.optim.param_groups
 
     @property
     def state(self):
+        """The optimizer state of this rank's shards (1/k of the unsharded state).
+
+        >>> sorted(next(iter(opts[0].state.values())))
+        ['exp_avg', 'exp_avg_sq', 'step']
+        """
         return self.optim.state
 
     def __repr__(self) -> str:
@@ -124,12 +156,26 @@ class ZeroOptimizer:
         return [e for e in self.entries if not e.owned]
 
     def managed(self) -> set[str]:
-        """FQNs whose gradient on the ZeRO axis this optimizer reduces (stage >= 2)."""
+        """FQNs whose gradient on the ZeRO axis this optimizer reduces (stage >= 2).
+
+        >>> sorted(opts[0].managed())[:2]
+        ['layers.0.bias', 'layers.0.weight']
+        """
         return {e.fqn for e in self._flat_entries() if e.reduce} if self.config.stage >= 2 else set()
 
     def reduce_gradients(self) -> None:
         """Stage >= 2: reduce-scatter the partial gradients of replicated parameters into this rank's chunks
-        (bucketed) and free the full gradients; replicated gradients just keep their chunk."""
+        (bucketed) and free the full gradients; replicated gradients just keep their chunk.
+        `RankModule.sync_grads` calls it:
+
+        >>> def backward_only(module):
+        ...     opt = ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        ...     module(*module.local_inputs(*inputs))[0].backward()
+        ...     module.sync_grads()
+        ...     return module.gm.layers_0_weight.grad, opt.full_grads()["layers.0.weight"].shape
+        >>> run_ranks(prog, backward_only)[0]  # the full gradient is freed; the rank keeps its chunk
+        (None, torch.Size([128, 32]))
+        """
         if self.config.stage < 2:
             return
         flat = [e for e in self._flat_entries() if e.param.grad is not None]
@@ -153,6 +199,12 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Step the wrapped optimizer on this rank's shards, then all-gather the updated parameters.
+
+        >>> trained = run_ranks(prog, lambda module: (train(module, steps=2), module.gm.layers_0_weight)[1])
+        >>> torch.equal(trained[0], trained[1])  # every rank holds the same updated parameters
+        True
+        """
         for e in self.entries:
             grad = self._grad_shard(e)
             if e.master is not e.param:
@@ -170,6 +222,11 @@ class ZeroOptimizer:
                 e.param.copy_(cols.reshape(-1)[:e.param.numel()].view_as(e.param))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the module's gradients and this rank's gradient shards.
+
+        >>> [e.grad_shard for e in opts[0].entries][:2]  # train() ended with zero_grad
+        [None, None]
+        """
         self.module.zero_grad(set_to_none=set_to_none)
         for e in self.entries:
             e.grad_shard = None
@@ -177,7 +234,12 @@ class ZeroOptimizer:
                 e.master.grad = None
 
     def full_grads(self) -> dict:
-        """{FQN: this rank's whole local gradient} for checking (gathers the chunks; not logged)."""
+        """{FQN: this rank's whole local gradient} for checking (gathers the chunks; not logged); see
+        `reduce_gradients` for an example.
+
+        >>> opts[0].full_grads()  # after zero_grad: none
+        {}
+        """
         out = {}
         for e in self.entries:
             grad = self._grad_shard(e)
@@ -191,7 +253,11 @@ class ZeroOptimizer:
         return out
 
     def memory_bytes(self) -> dict:
-        """Bytes this rank holds: {"params", "grads", "optimizer"} (master copies count as optimizer state)."""
+        """Bytes this rank holds: {"params", "grads", "optimizer"} (master copies count as optimizer state).
+
+        >>> opts[0].memory_bytes()  # optimizer: a master copy and Adam's two moments of half the parameters
+        {'params': 33408, 'grads': 0, 'optimizer': 50128}
+        """
         params = [p for _, p in self.module.named_local_parameters()]
         grads = [p.grad for p in params if p.grad is not None] + \
                 [e.grad_shard for e in self.entries if e.grad_shard is not None] + \
@@ -204,7 +270,12 @@ class ZeroOptimizer:
 
 
 def unique_bytes(tensors, seen: set) -> int:
-    """Bytes of the storages behind `tensors` not counted yet (views and aliases count once)."""
+    """Bytes of the storages behind `tensors` not counted yet (views and aliases count once).
+
+    >>> t = torch.zeros(4)
+    >>> unique_bytes([t, t[:2], t.view(2, 2)], seen=set())
+    16
+    """
     total = 0
     for t in tensors:
         storage = t.untyped_storage()
