@@ -6,6 +6,15 @@ under the process-group timeout (default 120 s, `AUTOSHARD_TIMEOUT_S`; also set 
 sub-groups), so a dead or stuck rank turns into a CollectiveTimeout on the others naming the rank,
 collective, axis and group instead of a hang; `check_fingerprint` stops ranks that planned different
 programs before their first collective; `run_distributed` raises RanksFailed naming the first cause.
+
+The examples start a one-rank gloo process group in this process (torchrun's environment variables,
+set by hand) and end it at the end of each example:
+
+>>> import os
+>>> from unittest import mock
+>>> def torchrun_env():  # what torchrun sets for rank 0 of a world of one
+...     return mock.patch.dict(os.environ, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+...                                         "RANK": "0", "WORLD_SIZE": "1"})
 """
 from __future__ import annotations
 
@@ -29,11 +38,24 @@ STARTUP_TIMEOUT_S = 60.0  # rendezvous of spawned ranks (many ranks on few cores
 
 
 def default_timeout() -> timedelta:
+    """The timeout of every collective and process group: `AUTOSHARD_TIMEOUT_S` seconds, default 120.
+
+    >>> with mock.patch.dict(os.environ, {"AUTOSHARD_TIMEOUT_S": "30"}):
+    ...     default_timeout()
+    datetime.timedelta(seconds=30)
+    """
     return timedelta(seconds=float(os.environ.get("AUTOSHARD_TIMEOUT_S", "120")))
 
 
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> None:
-    """Initialise the default process group from torchrun's environment (gloo on CPU, NCCL on GPUs)."""
+    """Initialise the default process group from torchrun's environment (gloo on CPU, NCCL on GPUs).
+
+    >>> with torchrun_env():
+    ...     init_distributed("gloo")
+    >>> dist.get_world_size(), dist.get_backend()
+    (1, 'gloo')
+    >>> dist.destroy_process_group()
+    """
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -42,7 +64,15 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
 
 def device_mesh(mesh: Mesh):
     """(torch DeviceMesh over world ranks 0..mesh.size-1, a group of all its ranks); cached, and every
-    rank of the world must call it (group creation is collective)."""
+    rank of the world must call it (group creation is collective).
+
+    >>> with torchrun_env():
+    ...     init_distributed("gloo")
+    >>> dm, everyone = device_mesh(Mesh((1,), ("device_mesh_example",)))
+    >>> dm.mesh_dim_names, dist.get_world_size(everyone)
+    (('device_mesh_example',), 1)
+    >>> dist.destroy_process_group()
+    """
     from torch.distributed.device_mesh import DeviceMesh
     key = (mesh.shape, mesh.names)
     if key not in _MESHES:
@@ -58,7 +88,19 @@ def device_mesh(mesh: Mesh):
 
 
 def communicator_for(mesh: Mesh, exact: bool | None = None, strict_world: bool = True) -> DistCommunicator | None:
-    """This rank's communicator on `mesh`, or None when the rank is not part of the mesh."""
+    """This rank's communicator on `mesh`, or None when the rank is not part of the mesh.
+
+    >>> with torchrun_env():
+    ...     init_distributed("gloo")
+    >>> comm = communicator_for(Mesh((1,), ("communicator_example",)))
+    >>> type(comm).__name__, comm.exact, comm.all_reduce(torch.ones(2), "communicator_example")
+    ('DistCommunicator', True, tensor([1., 1.]))
+    >>> communicator_for(Mesh((2,), ("dp",)))
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.AutoshardError: mesh Mesh(dp=2) has 2 devices but the world size is 1: the mesh must cover ...
+    >>> dist.destroy_process_group()
+    """
     world = dist.get_world_size()
     if strict_world and world != mesh.size:
         raise AutoshardError(f"mesh {mesh!r} has {mesh.size} devices but the world size is {world}: the mesh must "
@@ -84,11 +126,23 @@ def _set_timeout(group, timeout: timedelta) -> None:
 
 
 class FingerprintMismatch(AutoshardError):
-    """The ranks of a mesh planned different programs (checked before the first collective)."""
+    """The ranks of a mesh planned different programs (checked before the first collective); the message
+    lists each fingerprint with its ranks and says how to make them agree.
+
+    >>> issubclass(FingerprintMismatch, AutoshardError)
+    True
+    """
 
 
 def check_fingerprint(comm: DistCommunicator, fingerprint: str) -> None:
-    """Every rank of the mesh must have planned the same program before the first collective."""
+    """Every rank of the mesh must have planned the same program before the first collective (one
+    all_gather_object on the mesh's group; FingerprintMismatch when they differ).
+
+    >>> with torchrun_env():
+    ...     init_distributed("gloo")
+    >>> check_fingerprint(communicator_for(Mesh((1,), ("fingerprint_example",))), "4b8a188a956f1ad9")
+    >>> dist.destroy_process_group()
+    """
     group = comm.mesh_group
     gathered = [None] * comm.mesh.size
     start = time.monotonic()
@@ -111,6 +165,11 @@ def check_fingerprint(comm: DistCommunicator, fingerprint: str) -> None:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous).
+
+    >>> 0 < free_port() < 65536
+    True
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -153,7 +212,12 @@ FAILURE_GRACE_S = 10.0
 
 class RanksFailed(AutoshardError):
     """`run_distributed`: ranks raised, died or hung. `errors` {rank: (exception type, first line, traceback)},
-    `exit_codes` {rank: code} of ranks that died without reporting, `hung` [ranks stopped after the grace]."""
+    `exit_codes` {rank: code} of ranks that died without reporting, `hung` [ranks stopped after the grace].
+
+    >>> failed = RanksFailed("1 of 2 ranks failed; ...", {1: ("ValueError", "bad", "Traceback ...")}, {}, [])
+    >>> failed.errors[1][0], failed.hung
+    ('ValueError', [])
+    """
 
     def __init__(self, message: str, errors: dict, exit_codes: dict, hung: list):
         super().__init__(message)
@@ -167,6 +231,11 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
     120) bounds every collective and the process-group setup. A rank that raises, dies or hangs makes this
     raise RanksFailed promptly: the other ranks' collectives fail within the timeout, and ranks still silent
     `FAILURE_GRACE_S` after that are stopped. The message names the rank that failed first and how.
+    Starting processes takes seconds, so this example does not run here (tests/multirank does):
+
+    >>> from autoshard.calibrate import _time_axis_task  # any importable task(rank, world, *args)
+    >>> run_distributed(_time_axis_task, 2, Mesh((2,), ("dp",)).to_json(), [4096])  # doctest: +SKIP
+    {0: {('dp', 4096): 0.0028}, 1: {('dp', 4096): 0.0024}}
     """
     timeout_s = default_timeout().total_seconds() if timeout_s is None else float(timeout_s)
     ctx = torch.multiprocessing.get_context("spawn")

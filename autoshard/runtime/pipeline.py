@@ -9,6 +9,27 @@ divided by the micro-batch count (so a step equals one full-batch step of a batc
 schedule's own scaling is off because a tied parameter shared by two local stages would be
 scaled twice). Each stage's forward/backward chunks are timed for the measured timeline.
 `SequentialStages` runs all stages of one intra-op rank in order: the in-process simulator.
+
+The examples pipeline a three-layer MLP as two virtual stages on one pp rank, so that a real gloo
+process group of one rank in this process can run the schedule (`rank_module()` starts it; each example
+ends it); the simulator's examples use `InnerRanks(prog)`, the thread simulator's view of the program:
+
+>>> import os
+>>> from unittest import mock
+>>> import torch.distributed as dist
+>>> import autoshard
+>>> from autoshard.pipeline_program import InnerRanks
+>>> from autoshard.runtime.launch import communicator_for, free_port, init_distributed
+>>> from autoshard.runtime.simulator import run_ranks
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=3)
+>>> prog = autoshard.parallelize(model, (1,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+...                              pipeline={"virtual_stages": 2, "schedule": "interleaved1f1b", "microbatches": 2})
+>>> def rank_module():  # rank 0 of a world of one holds both stages
+...     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+...     with mock.patch.dict(os.environ, env):
+...         init_distributed("gloo")
+...     return prog.module(0, communicator_for(prog.mesh))
 """
 from __future__ import annotations
 
@@ -24,13 +45,29 @@ from .rank_module import RankModule
 
 class SavedActivations:
     """Counts the bytes autograd saves for backward while they are alive (saved_tensors_hooks): the
-    measured activation memory of a pipeline rank (1F1B keeps fewer micro-batches alive than GPipe)."""
+    measured activation memory of a pipeline rank (1F1B keeps fewer micro-batches alive than GPipe).
+
+    >>> saved = SavedActivations()
+    >>> x = torch.ones(256, requires_grad=True)
+    >>> with saved.track():
+    ...     y = (x * 2).exp()  # exp saves its 1 KiB output for backward
+    >>> saved.live, saved.peak
+    (1024, 1024)
+    >>> y.sum().backward()  # backward releases what it saved
+    >>> saved.live, saved.peak
+    (0, 1024)
+    """
 
     def __init__(self):
         self.live = 0
         self.peak = 0
 
     def track(self):
+        """A context manager: tensors autograd saves inside it are counted while alive (see the class).
+
+        >>> with SavedActivations().track():
+        ...     pass
+        """
         counter = self
 
         class Held:
@@ -85,12 +122,23 @@ class _StagesModule(RankModule):
 
 
 class SequentialStages(_StagesModule):
-    """Every stage of one intra-op rank, run in order for each micro-batch (one thread = one pp column)."""
+    """Every stage of one intra-op rank, run in order for each micro-batch (one thread = one pp column).
+
+    >>> [len(m.stage_graphs) for m in run_ranks(InnerRanks(prog), lambda module: module).values()]
+    [2]
+    """
 
     def __init__(self, program, inner_rank, comm):
         super().__init__(program, program.all_stage_graphs(inner_rank), comm)
 
     def run_microbatch(self, local_inputs):
+        """(loss, *outputs) of one micro-batch through every stage.
+
+        >>> micro = prog.microbatches(inputs)[0]
+        >>> loss = run_ranks(InnerRanks(prog), lambda module: module.run_microbatch(micro)[0])[0]
+        >>> torch.allclose(loss, loss_fn(model(*micro), *micro))
+        True
+        """
         values = tuple(local_inputs)
         with use_communicator(self.comm):
             for stage in self.stage_graphs:
@@ -99,7 +147,12 @@ class SequentialStages(_StagesModule):
 
 
 def simulated_rank_step(module: SequentialStages, inputs, train: bool = True) -> list:
-    """One step over all micro-batches: [loss (mean), then per output its list of micro-batch blocks]."""
+    """One step over all micro-batches: [loss (mean), then per output its list of micro-batch blocks].
+
+    >>> loss, outputs = run_ranks(InnerRanks(prog), lambda module: simulated_rank_step(module, inputs))[0]
+    >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs)), [tuple(b.shape) for b in outputs]
+    (True, [(4, 32), (4, 32)])
+    """
     losses, outputs = [], []
     for local in module.local_microbatches(*inputs):
         module.comm.phase = "fwd"
@@ -117,7 +170,13 @@ def simulated_rank_step(module: SequentialStages, inputs, train: bool = True) ->
 
 
 class PipelineRankModule(_StagesModule):
-    """A real rank's stages of the pipeline; `train_step(*global_inputs)` runs one schedule step."""
+    """A real rank's stages of the pipeline; `train_step(*global_inputs)` runs one schedule step.
+
+    >>> module = rank_module()
+    >>> [sg.index for sg in module.stage_graphs], module.pp_group is not None
+    ([0, 1], True)
+    >>> dist.destroy_process_group()
+    """
 
     def __init__(self, program, rank, comm: DistCommunicator):
         inner_rank = program.inner_rank(rank)
@@ -191,7 +250,14 @@ class PipelineRankModule(_StagesModule):
     # ------------------------------------------------------------------------- one step
     def train_step(self, *global_inputs):
         """One training step over all micro-batches: (loss or None, outputs or None) on this rank; the
-        loss and outputs exist on the rank holding the last stage. Gradients are ready afterwards."""
+        loss and outputs exist on the rank holding the last stage. Gradients are ready afterwards.
+
+        >>> module = rank_module()
+        >>> loss, outputs = module.train_step(*inputs)
+        >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs)), sorted({kind for _, kind, *_ in module.timeline})
+        (True, ['B', 'F'])
+        >>> dist.destroy_process_group()
+        """
         config = self._program.config
         local = self.local_microbatches(*global_inputs)
         if self._schedule is None:
@@ -239,7 +305,15 @@ class PipelineRankModule(_StagesModule):
                 "at their errors (AUTOSHARD_TIMEOUT_S sets the timeout)")
 
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of parameters used by stages on different pp ranks (zeros where absent)."""
+        """Sum the gradients of parameters used by stages on different pp ranks (zeros where absent);
+        `train_step` calls it. Here every stage is on one rank, so there is nothing to sum:
+
+        >>> module = rank_module()
+        >>> module.sync_tied_grads()
+        >>> prog.tied_params
+        {}
+        >>> dist.destroy_process_group()
+        """
         program = self._program
         params = dict(self.named_local_parameters())
         for fqn, stages in sorted(program.tied_params.items()):
@@ -280,7 +354,12 @@ def _is_transport_failure(exc: BaseException) -> bool:
 
 
 def pipeline_rank_run(module, inputs, steps: int, lr: float) -> dict:
-    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps."""
+    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps.
+
+    >>> result = run_ranks(InnerRanks(prog), lambda module: pipeline_rank_run(module, inputs, steps=2, lr=0.1))[0]
+    >>> len(result["loss"]), bool(result["loss"][1] < result["loss"][0]), sorted(result["grads"])[:2]
+    (2, True, ['layers.0.bias', 'layers.0.weight'])
+    """
     params = dict(module.named_local_parameters())
     opt = torch.optim.SGD(params.values(), lr=lr) if params else None
     module.comm.log.clear()

@@ -3,6 +3,12 @@
 Starting 8 ranks on a 2-core machine takes ~15 s, so tests share one pool per session. Every task
 runs on every worker (`task(rank, world, *args)`, a module-level function); meshes smaller than the
 pool use world ranks 0..n-1 and the other workers only take part in creating the groups.
+
+Starting processes takes seconds, so the examples here do not run (tests/conftest.py's session pool
+runs every multi-rank test through one); `task` is any importable function `task(rank, world, *args)`:
+
+>>> from autoshard.mesh import Mesh
+>>> from autoshard.calibrate import _time_axis_task  # times all_reduce on each mesh axis
 """
 from __future__ import annotations
 
@@ -36,7 +42,12 @@ def _worker(rank, world, port, inbox, outbox, timeout_s):
 
 
 class WorkerPool:
-    """`pool.run(task, *args) -> {rank: result}` on `world_size` persistent gloo ranks."""
+    """`pool.run(task, *args) -> {rank: result}` on `world_size` persistent gloo ranks.
+
+    >>> with WorkerPool(world_size=2) as pool:  # doctest: +SKIP
+    ...     first = pool.run(_time_axis_task, Mesh((2,), ("dp",)).to_json(), [4096])
+    ...     second = pool.run(_time_axis_task, Mesh((2,), ("dp",)).to_json(), [65536])  # the same 2 processes
+    """
 
     def __init__(self, world_size: int = 8, timeout_s: float = 120.0):
         ctx = torch.multiprocessing.get_context("spawn")
@@ -67,6 +78,12 @@ class WorkerPool:
             raise AutoshardError(f"pool timed out after {self.timeout_s:.0f} s while {what}")
 
     def run(self, task, *args) -> dict:
+        """Run `task(rank, world, *args)` on every worker; {rank: result}, or AutoshardError naming the rank
+        that failed first with its traceback.
+
+        >>> pool.run(_time_axis_task, Mesh((2,), ("dp",)).to_json(), [4096])  # doctest: +SKIP
+        {0: {('dp', 4096): 0.0028}, 1: {('dp', 4096): 0.0024}}
+        """
         job_id = self._next_job
         self._next_job += 1
         for inbox in self.inboxes:
@@ -95,6 +112,10 @@ class WorkerPool:
         return out
 
     def close(self):
+        """Stop the workers (the `with` block calls it).
+
+        >>> pool.close()  # doctest: +SKIP
+        """
         for inbox in self.inboxes:
             inbox.put(None)
         for p in self.procs:
