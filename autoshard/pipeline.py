@@ -8,12 +8,13 @@ the step's loss is the mean over micro-batches and the gradients are summed then
 number: equal to one full-batch step for batch-mean losses (the default loss and cross-entropy).
 
 >>> import autoshard
->>> from autoshard.zoo import gpt2
->>> model, inputs, loss_fn = gpt2()
+>>> from autoshard.cost import DEFAULT_PROFILE
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=3)
 >>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
 ...                              pipeline={"microbatches": 2, "schedule": "gpipe"})
->>> prog.plan.pipeline["stages"]
-2
+>>> prog.plan.pipeline["stages"], prog.config.schedule
+(2, 'GPipe')
 """
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ OPTION_KEYS = {"axis", "microbatches", "schedule", "virtual_stages", "balance", 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """What the pipeline is: its mesh axis and size, stages per rank, schedule, micro-batches, cut."""
+    """What the pipeline is: its mesh axis and size, stages per rank, schedule, micro-batches, cut.
+
+    >>> zbv = PipelineConfig("pp", pp_size=2, microbatches=4, schedule="ZBVZeroBubble", virtual=2)
+    >>> zbv.num_stages, [zbv.stage_rank(s) for s in range(4)]  # V-shaped: stages 0 and 3 on pp rank 0
+    (4, [0, 1, 1, 0])
+    """
 
     axis: str
     pp_size: int
@@ -51,25 +57,50 @@ class PipelineConfig:
 
     @property
     def num_stages(self) -> int:
+        """Stages in all: pp size x stages per rank.
+
+        >>> prog.config.num_stages
+        2
+        """
         return self.pp_size * self.virtual
 
     def stage_rank(self, stage: int) -> int:
-        """The pp coordinate that runs `stage`."""
+        """The pp coordinate that runs `stage` (round robin; V-shaped for ZBVZeroBubble).
+
+        >>> [PipelineConfig("pp", 2, 4, "Interleaved1F1B", virtual=2).stage_rank(s) for s in range(4)]
+        [0, 1, 0, 1]
+        """
         if self.schedule in V_STYLE:
             block, pos = divmod(stage, self.pp_size)
             return pos if block % 2 == 0 else self.pp_size - 1 - pos
         return stage % self.pp_size
 
     def stages_of(self, pp_coord: int) -> list[int]:
+        """The stages pp rank `pp_coord` runs, in order.
+
+        >>> PipelineConfig("pp", 2, 4, "ZBVZeroBubble", virtual=2).stages_of(0)
+        [0, 3]
+        """
         return [s for s in range(self.num_stages) if self.stage_rank(s) == pp_coord]
 
     def to_json(self) -> dict:
+        """The plan's `pipeline` record of the configuration.
+
+        >>> prog.config.to_json()  # doctest: +NORMALIZE_WHITESPACE
+        {'axis': 'pp', 'pp_size': 2, 'microbatches': 2, 'schedule': 'GPipe', 'virtual_stages': 1, 'stages': 2,
+         'cut': 'automatic'}
+        """
         return {"axis": self.axis, "pp_size": self.pp_size, "microbatches": self.microbatches,
                 "schedule": self.schedule, "virtual_stages": self.virtual, "stages": self.num_stages,
                 "cut": self.annotations.source if self.annotations else "automatic"}
 
 
 def schedule_name(name) -> str:
+    """torch's schedule class name for a user's spelling (case, '_', '-' and spaces ignored; short names).
+
+    >>> schedule_name("1f1b"), schedule_name("zero-bubble"), schedule_name("Interleaved")
+    ('1F1B', 'InterleavedZeroBubble', 'Interleaved1F1B')
+    """
     key = str(name).replace("_", "").replace("-", "").replace(" ", "").lower()
     key = {"zerobubble": "interleavedzerobubble", "zb": "interleavedzerobubble", "zbv": "zbvzerobubble",
            "interleaved": "interleaved1f1b"}.get(key, key)
@@ -80,6 +111,15 @@ def schedule_name(name) -> str:
 
 
 def check_options(options) -> dict:
+    """The `pipeline=` argument as a dict of known options (None or True: defaults).
+
+    >>> check_options({"microbatches": 4}), check_options(True)
+    ({'microbatches': 4}, {})
+    >>> check_options({"micro_batches": 4})
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.UserInputError: unknown pipeline option(s) ['micro_batches']; known: ['axis', 'balance', ...]
+    """
     if options is None or options is True:
         return {}
     if not isinstance(options, dict):
@@ -92,7 +132,13 @@ def check_options(options) -> dict:
 
 
 def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, profile) -> PipelineConfig:
-    """Check the user's pipeline options against the mesh and the batch; fill defaults."""
+    """Check the user's pipeline options against the mesh and the batch; fill defaults (2 x pp size
+    micro-batches; 2 stages per rank for the interleaved schedules).
+
+    >>> config = make_config(prog.mesh, "pp", {"schedule": "interleaved"}, None, 8, DEFAULT_PROFILE)
+    >>> config.microbatches, config.virtual, config.num_stages
+    (4, 2, 4)
+    """
     schedule = schedule_name(options.get("schedule", "1f1b"))
     default_virtual = 2 if schedule in MULTI_STAGE else 1
     virtual = options.get("virtual_stages", default_virtual)
@@ -118,6 +164,11 @@ def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, p
 
 
 def batch_size(example_inputs) -> int:
+    """Dim 0 of the inputs (every input must have the same): what micro-batches split.
+
+    >>> batch_size(inputs)
+    8
+    """
     sizes = {tuple(x.shape)[:1] for x in example_inputs if isinstance(x, torch.Tensor)}
     if len(sizes) != 1 or () in sizes:
         raise UserInputError("pipelining splits every input along dim 0 into micro-batches, so every input needs "
@@ -126,10 +177,20 @@ def batch_size(example_inputs) -> int:
 
 
 def microbatch_inputs(example_inputs, m: int) -> tuple:
+    """Example inputs of one micro-batch (the shape the pipelined program is traced at).
+
+    >>> microbatch_inputs(inputs, 4)[0].shape
+    torch.Size([2, 32])
+    """
     return tuple(x[: x.shape[0] // m] for x in example_inputs)
 
 
 def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
+    """The mesh without the pp axis (the intra-op plan's mesh); a pure pipeline gets one size-1 axis.
+
+    >>> inner_mesh(prog.mesh, "pp"), inner_mesh(Mesh((4,), ("pp",)), "pp")
+    (Mesh(dp=2), Mesh(stage_device=1))
+    """
     keep = [i for i, name in enumerate(mesh.names) if name != axis]
     if not keep:  # a pure pipeline: each stage on one device (a size-1 axis keeps the passes uniform)
         return Mesh((1,), (SOLO_AXIS,))
@@ -137,7 +198,11 @@ def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
 
 
 def inner_profile(profile, mesh: Mesh, axis: str):
-    """The profile for the mesh without the pp axis: each remaining axis keeps its link of the full mesh."""
+    """The profile for the mesh without the pp axis: each remaining axis keeps its link of the full mesh.
+
+    >>> inner_profile(DEFAULT_PROFILE, prog.mesh, "pp").axis_links == (DEFAULT_PROFILE.link((2, 2), 1),)
+    True
+    """
     links = tuple(profile.link(mesh.shape, i) for i, name in enumerate(mesh.names) if name != axis) \
         or (profile.intra_node,)
     return dataclasses.replace(profile, axis_links=links)
@@ -156,7 +221,14 @@ def _warn_batch_statistics(model, microbatches: int) -> None:
 
 def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, hints, loss_fn, debug,
                          compile_options: dict, plan=None):
-    """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut."""
+    """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut.
+    `parallelize` calls it for a mesh axis named "pp" (or `pipeline={"axis": ...}`).
+
+    >>> piped = parallelize_pipeline(model, prog.mesh, inputs, "pp", {"microbatches": 4}, None, loss_fn, False,
+    ...                              {"profile": DEFAULT_PROFILE})
+    >>> piped.inner_mesh, piped.config.microbatches, piped.state.traced.gm.graph is not None
+    (Mesh(dp=2), 4, True)
+    """
     from .pipeline_program import PipelineProgram
     from .program import compile_state
     options = check_options(options)

@@ -4,6 +4,15 @@ Rank r of the full mesh has a pp coordinate (which stages it runs) and an intra-
 without the pp axis (which shards it holds); its stage modules are that intra-op rank's GraphModule
 split by `autoshard.stage`. Everything a verify run needs (`assemble`, `param_spec`, `output_specs`)
 has the same meaning as on Program, on global tensors of the full batch.
+
+The examples pipeline a three-layer MLP over pp, data-parallel on dp:
+
+>>> import torch
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=3)
+>>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
+...                              hints={"input:0": {"dp": "S(0)"}}, pipeline={"microbatches": 2})
 """
 from __future__ import annotations
 
@@ -22,14 +31,25 @@ from .program import Program
 
 
 class StageGraphs(list):
-    """One rank's stage GraphModules (a list of StageGraph), printed one after the other."""
+    """One rank's stage GraphModules (a list of StageGraph), printed one after the other.
+
+    >>> print(prog.graph(3))  # doctest: +ELLIPSIS
+    # stage 1: (linear_default_2) -> (div_tensor, add_tensor_2)
+    ...
+    """
 
     def __repr__(self) -> str:
         return "\n\n".join(repr(s) for s in self)
 
 
 class PipelineProgram(Program):
-    """The pipelined program on `mesh` (full mesh, pp axis included)."""
+    """The pipelined program on `mesh` (full mesh, pp axis included): what `parallelize` returns for a
+    mesh with a pp axis.
+
+    >>> prog  # doctest: +ELLIPSIS
+    PipelineProgram(Mesh(pp=2, dp=2), 2 stages over 'pp', 1F1B, 2 micro-batches, fingerprint=...)
+    Plan on Mesh(dp=2): ...
+    """
 
     def __init__(self, state, history, mesh, config):
         super().__init__(state, history)
@@ -41,6 +61,12 @@ class PipelineProgram(Program):
 
     @functools.cached_property
     def plan(self):
+        """The intra-op plan of one micro-batch, with each row's stage and the `pipeline` record (stage
+        table, schedule, predicted step and bubble).
+
+        >>> sorted({row.stage for row in prog.plan.rows}), prog.plan.pipeline["stage_ranks"]
+        ([0, 1], [0, 1])
+        """
         from .pipeline_search import predicted_step
         plan = super().plan
         stages = self.state.pipeline_stages
@@ -61,7 +87,12 @@ class PipelineProgram(Program):
 
     def planned_timeline(self):
         """The step this plan predicts: the schedule's action order run on the predicted stage times
-        (print it, or `.plot()` it in a notebook)."""
+        (print it, or `.plot()` it in a notebook).
+
+        >>> timeline = prog.planned_timeline()
+        >>> timeline.span() > 0, 0 < timeline.bubble_fraction() < 1
+        (True, True)
+        """
         from .timeline import planned_timeline
         return planned_timeline(self)
 
@@ -77,18 +108,37 @@ class PipelineProgram(Program):
 
     # ---------------------------------------------------------------------------------------- ranks
     def inner_rank(self, rank: int) -> int:
+        """Rank `rank`'s rank on the mesh without the pp axis (which shards it holds).
+
+        >>> [prog.inner_rank(r) for r in range(4)]
+        [0, 1, 0, 1]
+        """
         coord = list(self.mesh.coord(rank))
         del coord[self.pp_axis]
         return self.inner_mesh.rank(tuple(coord))
 
     def pp_coord(self, rank: int) -> int:
+        """Rank `rank`'s coordinate on the pp axis.
+
+        >>> [prog.pp_coord(r) for r in range(4)]
+        [0, 0, 1, 1]
+        """
         return self.mesh.coord(rank)[self.pp_axis]
 
     def stages_of(self, rank: int) -> list[int]:
+        """The stages rank `rank` runs.
+
+        >>> prog.stages_of(0), prog.stages_of(3)
+        ([0], [1])
+        """
         return self.config.stages_of(self.pp_coord(rank))
 
     def graph(self, rank: int) -> StageGraphs:
-        """Rank `rank`'s stage GraphModules (local shards, local shapes, visible collectives)."""
+        """Rank `rank`'s stage GraphModules (local shards, local shapes, visible collectives).
+
+        >>> [(s.index, s.inputs) for s in prog.graph(0)]
+        [(0, ['inputs_0'])]
+        """
         if not isinstance(rank, int) or not 0 <= rank < self.mesh.size:
             raise UserInputError(f"rank {rank!r} is outside the mesh {self.mesh!r} (ranks 0..{self.mesh.size - 1})")
         stages = split_stages(super().graph(self.inner_rank(rank)), self.config.num_stages)
@@ -96,7 +146,12 @@ class PipelineProgram(Program):
 
     def all_stage_graphs(self, inner_rank: int, stages=None) -> list:
         """Every stage of one intra-op rank, sharing one fresh set of parameter shards; with `stages`, only
-        the parameters those stages use get storage (the rest are meta tensors)."""
+        the parameters those stages use get storage (the rest are meta tensors).
+
+        >>> first, second = prog.all_stage_graphs(0, stages={1})
+        >>> first.gm.layers_0_weight.device, second.gm.layers_2_bias.device
+        (device(type='meta'), device(type='cpu'))
+        """
         keep = None
         if stages is not None:
             keep = {n.meta[meta.PATH] for n in self.state.gm.graph.nodes if n.op == "placeholder"
@@ -105,13 +160,26 @@ class PipelineProgram(Program):
         return split_stages(build_rank_module(self.state, inner_rank, keep), self.config.num_stages)
 
     def module(self, rank: int, comm):
-        """Rank `rank`'s trainable pipeline module; `comm` is its communicator on the full mesh."""
+        """Rank `rank`'s trainable pipeline module (PipelineRankModule: a real rank, it runs a
+        torch.distributed.pipelining schedule); `comm` is its communicator on the full mesh, e.g.
+        `autoshard.runtime.launch.communicator_for(prog.mesh)` under torchrun. See
+        autoshard/runtime/pipeline.py for one that runs in this process.
+
+        >>> from autoshard.runtime.launch import communicator_for
+        >>> module = prog.module(rank, communicator_for(prog.mesh))  # doctest: +SKIP
+        """
         from .runtime.pipeline import PipelineRankModule
         return PipelineRankModule(self, rank, comm)
 
     # ---------------------------------------------------------------------------------------- data
     def check_inputs(self, inputs) -> None:
-        """Full-batch inputs: like the example inputs, with dim 0 = micro-batch size x micro-batches."""
+        """Full-batch inputs: like the example inputs, with dim 0 = micro-batch size x micro-batches.
+
+        >>> prog.check_inputs((torch.randn(5, 32),))
+        Traceback (most recent call last):
+        ...
+        autoshard.errors.UserInputError: the batch ([5]) must split into 2 micro-batches
+        """
         m = self.config.microbatches
         if len(inputs) == len(self.input_specs) and all(isinstance(x, torch.Tensor) and x.dim() for x in inputs):
             if any(x.shape[0] % m for x in inputs):
@@ -120,14 +188,23 @@ class PipelineProgram(Program):
         return super().check_inputs(inputs)
 
     def microbatches(self, inputs) -> list[tuple]:
-        """The full batch as `microbatches` global micro-batches (dim 0 chunks, in order)."""
+        """The full batch as `microbatches` global micro-batches (dim 0 chunks, in order).
+
+        >>> [mb[0].shape for mb in prog.microbatches(inputs)]
+        [torch.Size([4, 32]), torch.Size([4, 32])]
+        """
         m = self.config.microbatches
         return [tuple(x.chunk(m, 0)[i] for x in inputs) for i in range(m)]
 
     def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
         """The global tensor from ranks' blocks (one rank per intra-op coordinate counts); blocks that are
         lists hold one block per micro-batch and assemble to their concatenation along dim 0 (0-dim values,
-        like a per-micro-batch loss, to their mean)."""
+        like a per-micro-batch loss, to their mean).
+
+        >>> blocks = {r: [torch.full((2, 1), r), torch.full((2, 1), 10 + r)] for r in range(4)}  # 2 micro-batches
+        >>> prog.assemble(blocks, prog.input_specs[0]).flatten().tolist()  # dp shards; one pp rank per coordinate
+        [0, 0, 1, 1, 10, 10, 11, 11]
+        """
         by_coord = {}
         for rank, block in sorted(blocks_by_rank.items()):
             if block is not None:
@@ -141,7 +218,12 @@ class PipelineProgram(Program):
 
     def simulate(self, *inputs, timeout_s: float = 60.0):
         """Run the pipeline in this process: one thread per intra-op rank runs every stage of every
-        micro-batch in order (GPipe order; the schedule changes timing, not values)."""
+        micro-batch in order (GPipe order; the schedule changes timing, not values).
+
+        >>> loss, out = prog.simulate(*inputs)
+        >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs)), torch.allclose(out, model(*inputs), atol=1e-6)
+        (True, True)
+        """
         from .runtime.pipeline import simulated_rank_step
         from .runtime.simulator import run_ranks
         self.check_inputs(inputs)
@@ -161,12 +243,23 @@ class PipelineProgram(Program):
 
 class InnerRanks:
     """What the thread simulator needs: the intra-op mesh, and a module per intra-op rank that runs all
-    stages (the pp ranks of one intra-op coordinate, in one thread)."""
+    stages (the pp ranks of one intra-op coordinate, in one thread).
+
+    >>> from autoshard.runtime.simulator import run_ranks
+    >>> InnerRanks(prog).mesh, sorted(run_ranks(InnerRanks(prog), lambda module: module.rank))
+    (Mesh(dp=2), [0, 1])
+    """
 
     def __init__(self, program: PipelineProgram):
         self.program = program
         self.mesh = program.inner_mesh
 
     def module(self, inner_rank, comm):
+        """Intra-op rank `inner_rank`'s SequentialStages: every stage, run in order.
+
+        >>> from autoshard.runtime.simulator import run_ranks
+        >>> type(run_ranks(InnerRanks(prog), lambda module: module)[0]).__name__
+        'SequentialStages'
+        """
         from .runtime.pipeline import SequentialStages
         return SequentialStages(self.program, inner_rank, comm)

@@ -7,6 +7,15 @@ hints every axis of size >= 2 is a candidate pp axis besides not pipelining at a
 links); each is planned (intra-op plan on the other axes + cut) and the fastest predicted step wins. The predicted
 step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1) x the slowest stage + the
 slowest stage's gradient sync; `plan.pipeline["search"]` keeps every candidate's figures (the why).
+
+On an unnamed mesh the planner compares pipelining over each axis with not pipelining:
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=3)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn)
+>>> [c["axis"] for c in prog.plan.search["candidates"]], prog.plan.search["chosen_pipeline_axis"] in (None, "a0")
+([None, 'a0'], True)
 """
 from __future__ import annotations
 
@@ -22,14 +31,28 @@ log = logging.getLogger(__name__)
 
 
 def predicted_step(stages: list[dict], m: int, virtual: int = 1) -> float:
-    """Step time of a pipeline whose stages take `stages[s]["seconds"]` per micro-batch."""
+    """Step time of a pipeline whose stages take `stages[s]["seconds"]` per micro-batch.
+
+    >>> predicted_step([{"seconds": 1.0, "sync_s": 0.5}, {"seconds": 2.0, "sync_s": 0.0}], m=4)  # 3 + 3 x 2 + 0.5
+    9.5
+    """
     per_rank = max(s["seconds"] for s in stages) * virtual
     sync = max(s["sync_s"] for s in stages)
     return sum(s["seconds"] for s in stages) + (m - 1) * per_rank + sync
 
 
 def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan, unnamed, debug=False):
-    """The pipelined Program when the user asked for one or the search prefers one; else None."""
+    """The pipelined Program when the user asked for one or the search prefers one; else None.
+    `parallelize` calls it first.
+
+    >>> from autoshard.cost import DEFAULT_PROFILE
+    >>> options = {"profile": DEFAULT_PROFILE}
+    >>> choose_pipeline(model, autoshard.Mesh((2,), ("dp",)), inputs, None, loss_fn, options, None, None, False)
+    >>> choose_pipeline(model, autoshard.Mesh((2,), ("pp",)), inputs, None, loss_fn, options, None, None, False)
+    ... # doctest: +ELLIPSIS
+    PipelineProgram(Mesh(pp=2), 2 stages over 'pp', 1F1B, ... micro-batches, fingerprint=...)
+    ...
+    """
     if pipeline is False:
         if "pp" in mesh.names:
             raise UserInputError("pipeline=False but the mesh has an axis named 'pp'; rename the axis to shard "
@@ -84,7 +107,13 @@ def _microbatch_candidates(p: int, batch: int) -> list[int]:
 
 def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> float:
     """The predicted step with `m` micro-batches from stage times measured at `m0`: the bandwidth and
-    compute parts scale with the micro-batch size, the latencies (collectives, stage sends) do not."""
+    compute parts scale with the micro-batch size, the latencies (collectives, stage sends) do not.
+
+    >>> from autoshard.cost import Link
+    >>> stages = [{"seconds": 1.0, "sync_s": 0.0}, {"seconds": 1.0, "sync_s": 0.0}]
+    >>> estimate_step(stages, m0=2, m=4, virtual=1, link=Link(0.0, 1e9))  # half the time per micro-batch, 4 + 1
+    2.5
+    """
     scaled = []
     for row in stages:
         fixed = row.get("latency_s", 0.0) + 4 * link.alpha
