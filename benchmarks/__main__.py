@@ -13,6 +13,7 @@ BENCHMARKS = [
     "runtime_overhead",  # 2. step time vs hand-written Megatron, DTensor, single device (gloo ranks)
     "planning",          # 3. planning time vs model, depth and mesh size (meta weights)
     "pipeline_bubbles",  # 4. bubble fraction and activation memory per pipeline schedule (gloo ranks)
+    "planning_scale",    # 5. (dp, tp, pp) choices for 1.7B...1T GPT shapes on A100 clusters vs Megatron-LM (paper)
 ]
 
 

@@ -2,7 +2,7 @@
 Nothing is timed or judged here and RESULTS.md is not written; `python -m benchmarks` does that."""
 import pytest
 
-from benchmarks import planning, plan_quality, runtime_overhead
+from benchmarks import plan_quality, planning, planning_scale, runtime_overhead
 
 TINY_GPT2 = {"gpt2": dict(batch=4, seq=8, dim=32, n_heads=4)}
 
@@ -34,3 +34,10 @@ def test_planning_smallest():
     result = planning.run(dict(model="llama", batch=2, seq=16, dim=64, n_heads=8, n_kv_heads=4, n_layers=2,
                                ffn_dim=128, vocab_size=64, mesh=[2], memory_budget=float("inf")))
     assert result["plan_s"] > 0 and result["ilp"] and result["ilp"][0]["variables"] > 0
+
+
+def test_planning_scale_smallest():
+    result = planning_scale.plan_model(("tiny", 4, 64, 8, 2, 2, 8, 16, 0.5), seq=16, vocab=128)
+    assert result["exports"] == 1 and result["best"].feasible and result["megatron"].degrees == (2, 2, 2)
+    body, headers, rows = planning_scale.report([result])
+    assert "| tiny" in body and len(rows[0]) == len(headers)

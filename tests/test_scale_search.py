@@ -99,3 +99,22 @@ def test_depth_from_three_traced_layers_equals_tracing_them_all():
         a, b = scaled.evaluate(*degrees), whole.evaluate(*degrees)
         assert a.step_s == pytest.approx(b.step_s, rel=1e-9) and a.memory_bytes == pytest.approx(b.memory_bytes)
         assert a.mfu == pytest.approx(b.mfu, rel=1e-9)
+
+
+def test_pipeline_stages_are_the_pipeline_planners_plus_sends():
+    """Cut at the same layer, the stage times are those of parallelize's pipeline (cut_stages' stage table);
+    the scale search adds the stage-to-stage sends of activations and gradients, which that formula omits."""
+    profile = tiny_profile()
+    model, inputs, loss_fn = gpt2(**{**TINY, "batch": 4}, n_layers=4)
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "tp"), profile=profile,
+                                 optimizer_state_factor=scale_search.MIXED_PRECISION_ADAM,
+                                 pipeline={"microbatches": 4, "split_points": ["layers.2"]})
+    search = ScaleSearch(model, inputs, loss_fn, n_layers=4, devices=4, global_batch=4, profile=profile,
+                         microbatch_sizes=(1,))
+    mine = search.evaluate(1, 2, 2, split="even")
+    units, _ = search.plan(2)
+    link = profile.link((2, 1, 2), 0)
+    send = 2 * link.alpha + units[3].in_bytes / link.bandwidth  # the boundary before layers.2
+    stages = prog.plan.pipeline["stage_table"]
+    assert mine.stage_layers == (2, 2) and stages[1]["seconds"] >= stages[0]["seconds"]
+    assert mine.step_s == pytest.approx(prog.plan.pipeline["predicted_step_s"] + (4 + 1) * send, rel=1e-9)
