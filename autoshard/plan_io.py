@@ -17,6 +17,17 @@ Schema (version 2):
   predicted    {"step_time_s", "compute_s", "comm_s": number >= 0, "memory_bytes_per_rank": int >= 0,
                 "comm_bytes_per_step": {axis name: {"fwd", "bwd", "sync": int >= 0}}}
   fingerprint  16 hex digits or null
+
+The examples save and load the plan of a small data-parallel MLP:
+
+>>> import json, os, tempfile
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}})
+>>> folder = tempfile.mkdtemp()
+>>> path = os.path.join(folder, "plan.json")
 """
 from __future__ import annotations
 
@@ -44,20 +55,46 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 
 
 class PlanFileError(PlanError):
-    """A plan file that cannot be read, is not valid JSON, or does not follow the plan schema."""
+    """A plan file that cannot be read, is not valid JSON, or does not follow the plan schema.
+
+    >>> plan_from_json({"version": 2})
+    Traceback (most recent call last):
+    ...
+    autoshard.plan_io.PlanFileError: plan file plan: at the top level: a plan lacks the keys 'mesh', ...
+    """
 
 
 class PlanMismatchError(PlanError):
-    """A plan applied to a model, example inputs or mesh other than the ones it was made for."""
+    """A plan applied to a model, example inputs or mesh other than the ones it was made for.
+
+    >>> autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), plan=prog.plan)
+    Traceback (most recent call last):
+    ...
+    autoshard.plan_io.PlanMismatchError: the plan was made for mesh Mesh(dp=2) but parallelize got Mesh(tp=2); ...
+    """
 
 
 def short(value) -> str:
-    """A bounded description of a JSON value for messages (safe on huge or deeply nested values)."""
+    """A bounded description of a JSON value for messages (safe on huge or deeply nested values).
+
+    >>> short(list(range(1000)))
+    'list [0, 1, 2, 3, ...]'
+    """
     return f"{type(value).__name__} {_SHORT.repr(value)}"
 
 
 def read_json_file(path, what: str, limit: int, error=PlanFileError):
-    """Parse a JSON file of at most `limit` bytes; every failure raises `error` naming the file."""
+    """Parse a JSON file of at most `limit` bytes; every failure raises `error` naming the file.
+
+    >>> with open(os.path.join(folder, "small.json"), "w") as f:
+    ...     _ = f.write('{"a": [1, 2]}')
+    >>> read_json_file(os.path.join(folder, "small.json"), "example file", limit=100)
+    {'a': [1, 2]}
+    >>> read_json_file(os.path.join(folder, "small.json"), "example file", limit=4)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autoshard.plan_io.PlanFileError: example file '...small.json' is larger than the limit of 4 bytes; ...
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise error(f"{what} must be the path of a JSON file (str or os.PathLike), got {short(path)}")
     path = Path(path)
@@ -78,7 +115,15 @@ def _reject_constant(name):
 
 
 def parse_json_bytes(raw: bytes, source: str, error=PlanFileError):
-    """Strict JSON from bytes: UTF-8 (a BOM is allowed), no NaN/Infinity; errors are `error`s."""
+    """Strict JSON from bytes: UTF-8 (a BOM is allowed), no NaN/Infinity; errors are `error`s.
+
+    >>> parse_json_bytes('\\ufeff{"step_time_s": 1.5}'.encode(), "example")  # UTF-8 with a byte-order mark
+    {'step_time_s': 1.5}
+    >>> parse_json_bytes(b'{"step_time_s": NaN}', "example")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autoshard.plan_io.PlanFileError: example ...NaN...
+    """
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -100,7 +145,13 @@ def parse_json_bytes(raw: bytes, source: str, error=PlanFileError):
 
 
 def save_plan(plan: Plan, path) -> None:
-    """Write `plan` as indented, sorted JSON with its fingerprint (atomically: temp file, then rename)."""
+    """Write `plan` as indented, sorted JSON with its fingerprint (atomically: temp file, then rename);
+    `Plan.save` calls it.
+
+    >>> save_plan(prog.plan, path)
+    >>> json.load(open(path))["fingerprint"] == prog.plan.fingerprint
+    True
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise UserInputError(f"Plan.save takes a file path (str or os.PathLike), got {short(path)}")
     data = plan.to_json()
@@ -118,12 +169,24 @@ def save_plan(plan: Plan, path) -> None:
 
 
 def load_plan(path) -> Plan:
+    """Read and check a plan file (`Plan.load` calls it); the plan keeps decisions, not compiled state.
+
+    >>> save_plan(prog.plan, path)
+    >>> loaded = load_plan(path)
+    >>> loaded.dumps() == prog.plan.dumps(), loaded.row_costs()
+    (True, {})
+    """
     data = read_json_file(path, "plan file", MAX_PLAN_FILE_BYTES)
     return plan_from_json(data, repr(str(path)))
 
 
 def plan_from_json(data, source: str = "plan") -> Plan:
-    """Check `data` against the plan schema and build the Plan (no compiled state: decisions only)."""
+    """Check `data` against the plan schema and build the Plan (no compiled state: decisions only).
+
+    >>> data = dict(json.loads(prog.plan.dumps()), fingerprint=prog.plan.fingerprint)  # a plan file's content
+    >>> plan_from_json(data).fingerprint == prog.plan.fingerprint
+    True
+    """
     return _Checker(source).plan(data)
 
 

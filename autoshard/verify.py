@@ -5,6 +5,15 @@ same weights on the same full batch. Compared: the loss of every step, the outpu
 the first step, and the parameters after the last step (largest relative difference each).
 `verify_simulated` runs all ranks in this process;
 `autoshard.runtime.launch` runs the same rank function on real process groups.
+
+>>> import torch
+>>> from autoshard.mesh import Mesh
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> hints = {"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}}
+>>> report, program = verify_simulated(model, inputs, loss_fn, mesh=(2, 2), axis_names=("dp", "tp"), hints=hints)
+>>> report.ok
+True
 """
 from __future__ import annotations
 
@@ -18,6 +27,12 @@ TOLERANCE = 1e-6
 
 
 def to_double(model, inputs):
+    """A float64 copy of `model` and of the floating inputs (integer inputs, e.g. token ids, stay).
+
+    >>> double, (x,) = to_double(model, inputs)
+    >>> double.layers[0].weight.dtype, x.dtype, model.layers[0].weight.dtype
+    (torch.float64, torch.float64, torch.float32)
+    """
     model = copy.deepcopy(model).double()
     inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
     return model, inputs
@@ -27,7 +42,11 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
 def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offload: bool = False):
-    """`optimizer` ("sgd" or "adam") over `params`; for a rank module of a ZeRO program, its ZeroOptimizer."""
+    """`optimizer` ("sgd" or "adam") over `params`; for a rank module of a ZeRO program, its ZeroOptimizer.
+
+    >>> type(make_optimizer(list(model.parameters()), 0.1, "adam")).__name__, make_optimizer([], 0.1)
+    ('Adam', None)
+    """
     if not params:
         return None
     opt = OPTIMIZERS[optimizer](params, lr=lr)
@@ -38,7 +57,13 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offlo
 
 
 def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd") -> dict:
-    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}."""
+    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}.
+
+    >>> double, double_inputs = to_double(model, inputs)
+    >>> ref = reference_run(double, double_inputs, loss_fn, steps=2, lr=0.1)
+    >>> len(ref["loss"]), bool(ref["loss"][1] < ref["loss"][0]), ref["grads"]["layers.0.weight"].shape
+    (2, True, torch.Size([128, 32]))
+    """
     from .frontend import default_loss
     params = dict(model.named_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer)
@@ -61,7 +86,15 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str 
 
 def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False) -> dict:
     """One rank's training run on its module; returns its local results and collective counts (of the
-    first step, optimizer step included: ZeRO all-gathers parameters there)."""
+    first step, optimizer step included: ZeRO all-gathers parameters there).
+
+    >>> from autoshard.runtime.simulator import run_ranks
+    >>> ranks = run_ranks(program, lambda module: rank_run(module, to_double(model, inputs)[1], steps=1, lr=0.1))
+    >>> sorted(ranks[0])
+    ['counts', 'grads', 'loss', 'outputs', 'params']
+    >>> ranks[0]["counts"]["tp"]["all_to_all"]  # of the first step, on rank 0
+    {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 4096}
+    """
     if getattr(module, "pipelined", False):
         from .runtime.pipeline import pipeline_rank_run
         return pipeline_rank_run(module, inputs, steps, lr)
@@ -93,7 +126,12 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
 
 @dataclass
 class VerifyReport:
-    """Largest relative differences and the collectives one training step ran on rank 0."""
+    """Largest relative differences and the collectives one training step ran on rank 0.
+
+    >>> print(report)  # doctest: +ELLIPSIS
+    verify: OK (2 steps, tolerance 1e-06)
+      loss     max rel diff ...
+    """
 
     max_diff: dict = field(default_factory=dict)
     worst: dict = field(default_factory=dict)
@@ -104,9 +142,19 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Every largest relative difference is within the tolerance.
+
+        >>> report.ok, VerifyReport(max_diff={"loss": 1e-3}).ok
+        (True, False)
+        """
         return all(v <= self.tolerance for v in self.max_diff.values())
 
     def to_json(self) -> dict:
+        """What `verify --json` prints.
+
+        >>> sorted(report.to_json())
+        ['collectives_per_step', 'max_rel_diff', 'ok', 'predicted', 'steps', 'tolerance', 'worst']
+        """
         return {"ok": self.ok, "steps": self.steps, "tolerance": self.tolerance, "max_rel_diff": self.max_diff,
                 "worst": self.worst, "collectives_per_step": self.collectives, "predicted": self.predicted}
 
@@ -125,7 +173,11 @@ ABS_FLOOR = 1e-9  # gradients that are zero in exact arithmetic (e.g. a key bias
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|, with |b| floored so float64 round-off around zero is not a mismatch."""
+    """max |a - b| / max |b|, with |b| floored so float64 round-off around zero is not a mismatch.
+
+    >>> rel_diff(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0])), rel_diff(torch.zeros(2), torch.zeros(3))
+    (0.25, inf)
+    """
     if a.shape != b.shape:
         return float("inf")
     if not b.numel():
@@ -134,6 +186,14 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
+    """The VerifyReport of the ranks' results (assembled into global tensors) against the reference run.
+
+    >>> double, double_inputs = to_double(model, inputs)
+    >>> ref = reference_run(double, double_inputs, loss_fn, steps=1, lr=0.1)
+    >>> ranks = simulate_ranks(program, lambda module: rank_run(module, double_inputs, steps=1, lr=0.1))
+    >>> compare(program, ref, ranks, steps=1).ok
+    True
+    """
     report = VerifyReport(steps=steps)
     specs = program.output_specs
 
@@ -160,7 +220,11 @@ def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
 
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
                      optimizer: str = "sgd", offload: bool = False, **kwargs):
-    """Parallelize in float64, train in the simulator and on one device; return the VerifyReport."""
+    """Parallelize in float64, train in the simulator and on one device; return (VerifyReport, program).
+
+    >>> report.max_diff["params"] < 1e-12  # the simulator agrees to float64 round-off
+    True
+    """
     from .program import parallelize
     model, inputs = to_double(model, inputs)
     program = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=loss_fn, **kwargs)
@@ -171,7 +235,11 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
 
 def simulate_ranks(program, fn) -> dict:
     """`fn(module)` on every rank in this process; a pipeline runs one thread per intra-op rank (all its
-    stages in order), its results keyed by the global rank of pp coordinate 0."""
+    stages in order), its results keyed by the global rank of pp coordinate 0.
+
+    >>> simulate_ranks(program, lambda module: module.rank)
+    {0: 0, 1: 1, 2: 2, 3: 3}
+    """
     from .runtime.simulator import run_ranks
     if getattr(program, "config", None) is None:
         return run_ranks(program, fn)
@@ -181,7 +249,15 @@ def simulate_ranks(program, fn) -> dict:
 
 
 def load_factory(spec: str):
-    """'package.module:factory' -> the zero-argument callable (errors say what to fix)."""
+    """'package.module:factory' -> the zero-argument callable (errors say what to fix).
+
+    >>> load_factory("autoshard.zoo:mlp") is mlp
+    True
+    >>> load_factory("autoshard.zoo.mlp")
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.UserInputError: factory 'autoshard.zoo.mlp' must look like MODULE:FACTORY, e.g. ...
+    """
     import importlib
     from .errors import UserInputError
     module_name, sep, attr = spec.partition(":")
@@ -198,7 +274,12 @@ def load_factory(spec: str):
 
 
 def build_case(factory_spec: str):
-    """(model, inputs, loss_fn) in float64 from a FACTORY returning (model, inputs[, loss_fn])."""
+    """(model, inputs, loss_fn) in float64 from a FACTORY returning (model, inputs[, loss_fn]).
+
+    >>> case_model, case_inputs, case_loss = build_case("autoshard.zoo:mlp")
+    >>> case_inputs[0].dtype, case_loss.__name__
+    (torch.float64, 'mlp_loss')
+    """
     from .errors import UserInputError
     made = load_factory(factory_spec)()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
@@ -213,7 +294,21 @@ def build_case(factory_spec: str):
 def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
                      offload=False, shared_plan=None):
     """What each real rank runs for `verify`: plan (or apply the plan the launcher made, as every rank of
-    a job can: `parallelize(plan=...)`), check fingerprints, train, return local results."""
+    a job can: `parallelize(plan=...)`), check fingerprints, train, return local results. Here on a
+    one-rank gloo group in this process:
+
+    >>> import os
+    >>> from unittest import mock
+    >>> import torch.distributed as dist
+    >>> from autoshard.runtime.launch import free_port, init_distributed
+    >>> env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    >>> with mock.patch.dict(os.environ, env):
+    ...     init_distributed("gloo")
+    >>> result = verify_rank_task(0, 1, "autoshard.zoo:mlp", Mesh((1,), ("dp",)).to_json(), None, 1, 0.1)
+    >>> sorted(result)
+    ['counts', 'fingerprint', 'grads', 'loss', 'outputs', 'params']
+    >>> dist.destroy_process_group()
+    """
     if shared_plan is not None:
         from .plan_io import plan_from_json
         options = dict(options or {}, plan=plan_from_json(shared_plan, "the launcher's plan"))
@@ -234,7 +329,13 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
 
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
                    runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False, **options):
-    """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device."""
+    """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device.
+
+    >>> checked, _ = verify_factory("autoshard.zoo:mlp", (2,), ("dp",), hints={"input:0": {"dp": "S(0)"}},
+    ...                             simulate=True)
+    >>> checked.ok, checked.collectives["dp"]["all_reduce"]["sync"]
+    (True, 1)
+    """
     from .mesh import Mesh
     from .program import parallelize
     from .runtime.launch import run_distributed
