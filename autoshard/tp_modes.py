@@ -10,10 +10,14 @@ three mesh axes, and the solver/insert_comm derive the collectives. Activations 
   backward reduce-scatters both gradients (the duality of the gathers).
 2.5D on (dep, row, col), d x q x q: 2D inside each depth slice, the batch further split over dep,
   weights replicated over dep (their gradients all-reduced there, like data parallelism).
-3D on (x, y, z), q x q x q: a linear all-gathers its input over one axis, its weight over z, and
-  reduce-scatters its output over the third axis; consecutive linears swap the roles of x and y (as
+3D on (x, y, z), q x q x q: a linear all-gathers its input over one axis, its weight over y, and
+  reduce-scatters its output over the third axis; consecutive linears swap the roles of x and z (as
   ColossalAI's Linear3D does), so a column/row pair returns the activation to its layout:
-  block activations [b@z, s@x, h@y] -> column output [b@z, s, h@(x,y)] -> row output [b@z, s@x, h@y].
+  block activations [b@y, s@x, h@z] -> column output [b@y, s, h@(x,z)] -> row output [b@y, s@x, h@z].
+  Why y carries the batch and the weight gathers: a dim split over two axes nests them in mesh order,
+  and only the inner one can be gathered alone. The weights keep the gathered axis y inside x, and the
+  batch keeps y outside z, so an attention that moves z from the heads to the batch (equal bytes, the
+  solver's free choice) reduce-scatters directly instead of re-nesting the batch.
 
 >>> tp = colossal_hints("gpt2", dict(tensor=dict(size=4, mode="2d")))
 >>> tp.mesh_shape, tp.axis_names
@@ -49,7 +53,7 @@ _RESIDUAL = {"gpt2": [("layers.*.attn", "output"), ("layers.*.mlp", "output")],
                        ("layers.*.attn_norm.weight", "hidden"), ("layers.*.ffn_norm.weight", "hidden"),
                        ("norm.weight", "hidden")]}
 _RESIDUAL_LAYOUT = {"2d": {"row": "S(0)", "col": "S(2)"}, "2.5d": {"dep": "S(0)", "row": "S(0)", "col": "S(2)"},
-                    "3d": {"x": "S(1)", "y": "S(2)", "z": "S(0)"}}
+                    "3d": {"x": "S(1)", "y": "S(0)", "z": "S(2)"}}
 
 
 def _layouts(mode: str):
@@ -64,9 +68,9 @@ def _layouts(mode: str):
     if mode == "2.5d":
         tesseract = ({"dep": "R", "row": "S(1)", "col": "S(0)"}, {"dep": "S(0)", "row": "S(0)", "col": "R"})
         return tesseract, tesseract, {"dep": "S(0)", "row": "S(0)"}
-    column = ({"x": "S(0)", "y": "S(1)", "z": "S(0)"}, {"x": "R", "y": "S(2)", "z": "S(0)"})
-    row = ({"x": "S(1)", "y": "S(0)", "z": "S(0)"}, {"x": "S(2)", "y": "R", "z": "S(0)"})
-    return column, row, {"z": "S(0)"}
+    column = ({"x": "S(0)", "y": "S(0)", "z": "S(1)"}, {"x": "R", "y": "S(0)", "z": "S(2)"})
+    row = ({"x": "S(1)", "y": "S(1)", "z": "S(0)"}, {"x": "S(2)", "y": "S(0)", "z": "R"})
+    return column, row, {"y": "S(0)"}
 
 
 def mesh_for(mode: str, size: int, depth: int | None = None) -> tuple[tuple, tuple]:
@@ -167,34 +171,44 @@ def llama_layer_linears(dim: int, ffn_dim: int, kv_dim: int):
 
 def layer_comm_formula(mode: str, linears: dict, tokens: int, q: int, depth: int = 1, elem: int = 8,
                        norms: int = 2) -> dict:
-    """Bytes per transformer layer and mesh axis {"fwd", "bwd"} that the papers' algorithms move, in
-    the runtime's counting convention (all-gather: the gathered tensor; reduce-scatter/all-reduce:
-    the tensor reduced). Derivation, per linear Y = X W with X [T, H_in], W [H_in, H_out]:
+    """Bytes per transformer layer and mesh axis {"fwd", "bwd", "sync"} that the papers' algorithms move,
+    in the runtime's counting convention (all-gather: the gathered tensor; reduce-scatter/all-reduce:
+    the tensor reduced); "sync" is the parameters' gradient reduction after backward. Derivation, per
+    linear Y = X W with X [T, H_in], W [H_in, H_out]:
       2D SUMMA (2104.05343): processor (i, j) receives q-1 blocks of X [T/q, H_in/q] along its row and
         q-1 blocks of W [H_in/q, H_out/q] along its column = an all-gather of X over col (T/q x H_in)
         and of W over row (H_in x H_out/q); backward reduces dX and dW the same way (reduce-scatter).
       2.5D Tesseract (2105.14500): the same inside each of `depth` slices with T split d*q ways, plus
         the weight gradient's all-reduce over depth on the q x q block (H_in/q x H_out/q).
-      3D (2105.14450): all-gather X over the input axis (to T/q^2 x H_in/q... a [T/q^2, H_in] block in
-        our layout), W over the weight axis (to H_in x H_out/q^2), reduce-scatter Y over the output axis
-        (from T/q^2 x H_out); consecutive linears swap input and output axes; backward is the dual.
-    Norm statistics ([T/(rows), 1] per norm) are all-reduced over the hidden split (and back in bwd)."""
+      3D (2105.14450): all-gather X over the input axis (a [T/q^2, H_in] block in our layout), W over the
+        weight axis y (to H_in x H_out/q^2), reduce-scatter Y over the output axis (from T/q^2 x H_out);
+        consecutive linears swap input and output axes x and z; backward is the dual.
+    Norm statistics ([T/(rows), 1] per norm) are all-reduced over the hidden split (and back in bwd); the
+    norms' weights (hidden split like the activations) have their gradients summed where tokens are split.
+
+    >>> linears = llama_layer_linears(dim=32, ffn_dim=64, kv_dim=16)
+    >>> layer_comm_formula("2.5d", linears, tokens=128, q=2, depth=2)["dep"]
+    {'fwd': 0, 'bwd': 0, 'sync': 18688}
+    """
     ws = [w for group in linears["column"] for w in group] + list(linears["row"])
     weights = sum(i * o for i, o in ws)
+    hidden = linears["row"][0][1]
+    norm_sync = elem * norms * hidden // q  # norm weights: hidden split q ways, summed over the token split
     if mode in ("2d", "2.5d"):
         rows = tokens // (q * depth)
         acts = sum(group[0][0] for group in linears["column"]) + sum(i for i, _ in linears["row"])
         col = elem * (rows * acts + norms * rows)
-        out = {"row": {"fwd": elem * weights // q, "bwd": elem * weights // q}, "col": {"fwd": col, "bwd": col}}
-        if mode == "2.5d":
-            out["dep"] = {"fwd": 0, "bwd": elem * weights // (q * q)}
+        out = {"row": {"fwd": elem * weights // q, "bwd": elem * weights // q, "sync": norm_sync},
+               "col": {"fwd": col, "bwd": col, "sync": 0}}
+        if mode == "2.5d":  # Tesseract's depth all-reduce of weight blocks: after backward, like dp
+            out["dep"] = {"fwd": 0, "bwd": 0, "sync": elem * weights // (q * q) + norm_sync}
         return out
     block = tokens // (q * q)  # tokens in one [T/q^2, ...] block
     gathered_in = sum(group[0][0] for group in linears["column"]) + sum(o for _, o in linears["row"])
     x = elem * block * gathered_in  # column inputs gathered over x, row outputs reduce-scattered over x
     col_out = sum(o for group in linears["column"] for _, o in group)
     row_in = sum(i for i, _ in linears["row"])
-    y_fwd = elem * block * (col_out + row_in)  # column outputs reduce-scattered, row inputs gathered
-    y = y_fwd + elem * norms * block  # plus the norms' statistics over the hidden split (y)
-    return {"x": {"fwd": x, "bwd": x}, "y": {"fwd": y, "bwd": y},
-            "z": {"fwd": elem * weights // (q * q), "bwd": elem * weights // (q * q)}}
+    z_fwd = elem * block * (col_out + row_in)  # column outputs reduce-scattered, row inputs gathered
+    z = z_fwd + elem * norms * block  # plus the norms' statistics over the hidden split (z)
+    return {"x": {"fwd": x, "bwd": x, "sync": norm_sync}, "z": {"fwd": z, "bwd": z, "sync": 0},
+            "y": {"fwd": elem * weights // (q * q), "bwd": elem * weights // (q * q), "sync": norm_sync}}

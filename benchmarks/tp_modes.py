@@ -15,18 +15,13 @@ from autoshard.zoo import llama
 CASES = [("2d", 4, None, "SUMMA, Optimus arXiv 2104.05343"), ("2.5d", 8, 2, "Tesseract arXiv 2105.14500"),
          ("3d", 8, None, "3D, arXiv 2105.14450")]
 NOTES = {
-    ("2d", "bwd"): "paper-derived backward counts only the reductions: the papers also re-broadcast X and W "
+    ("2d", "row"): "paper-derived backward counts only the reductions: the papers also re-broadcast X and W "
                    "in backward (2x forward) where we keep the gathered panels from forward",
-    ("2.5d", "dep"): "we all-reduce the weight gradient over depth on the gathered [H_in, H_out/q] panel "
-                     "(q x Tesseract's block); reducing before the row reduce-scatter would match",
-    ("3d", "y"): "the solver reduces column outputs with one all-reduce over y instead of reduce-scatter + "
-                 "all-gather of the row input (the ILP prices the gather's backward as an all-reduce, "
-                 "not the reduce-scatter fuse_comm emits)",
 }
 
 
 def per_layer(mode, size, depth):
-    """{axis: (counted bytes, {fwd, bwd, sync} predicted)} of one layer: two layers minus one."""
+    """{axis: (counted bytes, {fwd, bwd, sync} predicted)} of one layer: a 2-layer plan minus a 1-layer plan."""
     tp = colossal_hints("llama", dict(tensor=dict(size=size, mode=mode, depth=depth)))
     counted, predicted = [], []
     for layers in (1, 2):
@@ -45,20 +40,25 @@ def main():
     cfg = llama()[0].cfg
     linears = llama_layer_linears(cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * cfg.head_dim)
     print("Bytes per Llama layer per rank and step (float64, 8 x 16 tokens, dim 32, FFN 64); counted = the "
-          "runtime's collective counter (all directions); predicted/paper: forward / backward (+ grad sync)")
-    print("| mode (paper) | axis | counted | predicted fwd / bwd / sync | paper-derived fwd / bwd | match | note |")
+          "runtime's collective counter (all directions); predicted/paper: forward / backward / gradient sync")
+    print("| mode (paper) | axis | counted | predicted fwd / bwd / sync | paper-derived fwd / bwd / sync | match |"
+          " note |")
     print("|---|---|---|---|---|---|---|")
+    matched = 0
+    rows = 0
     for mode, size, depth, source in CASES:
         formula = layer_comm_formula(mode, linears, tokens=8 * 16, q=2, depth=depth or 1)
         for axis, (counted, pred) in per_layer(mode, size, depth).items():
-            expect = formula.get(axis, {"fwd": 0, "bwd": 0})
-            same = pred["fwd"] == expect["fwd"] and pred["bwd"] == expect["bwd"]
-            note = NOTES.get((mode, axis), "")
-            if mode == "2d" and not note:
-                note = NOTES[("2d", "bwd")] if axis == "row" else ""
+            expect = formula[axis]
+            same = pred == expect and counted == sum(expect.values())
+            matched += same
+            rows += 1
             print(f"| {mode} ({source}) | {axis} | {counted} | {pred['fwd']} / {pred['bwd']} / {pred['sync']} | "
-                  f"{expect['fwd']} / {expect['bwd']} | {'yes' if same else 'no'} | {note} |")
+                  f"{expect['fwd']} / {expect['bwd']} / {expect['sync']} | {'yes' if same else 'no'} | "
+                  f"{NOTES.get((mode, axis), '')} |")
+    print(f"{matched} of {rows} axes match the papers (predicted and counted)")
+    return matched == rows
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(0 if main() else 1)

@@ -9,7 +9,7 @@ Duality rule: a replicated input of an op that splits its work on an axis gets a
 there. For activations a `grad_all_reduce` node (identity forward, all-reduce backward) restores
 the replicated gradient; one node per (producer, spec) serves every consumer, so q/k/v projections of
 one input cost one backward all-reduce. A parameter whose every use is direct and partial on an axis
-is instead reduced after backward by the bucketed grad sync. A ZeRO-3 parameter (stored S(d) on the
+is instead reduced after backward by the bucketed grad sync (also when a use gathers it on other axes). A ZeRO-3 parameter (stored S(d) on the
 ZeRO axis) is gathered by its own `param_all_gather` right before each use, which also reduce-scatters
 its gradient. Invariant: every edge's producer spec equals its consumer's required spec, and every
 gradient arrives in its dual placement.
@@ -59,14 +59,16 @@ insert_comm.name = "insert_comm"
 
 
 def _deferred_axes(producer, src, producer_uses) -> tuple[int, ...]:
-    """Axes where a parameter's gradient is reduced after backward: every use direct and partial there."""
+    """Axes where a parameter's gradient is reduced after backward: partial there in every use, and no
+    use converts the parameter on that axis. A use that gathers it on other axes (2-D/2.5-D/3-D weights)
+    still defers: the reduction commutes with the gathers' backward, and after it the gradient has the
+    parameter's own (smaller) shape -- Tesseract's depth all-reduce of the weight block, not of the panel."""
     if producer.op != "placeholder" or producer.meta.get(meta.KIND) != "param":
         return ()
-    if any(want != src for _, _, want, _ in producer_uses):
-        return ()
     axes = set(producer_uses[0][3])
-    for _, _, _, partial in producer_uses[1:]:
+    for _, _, want, partial in producer_uses:
         axes &= set(partial)
+        axes -= {step.axis for step in plan_redistribute(src, want)}
     return tuple(sorted(axes))
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .. import meta
 from ..axis_cost import AxisCostModel, needs_grad
-from ..cost import all_reduce_time
+from ..cost import all_gather_time, all_reduce_time
 from ..flops import node_bytes
 from ..cost import DEFAULT_PROFILE, INF, redistribution_time
 from ..errors import HintError
@@ -230,6 +230,26 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
     return [(cost, groups) for cost, groups in shared]
 
 
+def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others) -> float:
+    """Scaled seconds over-counted when an edge gathers `u` on an axis where `v` splits its work with
+    that input replicated: the shared charge prices the gradient's reduction as an all-reduce, but
+    fuse_comm turns gather + all-reduce into one all_gather_sum_grad (a reduce-scatter backward).
+    Activations only: a parameter gathered per use is ZeRO-3 without the re-gather, whose true cost is
+    the gathered copy kept for backward, which the memory row does not count -- refunding it would make
+    the solver prefer it to data parallelism on a tie it cannot see."""
+    if u.op == "placeholder" or not models[0].grad.get(u, False):
+        return 0.0
+    refund = 0.0
+    for i, axis in enumerate(axes):
+        strategy = cv[axis]
+        if (isinstance(have[i], Shard) and isinstance(want[i], Replicate) and strategy.splits_work
+                and isinstance(strategy.inputs[pos], Replicate)):
+            model = models[axis]
+            nbytes = model.input_bytes(u, pos, others(v, cv, axis))
+            refund += all_reduce_time(nbytes, model.k, model.link) - all_gather_time(nbytes, model.k, model.link)
+    return refund * _SCALE
+
+
 def _data_parallel_axes(nodes) -> set:
     """Axes on which the user sharded an input: gradient sync there is their choice, so it is not charged."""
     return {axis for n in nodes if n.meta.get(meta.KIND) == "input"
@@ -297,7 +317,8 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism
                     if cost is None:
                         cost = priced[(have, want)] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
                                                                  models, others, penalize, mesh, profile)
-                    matrix[a][b] += cost
+                    matrix[a][b] += cost - _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes, models,
+                                                                others)
     budget = state.options.get("memory_budget")
     if budget is None:
         budget = profile.memory_bytes
