@@ -92,7 +92,8 @@ def parse_placement(text: str, where: str = "") -> Placement:
     match = _PLACEMENT_RE.match(text) if isinstance(text, str) else None
     if match is None:
         at = f" in {where}" if where else ""
-        raise ValueError(f"malformed placement {text!r}{at}: write 'S(<dim>)', 'R' or 'P', e.g. 'S(0)'")
+        shown = repr(text) if len(repr(text)) <= 60 else repr(text)[:40] + f"... ({len(repr(text))} characters)"
+        raise ValueError(f"malformed placement {shown}{at}: write 'S(<dim>)', 'R' or 'P', e.g. 'S(0)'")
     if match.group(1):
         return R
     if match.group(2):

@@ -138,6 +138,13 @@ def test_malformed_placement(small, text):
         plan(small, {"layers.0.weight": {"tp": text}})
 
 
+def test_huge_placement_is_shortened_in_the_message(small):
+    with pytest.raises(HintError, match=r"malformed placement 'S\(9+\.\.\. \(5004 characters\) in hints key "
+                                        r"'layers\.0\.weight' axis 'tp'") as info:
+        plan(small, {"layers.0.weight": {"tp": "S(" + "9" * 5000}})
+    assert len(str(info.value)) < 200
+
+
 @pytest.mark.parametrize("value", ["S(0)", ["tp", "S(0)"], 3, {}])
 def test_hint_value_not_a_dict(small, value):
     with pytest.raises(HintError, match=r"hints: 'layers\.0\.weight' must map axis names to placements, e\.g\. "

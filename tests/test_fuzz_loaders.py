@@ -1,7 +1,7 @@
 """Fuzzing the file loaders: random bytes, random JSON and mutated valid files fed to `Hints.load` and
 `Plan.load` raise only autoshard errors (never another exception) and never execute anything.
 
-Derandomized and small by default; a long run: `AUTOSHARD_FUZZ_EXAMPLES=100000 pytest tests/test_fuzz_loaders.py`.
+Derandomized and small by default; long runs: `python tests/long_fuzz.py` (tests/fuzzing.py).
 """
 import builtins
 import contextlib
@@ -14,7 +14,8 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from fuzzing import SCALE, fuzz_settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autoshard
@@ -24,9 +25,8 @@ from autoshard.plan import Plan
 from autoshard.plan_io import PlanFileError
 from autoshard.zoo import mlp
 
-EXAMPLES = int(os.environ.get("AUTOSHARD_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+EXAMPLES = 150 * SCALE
+FUZZ = fuzz_settings(150)
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | \
     st.text(max_size=12) | st.sampled_from(["S(0)", "S(1)", "R", "P", "dp", "tp", "input:0", "layers.0.weight"])

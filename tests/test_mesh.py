@@ -2,7 +2,8 @@
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from fuzzing import fuzz_settings
+from hypothesis import given, strategies as st
 
 from autoshard.mesh import Mesh
 
@@ -80,7 +81,7 @@ def test_json_round_trip(mesh):
     assert back == mesh and back.named == mesh.named and back.names == mesh.names
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@fuzz_settings(60)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=3))
 def test_coords_and_groups(shape):
     mesh = Mesh(tuple(shape))

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from fuzzing import fuzz_settings
+from hypothesis import given, strategies as st
 
 from autoshard.placement import (P, R, S, Partial, Replicate, Shard, Spec, describe_type, local_shape,
                                  parse_placement, shard_index, shard_tensor, unshard_tensors)
@@ -141,7 +142,7 @@ def sharded_cases(draw):
     return mesh_shape, spec, shape
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@fuzz_settings(150)
 @given(sharded_cases())
 def test_shard_unshard_round_trip(case):
     mesh_shape, spec, shape = case

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from fuzzing import fuzz_settings
+from hypothesis import given, strategies as st
 
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
@@ -166,7 +167,7 @@ def redistributions(draw):
     return Mesh(mesh_shape, ("x", "y", "z")[: len(mesh_shape)]), tuple(shape), src, dst, draw(st.integers(0, 99))
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@fuzz_settings(300)
 @given(redistributions())
 def test_random_redistributions_in_the_simulator(case):
     mesh, shape, src, dst, seed = case
@@ -178,7 +179,7 @@ def test_random_redistributions_in_the_simulator(case):
     assert len(steps) <= 2 * mesh.ndim + 1
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@fuzz_settings(100)
 @given(st.lists(st.sampled_from([R, P, S(0), S(1), S(2)]), min_size=1, max_size=3), st.data())
 def test_partial_destinations_need_partial_sources(src, data):
     dst = [data.draw(st.sampled_from([R, P, S(0), S(1)])) for _ in src]

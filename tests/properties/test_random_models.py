@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, reject, settings, strategies as st
+from fuzzing import fuzz_settings
+from hypothesis import given, reject, strategies as st
 
 from autoshard.errors import HintError
 from autoshard.verify import verify_simulated
@@ -288,8 +289,7 @@ def square_loss(out, x):
     return (out * out).mean()
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@fuzz_settings(60)
 @given(cases())
 def test_random_model_matches_single_device(case):
     report, program = run_case(case)

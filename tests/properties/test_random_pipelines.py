@@ -2,7 +2,8 @@
 the simulator and train exactly like the single device; failures shrink to the smallest such case."""
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from autoshard.verify import verify_simulated
@@ -30,7 +31,7 @@ def pipelines(draw):
     return stages, counts, dp, microbatches, hidden
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@fuzz_settings(15)
 @given(pipelines(), st.sampled_from(["balance", "auto"]))
 def test_random_pipeline_matches_single_device(case, cut):
     stages, counts, dp, microbatches, hidden = case

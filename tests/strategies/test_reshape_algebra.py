@@ -3,12 +3,13 @@ import itertools
 import math
 
 import torch
-from hypothesis import given, settings, strategies as st
+from fuzzing import fuzz_settings
+from hypothesis import given, strategies as st
 
 from autoshard.placement import Spec, S, R, local_shape, shard_tensor
 from autoshard.strategies.views import reshape_dim_map, reshape_groups
 
-SETTINGS = settings(max_examples=150, deadline=None, derandomize=True)
+SETTINGS = fuzz_settings(150)
 
 
 @st.composite
@@ -71,7 +72,7 @@ def test_dim_map_preserves_order(shapes):
     assert len({o for _, o in pairs}) == len(pairs)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True)
+@fuzz_settings(120)
 @given(factorizations(), st.lists(st.integers(1, 3), min_size=1, max_size=2), st.data())
 def test_mapped_shards_are_the_local_blocks_of_the_reshape(shapes, mesh_shape, data):
     """Sharding input dim i and reshaping each block locally equals sharding the reshaped tensor on the
