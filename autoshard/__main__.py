@@ -2,6 +2,10 @@
 `python -m autoshard calibrate --mesh 2,2 [--output profile.json]`.
 
 Exit codes: 0 success (verify: every difference within tolerance), 1 verify mismatch, 2 bad input.
+
+>>> main(["plan", "autoshard.zoo:mlp", "--mesh", "2", "--axis-names", "dp"])  # doctest: +ELLIPSIS
+Plan on Mesh(dp=2): 18 nodes, ...
+0
 """
 from __future__ import annotations
 
@@ -76,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """The command line (argv: the arguments after `python -m autoshard`); returns the exit code.
+
+    >>> main(["verify", "autoshard.zoo:mlp", "--mesh", "2", "--hints", "no_such_file.json"])
+    2
+    """
     args = _parser().parse_args(argv)
     try:
         return _run(args)

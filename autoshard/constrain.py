@@ -44,7 +44,15 @@ REGISTRY.register([torch.ops.autoshard.constrain.default], scaling_rule(),
 
 
 def parse_spec(text: str, where: str = "autoshard.constrain") -> dict[str, Placement]:
-    """'dp=S(0);tp=R' -> {'dp': S(0), 'tp': R}; errors say what is malformed and show the format."""
+    """'dp=S(0);tp=R' -> {'dp': S(0), 'tp': R}; errors say what is malformed and show the format.
+
+    >>> parse_spec("dp=S(0);tp=R")
+    {'dp': S(0), 'tp': R}
+    >>> parse_spec("dp:S(0)")
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.HintError: autoshard.constrain: 'dp:S(0)' in spec 'dp:S(0)' is not '<axis>=<placement>'; ...
+    """
     out: dict[str, Placement] = {}
     for item in filter(None, (p.strip() for p in text.split(";"))):
         axis, eq, placement = item.partition("=")
@@ -64,7 +72,12 @@ def parse_spec(text: str, where: str = "autoshard.constrain") -> dict[str, Place
 
 
 def spec_text(spec) -> str:
-    """Canonical string form of a constrain spec (a dict {axis: placement} or the string itself)."""
+    """Canonical string form of a constrain spec (a dict {axis: placement} or the string itself).
+
+    >>> from autoshard.placement import S, R
+    >>> spec_text({"dp": S(0), "tp": "R"}), spec_text(" dp = S(0) ; tp=R ")
+    ('dp=S(0);tp=R', 'dp=S(0);tp=R')
+    """
     if isinstance(spec, str):
         parsed = parse_spec(spec)
     elif isinstance(spec, dict):
@@ -87,7 +100,19 @@ def spec_text(spec) -> str:
 
 
 def constrain(tensor: torch.Tensor, spec) -> torch.Tensor:
-    """Ask that `tensor` have placement `spec` ({axis name: "S(d)" | "R" | "P"}) at this point of forward."""
+    """Ask that `tensor` have placement `spec` ({axis name: "S(d)" | "R" | "P"}) at this point of forward.
+
+    >>> import autoshard
+    >>> class Net(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    ...     def forward(self, x):
+    ...         return self.down(constrain(self.up(x), {"tp": "S(1)"}))  # column-parallel up
+    >>> prog = autoshard.parallelize(Net(), (2,), (torch.randn(4, 8),), axis_names=("tp",))
+    >>> [row.type for row in prog.plan.rows if row.op == "autoshard.constrain.default"]
+    ['f32[4, 16@tp]']
+    """
     if not isinstance(tensor, torch.Tensor):
         raise HintError(f"autoshard.constrain: the first argument must be a tensor, got {type(tensor).__name__}")
     return torch.ops.autoshard.constrain(tensor, spec_text(spec))

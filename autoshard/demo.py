@@ -20,6 +20,14 @@ PIPE_NAMES = ("pp", "dp", "tp")
 
 
 def main() -> int:
+    """Run the demo; 0 when both verifications agree with the single device. It spawns 8 gloo ranks twice
+    (a minute or more on a small machine), so the example does not run here:
+
+    >>> main()  # doctest: +SKIP
+    planned in 1.23 s
+    ...
+    0
+    """
     hints = plan_hints("gpt2", NAMES, batch_axes=("dp", "sp"), tp_axis="tp")
     model, inputs, loss_fn = build_case(FACTORY)
     start = time.perf_counter()

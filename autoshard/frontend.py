@@ -4,6 +4,10 @@ The traced program is `loss, *outputs = step(*inputs)` with parameters, buffers 
 placeholders (export's lifted form). Shapes come from FakeTensors, so a model whose weights live on
 the meta device is traced without allocating them. Tied parameters become one placeholder whose
 other names are kept as aliases.
+
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> traced = trace(model, inputs, loss_fn)
 """
 from __future__ import annotations
 
@@ -33,7 +37,11 @@ class _TrainStep(torch.nn.Module):
 
 
 def default_loss(outputs):
-    """The sum of every floating output's mean (DESIGN: the loss when the factory gives none)."""
+    """The sum of every floating output's mean (DESIGN: the loss when the factory gives none).
+
+    >>> default_loss((torch.ones(2), {"logits": torch.full((3,), 2.0), "ids": torch.arange(3)}))
+    tensor(3.)
+    """
     leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
         raise UserInputError("the model returns no floating-point tensor to build a loss from; pass loss_fn")
@@ -45,7 +53,11 @@ def default_loss(outputs):
 
 @dataclass
 class Traced:
-    """What the front end found: the graph and where its placeholders come from."""
+    """What the front end found: the graph and where its placeholders come from.
+
+    >>> list(traced.params), traced.input_names
+    (['layers.0.weight', 'layers.0.bias', 'layers.1.weight', 'layers.1.bias'], ['inputs_0'])
+    """
 
     gm: fx.GraphModule
     params: dict[str, torch.Tensor]
@@ -56,7 +68,20 @@ class Traced:
 
 
 def trace(model, example_inputs, loss_fn=None) -> Traced:
-    """Export `loss_fn(model(*inputs), *inputs)` (or the default loss) at ATen level."""
+    """Export `loss_fn(model(*inputs), *inputs)` (or the default loss) at ATen level; every placeholder
+    gets `autoshard.kind` and `autoshard.path`, every op its module path.
+
+    >>> for node in list(traced.gm.graph.nodes)[3:7]:
+    ...     print(node.name, node.meta["autoshard.kind"], repr(node.meta["autoshard.path"]))
+    p_model_layers_1_bias param 'layers.1.bias'
+    inputs_0 input 'input:0'
+    linear op 'layers.0'
+    gelu op ''
+    >>> trace(model, (inputs[0].tolist(),))
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.UserInputError: example_inputs[0] is of type list, not a torch.Tensor; ...
+    """
     if not isinstance(model, torch.nn.Module):
         raise UserInputError(f"model must be a torch.nn.Module (or an fx.GraphModule), got {type(model).__name__}; "
                              "wrap a plain function in an nn.Module whose forward() calls it")
