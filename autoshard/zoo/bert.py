@@ -12,6 +12,12 @@ import torch.nn.functional as F
 
 @dataclass
 class BertConfig:
+    """Sizes of a BERT classifier (defaults: tiny).
+
+    >>> BertConfig(num_classes=2).num_classes
+    2
+    """
+
     vocab_size: int = 64
     max_seq: int = 16
     type_vocab_size: int = 2
@@ -24,6 +30,12 @@ class BertConfig:
 
 
 class Attention(nn.Module):
+    """Non-causal multi-head self-attention.
+
+    >>> Attention(BertConfig())(torch.randn(2, 16, 32)).shape
+    torch.Size([2, 16, 32])
+    """
+
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -34,6 +46,14 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
+        """x ``[B, T, dim]`` -> ``[B, T, dim]``; every position sees every position.
+
+        >>> attn, x = Attention(BertConfig()), torch.randn(1, 4, 32)
+        >>> later = x.clone()
+        >>> later[0, 3] += 1.0  # unlike GPT-2, the first position sees the change
+        >>> torch.allclose(attn(later)[0, 0], attn(x)[0, 0])
+        False
+        """
         B, T, C = x.shape
         H = self.n_heads
         D = C // H
@@ -46,6 +66,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc1, GELU, fc2.
+
+    >>> MLP(BertConfig()).fc2
+    Linear(in_features=128, out_features=32, bias=True)
+    """
+
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.fc1 = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
@@ -53,11 +79,20 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
+        """x ``[..., dim]`` -> ``[..., dim]``.
+
+        >>> MLP(BertConfig())(torch.randn(3, 32)).shape
+        torch.Size([3, 32])
+        """
         return self.drop(self.fc2(F.gelu(self.fc1(x))))
 
 
 class Block(nn.Module):
-    """Post-LN block, as in the original BERT."""
+    """Post-LN block, as in the original BERT.
+
+    >>> [name for name, _ in Block(BertConfig()).named_children()]
+    ['attn', 'ln1', 'mlp', 'ln2']
+    """
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
@@ -67,12 +102,22 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.dim)
 
     def forward(self, x):
+        """x ``[B, T, dim]`` -> ``[B, T, dim]``, layer-normalised.
+
+        >>> out = Block(BertConfig())(torch.randn(2, 16, 32))
+        >>> out.shape, bool(out.mean(-1).abs().max() < 1e-5)
+        (torch.Size([2, 16, 32]), True)
+        """
         x = self.ln1(x + self.attn(x))
         return self.ln2(x + self.mlp(x))
 
 
 class Bert(nn.Module):
-    """Token ids ``[B, T]`` -> class logits ``[B, num_classes]``; ``labels`` is ignored."""
+    """Token ids ``[B, T]`` -> class logits ``[B, num_classes]``; ``labels`` is ignored.
+
+    >>> Bert(BertConfig()).classifier
+    Linear(in_features=32, out_features=8, bias=True)
+    """
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
@@ -86,6 +131,11 @@ class Bert(nn.Module):
         self.classifier = nn.Linear(cfg.dim, cfg.num_classes)
 
     def forward(self, ids, labels=None):
+        """ids ``[B, T]`` -> class logits ``[B, num_classes]`` (mean over positions).
+
+        >>> Bert(BertConfig())(torch.randint(0, 64, (2, 16))).shape
+        torch.Size([2, 8])
+        """
         T = ids.shape[1]
         pos = torch.arange(T, device=ids.device)
         types = torch.zeros_like(ids)
@@ -97,6 +147,11 @@ class Bert(nn.Module):
 
 
 def bert_loss(logits, ids, labels):
+    """Cross-entropy of the class logits against `labels` (`ids` is unused).
+
+    >>> bert_loss(torch.zeros(4, 8), None, torch.tensor([0, 1, 2, 3])).item() == torch.log(torch.tensor(8.0)).item()
+    True
+    """
     return F.cross_entropy(logits, labels)
 
 

@@ -12,6 +12,12 @@ import torch.nn.functional as F
 
 @dataclass
 class GPT2Config:
+    """Sizes of a GPT-2 (defaults: tiny).
+
+    >>> GPT2Config(n_layers=12, dim=768, n_heads=12).mlp_ratio * 768  # the MLP's hidden width
+    3072
+    """
+
     vocab_size: int = 64
     max_seq: int = 16
     dim: int = 32
@@ -22,6 +28,12 @@ class GPT2Config:
 
 
 class Attention(nn.Module):
+    """Causal multi-head self-attention: q, k, v projections, attention, output projection.
+
+    >>> Attention(GPT2Config())(torch.randn(2, 16, 32)).shape
+    torch.Size([2, 16, 32])
+    """
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -32,6 +44,14 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
+        """x ``[B, T, dim]`` -> ``[B, T, dim]``; position t sees positions up to t only.
+
+        >>> attn, x = Attention(GPT2Config()), torch.randn(1, 4, 32)
+        >>> later = x.clone()
+        >>> later[0, 3] += 1.0  # change the last position: the earlier ones do not see it
+        >>> torch.allclose(attn(later)[0, :3], attn(x)[0, :3])
+        True
+        """
         B, T, C = x.shape
         H = self.n_heads
         D = C // H
@@ -44,6 +64,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc1, tanh-approximated GELU, fc2 (hidden width `mlp_ratio` x dim).
+
+    >>> MLP(GPT2Config()).fc1
+    Linear(in_features=32, out_features=128, bias=True)
+    """
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.fc1 = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
@@ -51,10 +77,21 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
+        """x ``[..., dim]`` -> ``[..., dim]``, position by position.
+
+        >>> MLP(GPT2Config())(torch.randn(2, 5, 32)).shape
+        torch.Size([2, 5, 32])
+        """
         return self.drop(self.fc2(F.gelu(self.fc1(x), approximate="tanh")))
 
 
 class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
+
+    >>> [name for name, _ in Block(GPT2Config()).named_children()]
+    ['ln1', 'attn', 'ln2', 'mlp']
+    """
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.dim)
@@ -63,12 +100,22 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x):
+        """x ``[B, T, dim]`` -> ``[B, T, dim]``.
+
+        >>> Block(GPT2Config())(torch.randn(2, 16, 32)).shape
+        torch.Size([2, 16, 32])
+        """
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT2(nn.Module):
-    """Token ids ``[B, T]`` -> logits ``[B, T, vocab]``."""
+    """Token ids ``[B, T]`` -> logits ``[B, T, vocab]``.
+
+    >>> model = GPT2(GPT2Config())
+    >>> model.lm_head.weight is model.wte.weight  # tied
+    True
+    """
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -82,6 +129,11 @@ class GPT2(nn.Module):
         self.lm_head.weight = self.wte.weight  # weight tying
 
     def forward(self, ids):
+        """ids ``[B, T]`` (T <= max_seq) -> logits ``[B, T, vocab]``.
+
+        >>> GPT2(GPT2Config())(torch.randint(0, 64, (2, 10))).shape
+        torch.Size([2, 10, 64])
+        """
         T = ids.shape[1]
         pos = torch.arange(T, device=ids.device)
         x = self.drop(self.wte(ids) + self.wpe(pos))
@@ -91,7 +143,13 @@ class GPT2(nn.Module):
 
 
 def gpt2_loss(logits, ids):
-    """Next-token cross-entropy: position t predicts token t+1."""
+    """Next-token cross-entropy: position t predicts token t+1.
+
+    >>> ids = torch.randint(0, 64, (2, 16))
+    >>> logits = torch.zeros(2, 16, 64)  # uniform predictions
+    >>> round(gpt2_loss(logits, ids).item(), 4) == round(torch.log(torch.tensor(64.0)).item(), 4)
+    True
+    """
     V = logits.shape[-1]
     return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
 

@@ -40,7 +40,11 @@ _MEGATRON = {
 
 
 def megatron(model: str, axis: str = "tp") -> dict:
-    """Megatron-style (column then row parallel) hints for a zoo model on mesh axis `axis`."""
+    """Megatron-style (column then row parallel) hints for a zoo model on mesh axis `axis`.
+
+    >>> megatron("gpt2", "tp")["layers.*.attn.[qkv].weight"], megatron("gpt2", "tp")["layers.*.mlp.fc2.weight"]
+    ({'tp': 'S(0)'}, {'tp': 'S(1)'})
+    """
     return {key: {axis: placement} for key, placement in _MEGATRON[model].items()}
 
 
@@ -60,7 +64,12 @@ _ROW_MODULES = {"gpt2": ["layers.*.attn.proj", "layers.*.mlp.fc2"], "llama": ["l
 
 
 def megatron_sp(model: str, axis: str = "tp") -> dict:
-    """Megatron tensor parallel plus sequence parallel on mesh axis `axis` (gpt2, llama)."""
+    """Megatron tensor parallel plus sequence parallel on mesh axis `axis` (gpt2, llama).
+
+    >>> hints = megatron_sp("gpt2", "tp")
+    >>> hints["layers.*.ln1:output"], hints["layers.*.mlp.fc1:input"]
+    ({'tp': 'S(1)'}, {'tp': 'R'})
+    """
     if model not in _SEQUENCE_REGIONS:
         raise KeyError(f"megatron_sp has sequence regions for {sorted(_SEQUENCE_REGIONS)}, not {model!r}; "
                        "write ':output' hints with S(1) on the tp axis for your model's norm/residual modules")
@@ -72,12 +81,20 @@ def megatron_sp(model: str, axis: str = "tp") -> dict:
 
 
 def data_parallel(model: str, axes=("dp",)) -> dict:
-    """Batch sharding of every input over `axes` (nested when several)."""
+    """Batch sharding of every input over `axes` (nested when several).
+
+    >>> data_parallel("bert", ("dp", "sp"))
+    {'input:0': {'dp': 'S(0)', 'sp': 'S(0)'}, 'input:1': {'dp': 'S(0)', 'sp': 'S(0)'}}
+    """
     return {f"input:{i}": {axis: "S(0)" for axis in axes} for i in range(NUM_INPUTS[model])}
 
 
 def plan_hints(model: str, axis_names, batch_axes=(), tp_axis: str | None = None) -> dict:
-    """Data parallel on `batch_axes` plus Megatron on `tp_axis` (either may be absent)."""
+    """Data parallel on `batch_axes` plus Megatron on `tp_axis` (either may be absent).
+
+    >>> sorted(plan_hints("mlp", ("dp", "tp"), batch_axes=("dp",), tp_axis="tp"))
+    ['input:0', 'layers.0.bias', 'layers.0.weight', 'layers.1.weight']
+    """
     hints = data_parallel(model, tuple(batch_axes)) if batch_axes else {}
     if tp_axis is not None:
         hints.update(megatron(model, tp_axis))
@@ -85,12 +102,22 @@ def plan_hints(model: str, axis_names, batch_axes=(), tp_axis: str | None = None
 
 
 def gpt2_wide():
-    """GPT-2-style at a weight-heavy shape (dim 512, 2 x 16 tokens) where tensor parallelism pays."""
+    """GPT-2-style at a weight-heavy shape (dim 512, 2 x 16 tokens) where tensor parallelism pays.
+
+    >>> model, (ids,), loss_fn = gpt2_wide()
+    >>> model.wte.weight.shape, ids.shape
+    (torch.Size([64, 512]), torch.Size([2, 16]))
+    """
     from .gpt2 import gpt2
     return gpt2(batch=2, seq=16, dim=512)
 
 
 def llama_wide():
-    """Llama-style at a weight-heavy shape (dim 512, FFN 1024, 2 x 16 tokens)."""
+    """Llama-style at a weight-heavy shape (dim 512, FFN 1024, 2 x 16 tokens).
+
+    >>> model, (ids,), loss_fn = llama_wide()
+    >>> model.layers[0].mlp.w1.weight.shape
+    torch.Size([1024, 512])
+    """
     from .llama import llama
     return llama(batch=2, seq=16, dim=512, ffn_dim=1024)

@@ -12,6 +12,12 @@ import torch.nn.functional as F
 
 @dataclass
 class LlamaConfig:
+    """Sizes of a LLaMA (defaults: tiny; grouped-query attention with 8 heads on 4 kv heads).
+
+    >>> LlamaConfig().head_dim
+    4
+    """
+
     vocab_size: int = 64
     max_seq: int = 16
     dim: int = 32
@@ -24,30 +30,64 @@ class LlamaConfig:
 
     @property
     def head_dim(self):
+        """dim / n_heads.
+
+        >>> LlamaConfig(dim=4096, n_heads=32).head_dim
+        128
+        """
         return self.dim // self.n_heads
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (no mean subtraction, no bias).
+
+    >>> RMSNorm(4).weight
+    Parameter containing:
+    tensor([1., 1., 1., 1.], requires_grad=True)
+    """
+
     def __init__(self, dim, eps=1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        """x / rms(x) * weight over the last dim.
+
+        >>> RMSNorm(2)(torch.tensor([[3.0, 4.0]]))  # rms = sqrt(12.5)
+        tensor([[0.8485, 1.1314]], grad_fn=<MulBackward0>)
+        """
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def rotate_half(x):
+    """[x1, x2] -> [-x2, x1] on the last dim (RoPE's rotation by 90 degrees).
+
+    >>> rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    tensor([-3., -4.,  1.,  2.])
+    """
     d = x.shape[-1] // 2
     return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, H, T, D]; cos/sin: [T, D] (broadcast over B and H)."""
+    """x: [B, H, T, D]; cos/sin: [T, D] (broadcast over B and H).
+
+    >>> x = torch.randn(1, 1, 3, 4)
+    >>> torch.allclose(apply_rope(x, torch.ones(3, 4), torch.zeros(3, 4)), x)  # angle 0: unchanged
+    True
+    """
     return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
+    """Causal grouped-query attention with rotary position embeddings.
+
+    >>> attn = Attention(LlamaConfig())
+    >>> attn.k.out_features, attn.q.out_features  # 4 kv heads serve 8 query heads
+    (16, 32)
+    """
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -57,6 +97,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin):
+        """x ``[B, T, dim]``, RoPE tables cos/sin ``[T, head_dim]`` -> ``[B, T, dim]``.
+
+        >>> model = Llama(LlamaConfig())
+        >>> cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+        >>> Attention(LlamaConfig())(torch.randn(2, 16, 32), cos, sin).shape
+        torch.Size([2, 16, 32])
+        """
         B, T, C = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         n_rep = H // KV
@@ -72,7 +119,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x).
+
+    >>> FeedForward(LlamaConfig()).w1
+    Linear(in_features=32, out_features=64, bias=False)
+    """
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -81,10 +132,21 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
 
     def forward(self, x):
+        """x ``[..., dim]`` -> ``[..., dim]``.
+
+        >>> FeedForward(LlamaConfig())(torch.randn(3, 32)).shape
+        torch.Size([3, 32])
+        """
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
+    """Pre-norm block: x + attn(attn_norm(x)), then + mlp(ffn_norm(x)).
+
+    >>> [name for name, _ in Block(LlamaConfig()).named_children()]
+    ['attn_norm', 'attn', 'ffn_norm', 'mlp']
+    """
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -93,12 +155,22 @@ class Block(nn.Module):
         self.mlp = FeedForward(cfg)
 
     def forward(self, x, cos, sin):
+        """x ``[B, T, dim]`` and the RoPE tables -> ``[B, T, dim]``.
+
+        >>> model = Llama(LlamaConfig())
+        >>> Block(LlamaConfig())(torch.randn(2, 8, 32), model.rope_cos[:8], model.rope_sin[:8]).shape
+        torch.Size([2, 8, 32])
+        """
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
-    """Token ids ``[B, T]`` -> logits ``[B, T, vocab]``."""
+    """Token ids ``[B, T]`` -> logits ``[B, T, vocab]``.
+
+    >>> Llama(LlamaConfig()).rope_cos.shape  # a buffer: [max_seq, head_dim]
+    torch.Size([16, 4])
+    """
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -116,6 +188,11 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
 
     def forward(self, ids):
+        """ids ``[B, T]`` (T <= max_seq) -> logits ``[B, T, vocab]``.
+
+        >>> Llama(LlamaConfig())(torch.randint(0, 64, (2, 10))).shape
+        torch.Size([2, 10, 64])
+        """
         T = ids.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.tok_embeddings(ids)
@@ -125,7 +202,12 @@ class Llama(nn.Module):
 
 
 def llama_loss(logits, ids):
-    """Next-token cross-entropy: position t predicts token t+1."""
+    """Next-token cross-entropy: position t predicts token t+1.
+
+    >>> ids = torch.randint(0, 64, (2, 16))
+    >>> round(llama_loss(torch.zeros(2, 16, 64), ids).item(), 4) == round(torch.log(torch.tensor(64.0)).item(), 4)
+    True
+    """
     V = logits.shape[-1]
     return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
 

@@ -12,6 +12,15 @@ import torch.nn.functional as F
 
 @dataclass
 class MLPConfig:
+    """Sizes of the MLP: input, hidden and output features, number of Linear layers.
+
+    >>> MLP(MLPConfig(n_layers=2)).layers
+    ModuleList(
+      (0): Linear(in_features=32, out_features=128, bias=True)
+      (1): Linear(in_features=128, out_features=32, bias=True)
+    )
+    """
+
     in_dim: int = 32
     hidden: int = 128
     out_dim: int = 32
@@ -19,7 +28,11 @@ class MLPConfig:
 
 
 class MLP(nn.Module):
-    """Stack of ``nn.Linear`` layers (in a ModuleList named ``layers``) with GELU between them."""
+    """Stack of ``nn.Linear`` layers (in a ModuleList named ``layers``) with GELU between them.
+
+    >>> len(MLP(MLPConfig()).layers)
+    3
+    """
 
     def __init__(self, cfg: MLPConfig):
         super().__init__()
@@ -28,6 +41,11 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
 
     def forward(self, x):
+        """x ``[..., in_dim]`` -> ``[..., out_dim]``.
+
+        >>> MLP(MLPConfig(out_dim=4))(torch.randn(8, 32)).shape
+        torch.Size([8, 4])
+        """
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
@@ -36,6 +54,11 @@ class MLP(nn.Module):
 
 
 def mlp_loss(out, x):
+    """mean(out ** 2) (`x` is unused).
+
+    >>> mlp_loss(torch.tensor([1.0, 3.0]), None)
+    tensor(5.)
+    """
     return out.pow(2).mean()
 
 

@@ -12,6 +12,12 @@ import torch.nn.functional as F
 
 @dataclass
 class ResNetConfig:
+    """Sizes of the ResNet: input channels, width, BasicBlocks per stage, classes.
+
+    >>> ResNet(ResNetConfig(width=8)).fc  # stage 2 doubles the width
+    Linear(in_features=16, out_features=8, bias=True)
+    """
+
     in_channels: int = 3
     width: int = 16  # stem / stage-1 channels; stage 2 uses 2 * width
     blocks_per_stage: int = 1
@@ -19,6 +25,12 @@ class ResNetConfig:
 
 
 class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a residual (a 1x1 projection when the shape changes).
+
+    >>> BasicBlock(16, 16).downsample is None, BasicBlock(16, 32, stride=2).downsample is not None
+    (True, True)
+    """
+
     def __init__(self, c_in, c_out, stride=1):
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
@@ -32,6 +44,11 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x):
+        """x ``[B, c_in, H, W]`` -> ``[B, c_out, H / stride, W / stride]``.
+
+        >>> BasicBlock(16, 32, stride=2)(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 32, 4, 4])
+        """
         identity = x if self.downsample is None else self.downsample(x)
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -39,7 +56,11 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """Images ``[B, C, H, W]`` -> logits ``[B, num_classes]``; ``labels`` is ignored."""
+    """Images ``[B, C, H, W]`` -> logits ``[B, num_classes]``; ``labels`` is ignored.
+
+    >>> [name for name, _ in ResNet(ResNetConfig()).named_children()]
+    ['stem', 'stage1', 'stage2', 'fc']
+    """
 
     def __init__(self, cfg: ResNetConfig):
         super().__init__()
@@ -56,11 +77,21 @@ class ResNet(nn.Module):
         self.fc = nn.Linear(2 * w, cfg.num_classes)
 
     def forward(self, images, labels=None):
+        """images ``[B, C, H, W]`` -> logits ``[B, num_classes]`` (global average pooling).
+
+        >>> ResNet(ResNetConfig())(torch.randn(2, 3, 16, 16)).shape
+        torch.Size([2, 8])
+        """
         x = self.stage2(self.stage1(self.stem(images)))
         return self.fc(x.mean((2, 3)))
 
 
 def resnet_loss(logits, images, labels):
+    """Cross-entropy of the logits against `labels` (`images` is unused).
+
+    >>> resnet_loss(torch.zeros(2, 8), None, torch.tensor([1, 2])).item() == torch.log(torch.tensor(8.0)).item()
+    True
+    """
     return F.cross_entropy(logits, labels)
 
 

@@ -12,6 +12,12 @@ import torch.nn.functional as F
 
 @dataclass
 class ViTConfig:
+    """Sizes of the ViT (defaults: tiny; 16 x 16 images in 4 x 4 patches).
+
+    >>> ViTConfig().n_patches
+    16
+    """
+
     image_size: int = 16
     patch: int = 4
     in_channels: int = 3
@@ -24,10 +30,21 @@ class ViTConfig:
 
     @property
     def n_patches(self):
+        """Patches per image: (image_size / patch) ** 2.
+
+        >>> ViTConfig(image_size=224, patch=16).n_patches
+        196
+        """
         return (self.image_size // self.patch) ** 2
 
 
 class Attention(nn.Module):
+    """Non-causal multi-head self-attention over the patch tokens.
+
+    >>> Attention(ViTConfig())(torch.randn(2, 17, 32)).shape
+    torch.Size([2, 17, 32])
+    """
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -38,6 +55,11 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
+        """x ``[B, T, dim]`` -> ``[B, T, dim]``.
+
+        >>> Attention(ViTConfig())(torch.randn(1, 5, 32)).shape
+        torch.Size([1, 5, 32])
+        """
         B, T, C = x.shape
         H = self.n_heads
         D = C // H
@@ -50,6 +72,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc1, GELU, fc2.
+
+    >>> MLP(ViTConfig()).fc1.out_features
+    128
+    """
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.fc1 = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
@@ -57,10 +85,21 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
+        """x ``[..., dim]`` -> ``[..., dim]``.
+
+        >>> MLP(ViTConfig())(torch.randn(3, 32)).shape
+        torch.Size([3, 32])
+        """
         return self.drop(self.fc2(F.gelu(self.fc1(x))))
 
 
 class Block(nn.Module):
+    """Pre-LN transformer block.
+
+    >>> [name for name, _ in Block(ViTConfig()).named_children()]
+    ['ln1', 'attn', 'ln2', 'mlp']
+    """
+
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.dim)
@@ -69,12 +108,21 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x):
+        """x ``[B, T, dim]`` -> ``[B, T, dim]``.
+
+        >>> Block(ViTConfig())(torch.randn(2, 17, 32)).shape
+        torch.Size([2, 17, 32])
+        """
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class ViT(nn.Module):
-    """Images ``[B, C, H, W]`` -> logits ``[B, num_classes]``; ``labels`` is ignored."""
+    """Images ``[B, C, H, W]`` -> logits ``[B, num_classes]``; ``labels`` is ignored.
+
+    >>> ViT(ViTConfig()).pos_embed.shape  # 16 patches and the class token
+    torch.Size([1, 17, 32])
+    """
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
@@ -88,6 +136,11 @@ class ViT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
 
     def forward(self, images, labels=None):
+        """images ``[B, C, H, W]`` -> logits ``[B, num_classes]`` (from the class token).
+
+        >>> ViT(ViTConfig())(torch.randn(2, 3, 16, 16)).shape
+        torch.Size([2, 8])
+        """
         x = self.patch_embed(images).flatten(2).transpose(1, 2)  # [B, N, dim]
         B = x.shape[0]
         cls = self.cls_token.expand(B, -1, -1)
@@ -98,6 +151,11 @@ class ViT(nn.Module):
 
 
 def vit_loss(logits, images, labels):
+    """Cross-entropy of the logits against `labels` (`images` is unused).
+
+    >>> vit_loss(torch.zeros(2, 8), None, torch.tensor([1, 2])).item() == torch.log(torch.tensor(8.0)).item()
+    True
+    """
     return F.cross_entropy(logits, labels)
 
 
