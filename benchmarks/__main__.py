@@ -1,8 +1,8 @@
 """`python -m benchmarks [--quick] [--only NAME[,NAME]]`: run the benchmarks, write benchmarks/RESULTS.md.
 
 Each benchmark is a module of this package with `main(quick: bool)` that measures and writes its own
-section of RESULTS.md (report.write_section) and its CSV. To add one (the pipeline benchmarks 4 and 5
-are to come this way), write the module and add its name to BENCHMARKS, in the order of the issue.
+section of RESULTS.md (report.write_section) and its CSV. To add one, write the module and add its name
+to BENCHMARKS.
 """
 import importlib
 import sys
@@ -14,6 +14,7 @@ BENCHMARKS = [
     "planning",          # 3. planning time vs model, depth and mesh size (meta weights)
     "pipeline_bubbles",  # 4. bubble fraction and activation memory per pipeline schedule (gloo ranks)
     "planning_scale",    # 5. (dp, tp, pp) choices for 1.7B...1T GPT shapes on A100 clusters vs Megatron-LM (paper)
+    "parallel_modes",    # 6. 2D/2.5D/3D bytes per layer vs the papers, ZeRO memory vs theory (simulator)
 ]
 
 

@@ -36,28 +36,37 @@ def per_layer(mode, size, depth):
             for a in tp.axis_names}
 
 
-def main():
+HEAD = ("mode (paper)", "axis", "counted", "predicted fwd / bwd / sync", "paper-derived fwd / bwd / sync", "match",
+        "note")
+
+
+def table_rows() -> list:
+    """One row per (mode, mesh axis): counted and predicted bytes of one layer vs the paper's formula."""
     cfg = llama()[0].cfg
     linears = llama_layer_linears(cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * cfg.head_dim)
-    print("Bytes per Llama layer per rank and step (float64, 8 x 16 tokens, dim 32, FFN 64); counted = the "
-          "runtime's collective counter (all directions); predicted/paper: forward / backward / gradient sync")
-    print("| mode (paper) | axis | counted | predicted fwd / bwd / sync | paper-derived fwd / bwd / sync | match |"
-          " note |")
-    print("|---|---|---|---|---|---|---|")
-    matched = 0
-    rows = 0
+    rows = []
     for mode, size, depth, source in CASES:
         formula = layer_comm_formula(mode, linears, tokens=8 * 16, q=2, depth=depth or 1)
         for axis, (counted, pred) in per_layer(mode, size, depth).items():
             expect = formula[axis]
             same = pred == expect and counted == sum(expect.values())
-            matched += same
-            rows += 1
-            print(f"| {mode} ({source}) | {axis} | {counted} | {pred['fwd']} / {pred['bwd']} / {pred['sync']} | "
-                  f"{expect['fwd']} / {expect['bwd']} / {expect['sync']} | {'yes' if same else 'no'} | "
-                  f"{NOTES.get((mode, axis), '')} |")
-    print(f"{matched} of {rows} axes match the papers (predicted and counted)")
-    return matched == rows
+            rows.append((f"{mode} ({source})", axis, counted, f"{pred['fwd']} / {pred['bwd']} / {pred['sync']}",
+                         f"{expect['fwd']} / {expect['bwd']} / {expect['sync']}", "yes" if same else "no",
+                         NOTES.get((mode, axis), "")))
+    return rows
+
+
+def main():
+    rows = table_rows()
+    print("Bytes per Llama layer per rank and step (float64, 8 x 16 tokens, dim 32, FFN 64); counted = the "
+          "runtime's collective counter (all directions); predicted/paper: forward / backward / gradient sync")
+    print("| " + " | ".join(HEAD) + " |")
+    print("|" + "---|" * len(HEAD))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+    matched = sum(r[5] == "yes" for r in rows)
+    print(f"{matched} of {len(rows)} axes match the papers (predicted and counted)")
+    return matched == len(rows)
 
 
 if __name__ == "__main__":

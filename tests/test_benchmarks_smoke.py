@@ -2,7 +2,7 @@
 Nothing is timed or judged here and RESULTS.md is not written; `python -m benchmarks` does that."""
 import pytest
 
-from benchmarks import plan_quality, planning, planning_scale, runtime_overhead
+from benchmarks import plan_quality, planning, planning_scale, runtime_overhead, tp_modes, zero_memory
 
 TINY_GPT2 = {"gpt2": dict(batch=4, seq=8, dim=32, n_heads=4)}
 
@@ -41,3 +41,9 @@ def test_planning_scale_smallest():
     assert result["exports"] == 1 and result["best"].feasible and result["megatron"].degrees == (2, 2, 2)
     body, headers, rows = planning_scale.report([result])
     assert "| tiny" in body and len(rows[0]) == len(headers)
+
+
+def test_parallel_modes_pieces():
+    per_axis = tp_modes.per_layer("2d", 4, None)
+    assert set(per_axis) == {"row", "col"} and all(counted > 0 for counted, _ in per_axis.values())
+    assert zero_memory.check_line(zero_memory.zero3_check("gpt2")).endswith("-- met")
