@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
 import autoshard
 from autoshard.cost import CPU_PROFILE, HardwareProfile, load_profile
@@ -38,7 +40,8 @@ def test_plan_bytes_identical_across_hash_seeds():
     outputs = set()
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                              check=False)
         assert done.returncode == 0, done.stderr[-2000:]
         outputs.add(done.stdout)
     assert len(outputs) == 1
@@ -100,3 +103,15 @@ def test_plan_filter_by_module_glob():
     assert rows and all(r.path.startswith("layers.0.mlp") for r in rows)
     assert {r.path for r in prog.plan.filter("layers.*.attn.q")} >= {"layers.0.attn.q", "layers.1.attn.q"}
     assert prog.plan.filter("no.such") == []
+
+
+def test_pipeline_microbatch_plan_pays_gradient_sync_once_per_step():
+    """Each micro-batch program recurs m times per step but syncs gradients once: priced per micro-batch
+    at full cost, data parallelism on x (sync 128 MiB once, splits the work 8 ways) lost to replication."""
+    h = 2048
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h)) for _ in range(4)]).to("meta")
+    x = torch.randn(8192, h, device="meta")
+    prog = autoshard.parallelize(model, (2, 8), (x,), axis_names=("pp", "x"),
+                                 pipeline={"microbatches": 16, "schedule": "1F1B"})
+    assert [r.spec for r in prog.plan.rows if r.kind == "input"] == ["[S(0)]"]
+    assert prog.plan.predicted["comm_bytes_per_step"]["x"]["sync"] > 0

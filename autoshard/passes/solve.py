@@ -191,9 +191,11 @@ def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh
     return cost * _SCALE
 
 
-def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync) -> list:
+def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share=1.0) -> list:
     """The duality rule's backward all-reduce, charged once per value and axis however many split ops
     use it replicated (insert_comm emits one grad_all_reduce per value; a parameter is synced once).
+    A parameter's charge is its gradient sync, paid once per step: a pipeline's micro-batch program
+    pays `sync_share` = 1/micro-batches of it (its other costs recur every micro-batch).
 
     One charge per (value, axis, bytes after the other axes); a consumer candidate that takes the value
     replicated on that axis while splitting its work joins the charge's groups.
@@ -221,11 +223,12 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
     for (u, axis, nbytes), groups in charges.items():
         # Copies of u in repeated layers are tied: their identical charges merge into one, paid per copy.
         signature = (class_of[u], axis, nbytes, tuple(sorted(tuple(sorted(g)) for g in groups.values())))
+        cost = all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
+        cost *= sync_share if u.op == "placeholder" else 1.0
         if signature in seen:
-            shared[seen[signature]][0] += all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
+            shared[seen[signature]][0] += cost
             continue
         seen[signature] = len(shared)
-        cost = all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
         shared.append([cost, [sorted(g) for g in groups.values()]])
     return [(cost, groups) for cost, groups in shared]
 
@@ -293,7 +296,9 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism
         for s, per_axis in enumerate(breakdowns[n]):
             costs[c][s] += per_axis[0].compute * _SCALE  # compute and memory are per node, not per axis
             memory[c][s] += per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n], state, models)
-    shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync)
+    pipeline = state.options.get("pipeline")
+    sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
+    shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share)
     edges: dict = {}
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
     for v in nodes:
