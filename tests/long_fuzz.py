@@ -4,7 +4,7 @@ Runs every hypothesis test (random models and pipelines against the single devic
 under random bytes, placement/redistribution/reshape algebra) with N times the suite's examples
 (default 50), freshly random each run instead of the suite's fixed examples. A failure prints the shrunk
 case (for random models, the smallest model that still differs) and the `@reproduce_failure` line that
-replays it. Scale 50 takes about an hour on 2 cores; scale 5 about six minutes.
+replays it. On 2 cores scale 3 took 2 min 10 s (103 tests); scale 50 takes about 35 minutes.
 """
 import os
 import subprocess
