@@ -1,15 +1,15 @@
 """The `node.meta["autoshard.*"]` keys every pass reads and writes, in one place.
 
-kind         "param" | "buffer" | "input" | "op" | "output"   (frontend)
-path         parameter/buffer FQN, "input:<i>", or the module path of an op (frontend)
-aliases      other FQNs of a tied parameter (frontend)
-hint         {axis index: Placement} fixed by the user (annotate)
-candidates   [per axis: [AxisStrategy]] feasible choices (strategies)
-choice       [per axis: AxisStrategy] the chosen strategy (solve)
-spec         Spec of the node's output(s) (solve)
-in_specs     [Spec] required of each tensor input position (solve)
-grad_partial [tuple of axes] per tensor input position where the gradient comes back partial (solve)
-comm         for inserted collectives: {"op", "axis", ...} (insert_comm)
+  kind         "param" | "buffer" | "input" | "op" | "output"   (frontend)
+  path         parameter/buffer FQN, "input:<i>", or the module path of an op (frontend)
+  aliases      other FQNs of a tied parameter (frontend)
+  hint         {axis index: Placement} fixed by the user (annotate)
+  candidates   [per axis: [AxisStrategy]] feasible choices (strategies)
+  choice       [per axis: AxisStrategy] the chosen strategy (solve)
+  spec         Spec of the node's output(s) (solve)
+  in_specs     [Spec] required of each tensor input position (solve)
+  grad_partial [tuple of axes] per tensor input position where the gradient comes back partial (solve)
+  comm         for inserted collectives: {"op", "axis", ...} (insert_comm)
 
 (The axes on which a parameter's gradient is reduced after backward are `state.grad_reduce`, by FQN.)
 
@@ -52,4 +52,4 @@ def _strip_root(path: str) -> str:
     """Export names the model inside our train-step wrapper 'model'; users never see that prefix."""
     if path == "model":
         return ""
-    return path[len("model."):] if path.startswith("model.") else path
+    return path.removeprefix("model.")
