@@ -94,9 +94,9 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    from .cost import load_profile
     from .hints import Hints
     from .mesh import Mesh
-    from .cost import load_profile
     if args.command == "calibrate":
         from .calibrate import calibrate_command
         return calibrate_command(args)

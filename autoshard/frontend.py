@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import fx
 
 from . import meta
 from .errors import ExportError, UserInputError

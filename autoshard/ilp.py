@@ -157,7 +157,7 @@ class MemoryBudgetError(PlanError):
     >>> solve_ilp(IlpProblem(sizes=[2], costs=[[1.0, 3.0]], memory=[[100.0, 60.0]], budget=50.0))
     Traceback (most recent call last):
     ...
-    autoshard.ilp.MemoryBudgetError: no plan fits the memory budget of 0.000 GiB (50 bytes) per device: the smallest footprint the sharding search can reach is 0.000 GiB (60 bytes). Raise the budget, use a larger mesh, or add ZeRO / activation checkpointing.
+    autoshard.ilp.MemoryBudgetError: no plan fits the memory budget of 0.000 GiB (50 bytes) per device: ... 0.000 GiB (60 bytes). ...
     """
 
     def __init__(self, problem: IlpProblem):

@@ -35,6 +35,7 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F
 MULTI_STAGE = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"}
 V_STYLE = {"ZBVZeroBubble"}  # stage s on pp rank s for s < p, then back: 2p-1-s
 SOLO_AXIS = "stage_device"  # the intra-op axis of a mesh that is only a pipeline
+_DEFAULT_LINK = Link(5e-6, 2.0e11)  # a pp axis's link when no profile says
 OPTION_KEYS = {"axis", "microbatches", "schedule", "virtual_stages", "balance", "split_points"}
 
 
@@ -53,7 +54,7 @@ class PipelineConfig:
     schedule: str = "1F1B"
     virtual: int = 1
     annotations: StageAnnotations | None = None
-    link: Link = Link(5e-6, 2.0e11)
+    link: Link = _DEFAULT_LINK
 
     @property
     def num_stages(self) -> int:

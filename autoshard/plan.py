@@ -23,8 +23,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-from html import escape
 from dataclasses import dataclass, field
+from html import escape
 
 import torch
 
@@ -76,7 +76,7 @@ class Plan:
     search: dict = field(default_factory=dict)  # an unnamed mesh: the axis-role candidates and why one won
 
     @classmethod
-    def from_state(cls, state) -> "Plan":
+    def from_state(cls, state) -> Plan:
         """The plan of a compiled program (`prog.plan` calls this after the passes ran).
 
         >>> Plan.from_state(prog.state).fingerprint == plan.fingerprint
@@ -121,7 +121,7 @@ class Plan:
         save_plan(self, path)
 
     @classmethod
-    def load(cls, path) -> "Plan":
+    def load(cls, path) -> Plan:
         """Read a plan file written by `save`: JSON only, at most 64 MiB, checked against the plan schema;
         anything wrong raises PlanFileError saying what, where (JSON path, node) and what to do.
 
@@ -303,10 +303,10 @@ class Plan:
             counts[r.axis][r.collective] += 1
         roles = self.axis_roles()
         p = self.predicted
-        lines = [f"Plan on {self.mesh!r}: {len(self.rows)} nodes, {len(self.collectives())} collectives, "
-                 f"fingerprint {self.fingerprint}",
-                 f"  predicted step {p['step_time_s']:.3g} s (compute {p['compute_s']:.3g} s, communication "
-                 f"{p['comm_s']:.3g} s), memory per rank {p['memory_bytes_per_rank'] / 2**20:.1f} MiB"]
+        lines = [(f"Plan on {self.mesh!r}: {len(self.rows)} nodes, {len(self.collectives())} collectives, "
+                  f"fingerprint {self.fingerprint}"),
+                 (f"  predicted step {p['step_time_s']:.3g} s (compute {p['compute_s']:.3g} s, communication "
+                  f"{p['comm_s']:.3g} s), memory per rank {p['memory_bytes_per_rank'] / 2**20:.1f} MiB")]
         for axis in self.mesh.names:
             b = self.predicted["comm_bytes_per_step"][axis]
             ops = ", ".join(f"{n} {k}" for k, n in sorted(counts.get(axis, {}).items())) or "none"
@@ -325,9 +325,9 @@ class Plan:
         """The pipeline part of the summary: axis, schedule, cut, predicted step and bubble, stage table
         (figures per micro-batch; the rows above are the intra-op plan of one micro-batch)."""
         p = self.pipeline
-        lines = [f"  axis {p['axis']} (pipeline): {p['stages']} stages on {p['pp_size']} ranks "
-                 f"({p['virtual_stages']} per rank), {p['schedule']}, {p['microbatches']} micro-batches, cut "
-                 f"{p['cut']}; predicted step {p['predicted_step_s']:.3g} s, bubble {p['predicted_bubble']:.1%}"]
+        lines = [(f"  axis {p['axis']} (pipeline): {p['stages']} stages on {p['pp_size']} ranks "
+                  f"({p['virtual_stages']} per rank), {p['schedule']}, {p['microbatches']} micro-batches, cut "
+                  f"{p['cut']}; predicted step {p['predicted_step_s']:.3g} s, bubble {p['predicted_bubble']:.1%}")]
         for row in p["stage_table"]:
             lines.append(f"    stage {row['stage']} (pp rank {p['stage_ranks'][row['stage']]}): {row['ops']} ops "
                          f"{row['first_module'] or '-'} .. {row['last_module'] or '-'}, fwd+bwd "

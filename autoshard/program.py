@@ -25,8 +25,8 @@ import os
 import torch
 
 from . import meta
-from .errors import UserInputError
 from .cost import load_profile
+from .errors import UserInputError
 from .frontend import trace
 from .hints import Hints
 from .mesh import Mesh
@@ -37,12 +37,14 @@ from .passes.codegen import attr_names, build_rank_module, codegen
 from .passes.cut_stages import cut_stages
 from .passes.fuse_comm import fuse_comm
 from .passes.insert_comm import insert_comm
-from .passes.manager import CompileState, History, pass_name as pass_name_of, run_passes
+from .passes.manager import CompileState, History, run_passes
+from .passes.manager import pass_name as pass_name_of
 from .passes.normalize import normalize
 from .passes.predict import predict
 from .passes.solve import solve
 from .passes.strategies import strategies
-from .passes.zero import AllowPlannedZeroShards, zero as zero_pass
+from .passes.zero import AllowPlannedZeroShards
+from .passes.zero import zero as zero_pass
 from .placement import describe_type, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
@@ -52,7 +54,7 @@ PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_c
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
-                zero=None, checkpoint=None, parallel=None) -> "Program":
+                zero=None, checkpoint=None, parallel=None) -> Program:
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -271,7 +273,7 @@ class Program:
         >>> prog.check_inputs((torch.randn(4, 32),))
         Traceback (most recent call last):
         ...
-        autoshard.errors.UserInputError: input 0 is torch.float32 (4, 32) but the program was planned for ... (8, 32); ...
+        autoshard.errors.UserInputError: input 0 is torch.float32 (4, 32) but the program was planned for ...
         """
         examples = [n.meta["val"] for n in self.state.gm.graph.nodes
                     if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
@@ -291,8 +293,9 @@ class Program:
         >>> torch.allclose(out, model(*inputs), atol=1e-6)
         True
         """
-        from .runtime.simulator import run_ranks
         import torch.utils._pytree as pytree
+
+        from .runtime.simulator import run_ranks
         self.check_inputs(inputs)
 
         def step(module):

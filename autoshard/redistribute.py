@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PlanError
-from .placement import R, Partial, Replicate, Shard, Spec
+from .placement import Partial, R, Replicate, Shard, Spec
 
 
 @dataclass(frozen=True)

@@ -259,6 +259,7 @@ def load_factory(spec: str):
     autoshard.errors.UserInputError: factory 'autoshard.zoo.mlp' must look like MODULE:FACTORY, e.g. ...
     """
     import importlib
+
     from .errors import UserInputError
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:

@@ -154,8 +154,8 @@ def test_plan_for_other_input_shapes(small):
 
 
 @pytest.mark.parametrize("mesh, names, message", [
-    ((4,), ("dp",), r"the plan was made for mesh Mesh\(dp=2, tp=2\) but parallelize got Mesh\(dp=4\); pass "
-                    r"mesh=\(2, 2\) with axis_names=\('dp', 'tp'\)"),
+    ((4,), ("dp",), (r"the plan was made for mesh Mesh\(dp=2, tp=2\) but parallelize got Mesh\(dp=4\); pass "
+                    r"mesh=\(2, 2\) with axis_names=\('dp', 'tp'\)")),
     ((2, 2), ("x", "y"), r"made for mesh Mesh\(dp=2, tp=2\) but parallelize got Mesh\(x=2, y=2\)"),
     ((2, 2), None, r"made for mesh Mesh\(dp=2, tp=2\) but parallelize got Mesh\(a0=2, a1=2\)"),
 ])
@@ -220,12 +220,12 @@ def _first_op(data):
 
 
 SCHEMA_CASES = [
-    (("version",), 1, r"at version: the file has plan format version 1 but this autoshard reads version 2; re-plan "
-                      r"with this version of autoshard \(parallelize without plan=\) and save again"),
+    (("version",), 1, (r"at version: the file has plan format version 1 but this autoshard reads version 2; re-plan "
+                      r"with this version of autoshard \(parallelize without plan=\) and save again")),
     (("version",), "2", r"at version: the file has plan format version '2'"),
     (("version",), ..., r"at the top level: no 'version' key, so this is not an autoshard plan file"),
-    (("nodes",), ..., r"at the top level: a plan lacks the key 'nodes'; save the plan again with "
-                      r"prog\.plan\.save\(path\)"),
+    (("nodes",), ..., (r"at the top level: a plan lacks the key 'nodes'; save the plan again with "
+                      r"prog\.plan\.save\(path\)")),
     (("extra",), 1, r"at the top level: unexpected key 'extra' in a plan \(it has exactly the keys 'version'"),
     (("nodes",), {}, r"at nodes: expected the list of nodes \(a JSON array\), got dict"),
     (("mesh", "shape"), [2, 0], r"at mesh\.shape\[1\]: expected an axis size \(integer >= 1\), got int 0"),
@@ -236,26 +236,26 @@ SCHEMA_CASES = [
     (("nodes", 0, "bytes_fwd"), "12", r"at nodes\[0\]\.bytes_fwd \(node '\w+'\): expected an integer >= 0, got str"),
     (("nodes", 0, "bytes_bwd"), -1, r"at nodes\[0\]\.bytes_bwd \(node '\w+'\): expected an integer >= 0, got int -1"),
     (("nodes", 0, "name"), 7, r"at nodes\[0\]\.name: expected a string, got int 7"),
-    (("nodes", 0, "spec"), "[S(0)]", r"at nodes\[0\]\.spec \(node '\w+'\): '\[S\(0\)\]' has 1 placements but the "
-                                     r"mesh Mesh\(dp=2, tp=2\) has 2 axes"),
+    (("nodes", 0, "spec"), "[S(0)]", (r"at nodes\[0\]\.spec \(node '\w+'\): '\[S\(0\)\]' has 1 placements but the "
+                                     r"mesh Mesh\(dp=2, tp=2\) has 2 axes")),
     (("nodes", 0, "spec"), "S(0), R", r"at nodes\[0\]\.spec \(node '\w+'\): malformed spec 'S\(0\), R'"),
-    (("nodes", 0, "choice", 1, "output"), "Shard(0)", r"at nodes\[0\]\.choice\[1\]\.output \(node '\w+'\): malformed "
-                                                      r"placement 'Shard\(0\)': a placement is 'S\(<dim>\)', 'R' or 'P'"),
-    (("nodes", 0, "choice", 1, "output"), "S(5)", r"at nodes\[0\]\.choice \(node '\w+'\): the chosen outputs "
-                                                  r"\[\w+(\(\d\))?, S\(5\)\] disagree with the node's spec"),
-    (("nodes", 0, "choice"), [], r"at nodes\[0\]\.choice \(node '\w+'\): expected one chosen strategy per mesh axis "
-                                 r"of Mesh\(dp=2, tp=2\) \(2\), got 0"),
-    (("nodes", 0, "choice", 0, "cost"), 1, r"at nodes\[0\]\.choice\[0\] \(node '\w+'\): unexpected key 'cost' in a "
-                                           r"strategy"),
+    (("nodes", 0, "choice", 1, "output"), "Shard(0)", (r"at nodes\[0\]\.choice\[1\]\.output \(node '\w+'\): malformed "
+                                                      r"placement 'Shard\(0\)': a placement is 'S\(<dim>\)', 'R' or 'P'")),
+    (("nodes", 0, "choice", 1, "output"), "S(5)", (r"at nodes\[0\]\.choice \(node '\w+'\): the chosen outputs "
+                                                  r"\[\w+(\(\d\))?, S\(5\)\] disagree with the node's spec")),
+    (("nodes", 0, "choice"), [], (r"at nodes\[0\]\.choice \(node '\w+'\): expected one chosen strategy per mesh axis "
+                                 r"of Mesh\(dp=2, tp=2\) \(2\), got 0")),
+    (("nodes", 0, "choice", 0, "cost"), 1, (r"at nodes\[0\]\.choice\[0\] \(node '\w+'\): unexpected key 'cost' in a "
+                                           r"strategy")),
     (("nodes", 0, "axis"), "pp", r"at nodes\[0\]\.axis \(node '\w+'\): 'pp' is not an axis of Mesh\(dp=2, tp=2\)"),
     (("nodes", 1), "node", r"at nodes\[1\]: expected a node \(a JSON object\), got str 'node'"),
     (("grad_reduce", "layers.0.bias"), ["pp"], r"at grad_reduce\['layers\.0\.bias'\]\[0\]: 'pp' is not an axis"),
     (("predicted", "comm_s"), -1.0, r"at predicted\.comm_s: expected a finite number >= 0, got float -1\.0"),
-    (("predicted", "comm_bytes_per_step", "dp"), ..., r"at predicted\.comm_bytes_per_step: bytes per mesh axis lacks "
-                                                      r"the key 'dp'"),
-    (("fingerprint",), "0123456789abcdef", r"at fingerprint: the file says '0123456789abcdef' but its content hashes "
+    (("predicted", "comm_bytes_per_step", "dp"), ..., (r"at predicted\.comm_bytes_per_step: bytes per mesh axis lacks "
+                                                      r"the key 'dp'")),
+    (("fingerprint",), "0123456789abcdef", (r"at fingerprint: the file says '0123456789abcdef' but its content hashes "
                                            r"to '[0-9a-f]{16}': it was changed after it was saved, or is corrupt; save "
-                                           r"it again; if you edited it on purpose, set \"fingerprint\" to null"),
+                                           r"it again; if you edited it on purpose, set \"fingerprint\" to null")),
     (("fingerprint",), 5, r"at fingerprint: expected a string, got int 5"),
 ]
 
@@ -289,13 +289,13 @@ def _saved_text(prog):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda text: text[:len(text) // 2].encode(), r"is not valid JSON: .* \(line 1, column \d+\); it ends too early "
-                                                  r"\(truncated\?\) — write it again"),
-    (lambda text: text.replace('"nodes"', "'nodes'").encode(), r"is not valid JSON: Expecting property name enclosed "
-                                                               r"in double quotes .*; it is corrupt or was edited"),
+    (lambda text: text[:len(text) // 2].encode(), (r"is not valid JSON: .* \(line 1, column \d+\); it ends too early "
+                                                  r"\(truncated\?\) — write it again")),
+    (lambda text: text.replace('"nodes"', "'nodes'").encode(), (r"is not valid JSON: Expecting property name enclosed "
+                                                               r"in double quotes .*; it is corrupt or was edited")),
     (lambda text: b"\xff\xfe" + text.encode("utf-16-le"), r"is not UTF-8 text \(byte 0: invalid start byte\)"),
-    (lambda text: text.replace('"comm_s":', '"comm_s":NaN,"x":').encode(), r"is not valid JSON for autoshard: NaN is "
-                                                                           r"not a JSON number"),
+    (lambda text: text.replace('"comm_s":', '"comm_s":NaN,"x":').encode(), (r"is not valid JSON for autoshard: NaN is "
+                                                                           r"not a JSON number")),
     (lambda text: b"[" * 100_000 + b"]" * 100_000, r"nests JSON arrays/objects too deeply to parse"),
     (lambda text: b"[" + b"7" * 5000 + b"]", r"is not valid JSON for autoshard: Exceeds the limit \(4300 digits\)"),
     (lambda text: b"", r"is not valid JSON: Expecting value \(line 1, column 1\); it ends too early"),

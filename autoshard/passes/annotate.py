@@ -61,11 +61,10 @@ def annotate(state) -> None:
             _apply_module_input(entry, ops, state, sources)
         elif entry.target_kind == "shard":
             _apply_split_counts(entry, ops, state, sources)
-        elif entry.target_kind == "stage":  # cut_stages reads them; they need a pipeline axis
-            if "pipeline" not in state.options:
-                raise HintError(f"hint {entry.key!r} puts modules into a pipeline stage but the mesh has no pipeline "
-                                f"axis; name a mesh axis 'pp' (mesh axes: {list(state.mesh.names)}) or remove the "
-                                "':stage' keys")
+        elif entry.target_kind == "stage" and "pipeline" not in state.options:  # cut_stages reads them
+            raise HintError(f"hint {entry.key!r} puts modules into a pipeline stage but the mesh has no pipeline "
+                            f"axis; name a mesh axis 'pp' (mesh axes: {list(state.mesh.names)}) or remove the "
+                            "':stage' keys")
     for node in ops:
         if node.target is torch.ops.autoshard.constrain.default:
             _apply_constrain(node, state, sources)

@@ -28,8 +28,8 @@ import fnmatch
 import re
 
 import torch
-import torch.fx as fx
 import torch.utils.checkpoint
+from torch import fx
 
 from .. import meta
 from ..errors import PlanError, UserInputError
@@ -90,7 +90,11 @@ def _region_of(node, regions):
 def _recompute(state, node) -> tuple[float, dict]:
     """Seconds of recomputing one node in backward, and the forward bytes per axis a collective resends."""
     from ..cost import DEFAULT_PROFILE
-    from .predict import COMM_COST, NODE_COST, _collective_time  # predict imports this module
+    from .predict import (  # predict imports this module
+        COMM_COST,
+        NODE_COST,
+        _collective_time,
+    )
     if node.meta.get(meta.KIND) != "comm":
         return node.meta[NODE_COST]["seconds"] / 3, {}  # NODE_COST counts forward + backward (x3)
     info, mesh = node.meta[meta.COMM], state.mesh

@@ -16,7 +16,7 @@ are dropped, and collectives stay visible call nodes naming their mesh axis.
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from .. import meta
 from ..errors import PlanError

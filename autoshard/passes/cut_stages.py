@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import itertools
 import operator
 
 import torch
@@ -283,7 +284,7 @@ class CutCosts:
         True
         """
         bounds = [0, *cuts, self.n]
-        return max(self.stage_time(a, b) for a, b in zip(bounds, bounds[1:]))
+        return max(self.stage_time(a, b) for a, b in itertools.pairwise(bounds))
 
 
 def auto_cut(state, nodes, config) -> dict:

@@ -11,7 +11,7 @@ The examples edit the traced graph of a one-layer MLP:
 """
 from __future__ import annotations
 
-import torch.fx as fx
+from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 

@@ -15,10 +15,10 @@ runs `verify_state` checks the invariants between passes and names the node, pla
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-import torch.fx as fx
+from torch import fx
 
 from ..mesh import Mesh
 

@@ -13,11 +13,11 @@ Invariant: the graph computes the same values; every node has a FakeTensor `val`
 from __future__ import annotations
 
 import math
-import warnings
 import operator
+import warnings
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._guards import detect_fake_mode
 
 from .. import meta
@@ -232,9 +232,9 @@ def _inline_grad_regions(gm: fx.GraphModule) -> bool:
                 if inner.op == "placeholder":
                     continue
                 if inner.op == "output":
-                    results = fx.node.map_arg(inner.args[0], lambda n: env[n])
+                    results = fx.node.map_arg(inner.args[0], lambda n, env=env: env[n])
                     continue
-                copied = gm.graph.node_copy(inner, lambda n: env[n])
+                copied = gm.graph.node_copy(inner, lambda n, env=env: env[n])
                 copied.meta[meta.KIND] = "op"
                 copied.meta[meta.PATH] = node.meta.get(meta.PATH, meta.module_path(inner))
                 env[inner] = copied

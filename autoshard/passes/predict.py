@@ -22,11 +22,17 @@ import math
 
 from .. import meta
 from ..axis_cost import needs_grad
-from ..cost import DEFAULT_PROFILE, all_gather_time, all_reduce_time, all_to_all_time, reduce_scatter_time
+from ..cost import (
+    DEFAULT_PROFILE,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    reduce_scatter_time,
+)
 from ..flops import is_matmul_like, node_bytes, node_flops
 from ..placement import Shard
-from .checkpoint import account_recompute
 from ..zero_cost import apply_zero, gather_bytes
+from .checkpoint import account_recompute
 
 COMM_COST = "autoshard.comm_cost"
 NODE_COST = "autoshard.node_cost"  # {"seconds", "memory_bytes", "sync_s"}: what one node adds (cut_stages sums them)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from .cut_stages import STAGE
 

@@ -300,13 +300,15 @@ def _peer_closed(first_line: str) -> bool:
 def _failure_report(errors, exit_codes, hung, world_size, timeout_s, nothing_failed) -> str:
     """Root causes first (ranks that died, raised something other than a collective failure, or hung), then
     the collective failures they caused on the other ranks, then the first cause's traceback."""
-    lines = [f"rank {r} died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) without reporting "
-             "a result: it crashed, was killed (e.g. out of memory) or exited" for r, code in sorted(exit_codes.items())]
+    lines = [(f"rank {r} died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) without "
+              "reporting a result: it crashed, was killed (e.g. out of memory) or exited")
+             for r, code in sorted(exit_codes.items())]
     own = {r: e for r, e in errors.items() if e[0] != "CollectiveTimeout" and not _peer_closed(e[1])}
-    lines += [f"rank {r} raised {kind}: {first.removeprefix(f'rank {r}: ')}" for r, (kind, first, _) in sorted(own.items())]
+    lines += [f"rank {r} raised {kind}: {first.removeprefix(f'rank {r}: ')}"
+              for r, (kind, first, _) in sorted(own.items())]
     if nothing_failed:
-        lines += [f"ranks {hung} did not finish within {timeout_s + 60:g} s (no rank failed; they are stuck or too "
-                  "slow: raise AUTOSHARD_TIMEOUT_S / timeout_s if the task is just long)"]
+        lines += [(f"ranks {hung} did not finish within {timeout_s + 60:g} s (no rank failed; they are stuck or too "
+                  "slow: raise AUTOSHARD_TIMEOUT_S / timeout_s if the task is just long)")]
     elif hung:
         lines += [f"rank {r} reported nothing {timeout_s + FAILURE_GRACE_S:g} s after the first failure and was "
                   "stopped: it hangs outside a collective" for r in hung]

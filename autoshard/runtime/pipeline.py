@@ -71,7 +71,7 @@ class SavedActivations:
         counter = self
 
         class Held:
-            __slots__ = ("tensor", "nbytes")
+            __slots__ = ("nbytes", "tensor")
 
             def __init__(self, tensor):
                 self.tensor = tensor
@@ -207,7 +207,11 @@ class PipelineRankModule(_StagesModule):
 
     def _build_schedule(self):
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+        from torch.distributed.pipelining.schedules import (
+            PipelineScheduleSingle,
+            get_schedule_class,
+        )
+
         from ..axis_cost import needs_grad
         config = self._program.config
         flags = needs_grad(self._program.state.gm.graph)

@@ -81,6 +81,6 @@ def _run_threads(hub: ThreadHub, call) -> dict:
         torch.set_num_threads(previous)
     if errors:
         real = {r: e for r, e in errors.items() if not isinstance(e, CollectiveTimeout)}
-        rank, exc = sorted((real or errors).items())[0]
+        rank, exc = min((real or errors).items())
         raise RuntimeError(f"simulated rank {rank} failed: {type(exc).__name__}: {exc}") from exc
     return dict(sorted(results.items()))

@@ -90,7 +90,7 @@ class GatheredMemory:
 class _Handle:
     """What backward needs to re-gather one parameter: its shard and where to gather it."""
 
-    __slots__ = ("shard", "comm", "axis", "dim", "full", "memory")
+    __slots__ = ("axis", "comm", "dim", "full", "memory", "shard")
 
     def __init__(self, shard, comm, axis, dim, memory):
         self.shard, self.comm, self.axis, self.dim, self.memory = shard, comm, axis, dim, memory
@@ -108,7 +108,7 @@ class _Handle:
 class _SavedView:
     """A saved gathered parameter (or view of it): handle plus the view's geometry."""
 
-    __slots__ = ("handle", "size", "stride", "offset")
+    __slots__ = ("handle", "offset", "size", "stride")
 
     def __init__(self, handle, t):
         self.handle, self.size, self.stride, self.offset = handle, t.size(), t.stride(), t.storage_offset()

@@ -5,6 +5,13 @@
 'elementwise'
 """
 from . import einsum, nn_ops, pointwise, reduction, views  # noqa: F401  (rules register on import)
-from .base import REGISTRY, AxisStrategy, RuleContext, candidates_for, register, tensor_inputs
+from .base import (
+    REGISTRY,
+    AxisStrategy,
+    RuleContext,
+    candidates_for,
+    register,
+    tensor_inputs,
+)
 
 __all__ = ["REGISTRY", "AxisStrategy", "RuleContext", "candidates_for", "register", "tensor_inputs"]

@@ -16,13 +16,13 @@ The examples look at the linear of a traced `nn.Linear(4, 2)` on a batch of 8, o
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-import torch.fx as fx
+from torch import fx
 
-from ..placement import Partial, Placement, Replicate, Shard, R
+from ..placement import Partial, Placement, R, Replicate, Shard
 
 
 @dataclass(frozen=True)
@@ -276,5 +276,18 @@ def candidates_for(node: fx.Node, in_shapes, out_shapes, axis_size: int, warn=Tr
     return found
 
 
-__all__ = ["AxisStrategy", "RuleContext", "Rule", "REGISTRY", "register", "candidates_for", "tensor_inputs",
-           "output_shapes", "is_tensor_value", "unique", "Partial", "Shard", "Replicate"]
+__all__ = [
+    "REGISTRY",
+    "AxisStrategy",
+    "Partial",
+    "Replicate",
+    "Rule",
+    "RuleContext",
+    "Shard",
+    "candidates_for",
+    "is_tensor_value",
+    "output_shapes",
+    "register",
+    "tensor_inputs",
+    "unique",
+]

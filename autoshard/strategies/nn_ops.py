@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import P, R, Shard
-from .base import AxisStrategy, REGISTRY
+from .base import REGISTRY, AxisStrategy
 
 aten = torch.ops.aten
 

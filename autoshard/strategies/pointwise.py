@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from ..placement import P, R, Shard
-from .base import AxisStrategy, RuleContext, REGISTRY
+from .base import REGISTRY, AxisStrategy, RuleContext
 
 aten = torch.ops.aten
 

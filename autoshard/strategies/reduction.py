@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import P, R, Shard
-from .base import AxisStrategy, RuleContext, REGISTRY
+from .base import REGISTRY, AxisStrategy, RuleContext
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..placement import P, R, Shard
-from .base import AxisStrategy, RuleContext, REGISTRY, output_shapes
+from .base import REGISTRY, AxisStrategy, RuleContext, output_shapes
 
 aten = torch.ops.aten
 

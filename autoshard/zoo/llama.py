@@ -6,8 +6,8 @@
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         >>> Attention(LlamaConfig())(torch.randn(2, 16, 32), cos, sin).shape
         torch.Size([2, 16, 32])
         """
-        B, T, C = x.shape
+        B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
         n_rep = H // KV
         q = self.q(x).view(B, T, H, D).transpose(1, 2)

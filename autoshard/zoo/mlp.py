@@ -3,11 +3,12 @@
 >>> model, inputs, loss_fn = mlp()
 >>> loss = loss_fn(model(*inputs), *inputs)
 """
+import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass
@@ -38,7 +39,7 @@ class MLP(nn.Module):
         super().__init__()
         self.cfg = cfg
         dims = [cfg.in_dim] + [cfg.hidden] * (cfg.n_layers - 1) + [cfg.out_dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x):
         """x ``[..., in_dim]`` -> ``[..., out_dim]``.
