@@ -5,17 +5,17 @@
 Mesh(dp=2, tp=2)
 """
 from . import strategies  # noqa: F401  (registers the sharding rules)
+from .checkpoint import load_checkpoint, save_checkpoint
 from .constrain import constrain
 from .errors import AutoshardError, ExportError, HintError, PlanError, UserInputError
 from .mesh import Mesh
-from .placement import P, R, S, Partial, Replicate, Shard, Spec
+from .placement import P, Partial, R, Replicate, S, Shard, Spec
 from .plan import Plan
 from .program import Program, parallelize
-from .checkpoint import load_checkpoint, save_checkpoint
-from .viz import plot_timeline
 from .stages import stage
+from .viz import plot_timeline
 
-__all__ = ["parallelize", "Program", "Plan", "Mesh", "Spec", "S", "R", "P", "Shard", "Replicate", "Partial",
-           "AutoshardError", "ExportError", "HintError", "PlanError", "UserInputError", "constrain",
-           "save_checkpoint", "load_checkpoint", "plot_timeline", "stage"]
+__all__ = ["AutoshardError", "ExportError", "HintError", "Mesh", "P", "Partial", "Plan", "PlanError", "Program", "R",
+           "Replicate", "S", "Shard", "Spec", "UserInputError", "constrain", "load_checkpoint", "parallelize",
+           "plot_timeline", "save_checkpoint", "stage"]
 __version__ = "0.1.0"

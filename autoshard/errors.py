@@ -56,21 +56,21 @@ class ExportError(AutoshardError):
     True
     """
 
-    _ADVICE = [
-        ("data-dependent", "the model branches on tensor values; use torch.where / torch.cond instead of Python "
-                           "`if` on tensors, and avoid .item() / .tolist() in forward"),
-        ("guard", "the model branches on tensor values; use torch.where / torch.cond instead of Python `if` on "
-                  "tensors"),
-        ("unsupported", "the model uses a Python construct torch.export cannot trace; move it out of forward() "
-                        "or rewrite it with torch operations"),
-        ("same device", "put the example inputs on the model's device (for a model built on the meta device, pass "
-                        "meta inputs, e.g. torch.empty(shape, device='meta'))"),
-    ]
+    _ADVICE = (
+        ("data-dependent", ("the model branches on tensor values; use torch.where / torch.cond instead of Python "
+                           "`if` on tensors, and avoid .item() / .tolist() in forward")),
+        ("guard", ("the model branches on tensor values; use torch.where / torch.cond instead of Python `if` on "
+                  "tensors")),
+        ("unsupported", ("the model uses a Python construct torch.export cannot trace; move it out of forward() "
+                        "or rewrite it with torch operations")),
+        ("same device", ("put the example inputs on the model's device (for a model built on the meta device, pass "
+                        "meta inputs, e.g. torch.empty(shape, device='meta'))")),
+    )
     _DEFAULT_ADVICE = ("check that example_inputs match what forward() expects (count, shapes, dtypes, devices) and "
                        "that torch.export.export(model, example_inputs) works on its own")
 
     @classmethod
-    def from_exception(cls, exc: Exception) -> "ExportError":
+    def from_exception(cls, exc: Exception) -> ExportError:
         """The ExportError for an exception torch.export raised: its first line, the user's source line
         when one can be found, and advice matched to the kind of failure.
 

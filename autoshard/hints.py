@@ -56,7 +56,7 @@ class Hints:
     zero: dict = field(default_factory=dict)  # {axis name: ZeRO stage}, at most one axis
 
     @classmethod
-    def load(cls, path) -> "Hints":
+    def load(cls, path) -> Hints:
         """Read a hint file: JSON only (never code), at most 4 MiB (a dict or Hints passes through parse).
 
         >>> import json, os, tempfile
@@ -80,12 +80,13 @@ class Hints:
         if len(raw) > MAX_HINT_FILE_BYTES:
             raise HintError(f"hint file {str(path)!r} is {len(raw)} bytes; the limit is {MAX_HINT_FILE_BYTES} "
                             "(4 MiB). Use globs ('layers.*.attn.q.weight') instead of one key per layer")
-        from .plan_io import parse_json_bytes  # strict JSON; every failure is a HintError
+        # strict JSON; every failure is a HintError
+        from .plan_io import parse_json_bytes
         data = parse_json_bytes(raw, f"hint file {str(path)!r}", HintError)
         return cls.parse(data, source=str(path))
 
     @classmethod
-    def parse(cls, data, source: str = "hints") -> "Hints":
+    def parse(cls, data, source: str = "hints") -> Hints:
         """Hints from a dict in the hint-file format (None: no hints; Hints pass through); every
         malformed key or value is a HintError naming it (`source` names where the dict came from).
 

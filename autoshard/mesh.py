@@ -66,7 +66,7 @@ class Mesh:
         object.__setattr__(self, "names", names)
 
     @classmethod
-    def of(cls, mesh, axis_names=None) -> "Mesh":
+    def of(cls, mesh, axis_names=None) -> Mesh:
         """Accept a Mesh, a tuple of sizes or an int.
 
         >>> Mesh.of(4), Mesh.of((2, 2), ("dp", "tp"))
@@ -183,7 +183,7 @@ class Mesh:
         return {"shape": list(self.shape), "names": list(self.names), "named": self.named}
 
     @classmethod
-    def from_json(cls, data) -> "Mesh":
+    def from_json(cls, data) -> Mesh:
         """A mesh from `to_json`'s output.
 
         >>> Mesh.from_json({"shape": [2, 4], "names": ["dp", "tp"], "named": True})

@@ -117,7 +117,7 @@ class Spec(tuple):
         return "[" + ", ".join(repr(p) for p in self) + "]"
 
     @classmethod
-    def replicated(cls, ndim: int) -> "Spec":
+    def replicated(cls, ndim: int) -> Spec:
         """The spec that replicates on every one of `ndim` mesh axes.
 
         >>> Spec.replicated(2)
@@ -126,7 +126,7 @@ class Spec(tuple):
         return cls((R,) * ndim)
 
     @classmethod
-    def parse(cls, text: str) -> "Spec":
+    def parse(cls, text: str) -> Spec:
         """Parse the printed form `[S(0), R]` (one placement per mesh axis).
 
         >>> Spec.parse("[S(0), P]")
@@ -162,7 +162,7 @@ class Spec(tuple):
         """
         return all(isinstance(p, Replicate) for p in self)
 
-    def with_axis(self, axis: int, placement: Placement) -> "Spec":
+    def with_axis(self, axis: int, placement: Placement) -> Spec:
         """This spec with mesh axis `axis` changed to `placement`.
 
         >>> Spec([R, R]).with_axis(1, S(0))

@@ -7,13 +7,15 @@ plan fingerprint that ranks compare before their first collective. Every row car
 strategy per mesh axis (`choice`), so `Plan.save` / `Plan.load` (autoshard/plan_io.py: JSON only,
 checked against a schema) and `parallelize(..., plan=...)` reproduce the program without solving.
 
-The examples in this file use this plan (data parallel on dp, one weight sharded on tp):
+The examples in this file use this plan (data parallel on dp, one weight sharded on tp, the other
+parameters replicated there):
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp()
 >>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
-...                              hints={"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}})
+...                              hints={"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"},
+...                                     "layers.0.bias": {"tp": "R"}, "layers.[12].*": {"tp": "R"}})
 >>> plan = prog.plan
 >>> plan.rows[0].type
 'f32[128@tp, 32]'

@@ -11,11 +11,12 @@
 >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs))
 True
 
-Megatron's tensor parallelism of the same MLP, used by some examples below:
+Megatron's tensor parallelism of the same MLP (every parameter's placement given), used by some
+examples below:
 
 >>> tp = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
 ...                            hints={"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
-...                                   "layers.1.weight": {"tp": "S(1)"}})
+...                                   "layers.1.weight": {"tp": "S(1)"}, "layers.1.bias": {"tp": "R"}})
 """
 from __future__ import annotations
 

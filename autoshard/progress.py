@@ -69,7 +69,7 @@ class StepProgress:
         self._closed = False
         self._lock = threading.Lock()
 
-    def __enter__(self) -> StepProgress:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:

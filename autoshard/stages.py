@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.nn as nn
+from torch import nn
 
 from .errors import UserInputError
 

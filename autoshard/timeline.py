@@ -152,7 +152,7 @@ def _torch_order(config) -> dict[int, list[tuple]]:
     try:
         schedule = cls(stages, config.microbatches, loss_fn=lambda out, target: out)
         order = schedule.pipeline_order
-    except Exception as exc:  # noqa: BLE001  (torch internals changed: say so instead of guessing)
+    except Exception as exc:  # torch internals changed: say so instead of guessing
         raise PlanError(f"cannot read the action order of torch's {config.schedule} schedule ({exc}); the planned "
                         "timeline needs torch.distributed.pipelining's pipeline_order") from exc
     return {r: [(a.stage_index, str(a.computation_type).split(".")[-1].replace("FULL_BACKWARD", "B")

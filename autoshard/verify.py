@@ -10,7 +10,8 @@ the first step, and the parameters after the last step (largest relative differe
 >>> from autoshard.mesh import Mesh
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
->>> hints = {"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}}
+>>> hints = {"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "R"},
+...          "layers.1.*": {"tp": "R"}}
 >>> report, program = verify_simulated(model, inputs, loss_fn, mesh=(2, 2), axis_names=("dp", "tp"), hints=hints)
 >>> report.ok
 True

@@ -60,8 +60,9 @@ def _shorten(message: str) -> str:
 def rows(path: str) -> list[str]:
     """Markdown rows `| case | error | message |` of a file the plugin wrote."""
     seen, lines = set(), []
-    for line in open(path):
-        record = json.loads(line)
+    with open(path, encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle]
+    for record in records:
         message = _shorten(record["message"])
         if message in seen:
             continue

@@ -14,7 +14,7 @@ SCALE = max(1, int(os.environ.get("AUTOSHARD_FUZZ_SCALE", "1")))
 
 def fuzz_settings(examples: int, **overrides) -> settings:
     """Hypothesis settings for a property test that runs `examples` cases in the default suite."""
-    options = dict(max_examples=examples * SCALE, derandomize=SCALE == 1, deadline=None, database=None,
-                   print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    options = {"max_examples": examples * SCALE, "derandomize": SCALE == 1, "deadline": None, "database": None,
+               "print_blob": True, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
     options.update(overrides)
     return settings(**options)

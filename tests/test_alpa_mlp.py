@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import autoshard
 from autoshard.cost import HardwareProfile, Link, all_reduce_time

@@ -2,9 +2,16 @@
 Nothing is timed or judged here and RESULTS.md is not written; `python -m benchmarks` does that."""
 import pytest
 
-from benchmarks import plan_quality, planning, planning_scale, runtime_overhead, tp_modes, zero_memory
+from benchmarks import (
+    plan_quality,
+    planning,
+    planning_scale,
+    runtime_overhead,
+    tp_modes,
+    zero_memory,
+)
 
-TINY_GPT2 = {"gpt2": dict(batch=4, seq=8, dim=32, n_heads=4)}
+TINY_GPT2 = {"gpt2": {"batch": 4, "seq": 8, "dim": 32, "n_heads": 4}}
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +38,8 @@ def test_runtime_overhead_smallest():
 
 
 def test_planning_smallest():
-    result = planning.run(dict(model="llama", batch=2, seq=16, dim=64, n_heads=8, n_kv_heads=4, n_layers=2,
-                               ffn_dim=128, vocab_size=64, mesh=[2], memory_budget=float("inf")))
+    result = planning.run({"model": "llama", "batch": 2, "seq": 16, "dim": 64, "n_heads": 8, "n_kv_heads": 4, "n_layers": 2,
+                               "ffn_dim": 128, "vocab_size": 64, "mesh": [2], "memory_budget": float("inf")})
     assert result["plan_s"] > 0 and result["ilp"] and result["ilp"][0]["variables"] > 0
 
 

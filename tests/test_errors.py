@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import autoshard
 from autoshard import ExportError, HintError, Mesh, UserInputError
@@ -33,8 +33,8 @@ def test_every_error_class_is_an_autoshard_error():
 
 
 @pytest.mark.parametrize("mesh, message", [
-    ((2, 0), r"mesh=\(2, 0\): axis 1 has size 0, but every axis needs a positive integer size .*pass e\.g\. "
-             r"mesh=\(2, 4\)"),
+    ((2, 0), (r"mesh=\(2, 0\): axis 1 has size 0, but every axis needs a positive integer size .*pass e\.g\. "
+             r"mesh=\(2, 4\)")),
     ((-2,), r"mesh=\(-2,\): axis 0 has size -2, but every axis needs a positive integer size"),
     ((2, 2.0), r"mesh=\(2, 2\.0\): axis 1 has size 2\.0, but every axis needs a positive integer size"),
     ((2, "2"), r"axis 1 has size '2'"),
@@ -169,16 +169,16 @@ def test_hints_not_a_dict_or_path(small, hints):
     ([[2, 1], [1, 1]], r"'layers\.0:shard' needs \{\"in_strategy\": \[\[split counts per dim\] per input\]\}"),
     ({"in_strategy": [[2, 0], [1, 1]]}, r"in_strategy must be a list of lists of positive split counts"),
     ({"in_strategy": [2, 1]}, r"in_strategy must be a list of lists"),
-    ({"in_strategy": [[2, 1]]}, r"module 'layers\.0' has an op with 2 tensor inputs but in_strategy gives 1; "
-                                r"give one list per input"),
-    ({"in_strategy": [[2], [1, 1]]}, r"input 0 of 'layers\.0' has 2 dims \(shape \(8, 8\)\) but in_strategy gives "
-                                     r"1 counts; give one count per dim"),
-    ({"in_strategy": [[3, 1], [1, 1]]}, r"split count 3 does not divide dim 0 \(size 8\) of input 0 of 'layers\.0' "
-                                        r"\(input:0 .*\); use a count that divides it"),
-    ({"in_strategy": [[8, 1], [1, 1]]}, r"split count 8 on dim 0 of input 0 of 'layers\.0'.* matches no product of "
-                                        r"distinct mesh axes \[\('dp', 2\), \('tp', 2\)\]; use a count that is"),
-    ({"in_strategy": [[1, 2], [1, 1]]}, r"no mapping of the split counts \[\[1, 2\], \[1, 1\]\] onto the axes of "
-                                        r"Mesh\(dp=2, tp=2\).*aten\.linear\.default.*contracted dim"),
+    ({"in_strategy": [[2, 1]]}, (r"module 'layers\.0' has an op with 2 tensor inputs but in_strategy gives 1; "
+                                r"give one list per input")),
+    ({"in_strategy": [[2], [1, 1]]}, (r"input 0 of 'layers\.0' has 2 dims \(shape \(8, 8\)\) but in_strategy gives "
+                                     r"1 counts; give one count per dim")),
+    ({"in_strategy": [[3, 1], [1, 1]]}, (r"split count 3 does not divide dim 0 \(size 8\) of input 0 of 'layers\.0' "
+                                        r"\(input:0 .*\); use a count that divides it")),
+    ({"in_strategy": [[8, 1], [1, 1]]}, (r"split count 8 on dim 0 of input 0 of 'layers\.0'.* matches no product of "
+                                        r"distinct mesh axes \[\('dp', 2\), \('tp', 2\)\]; use a count that is")),
+    ({"in_strategy": [[1, 2], [1, 1]]}, (r"no mapping of the split counts \[\[1, 2\], \[1, 1\]\] onto the axes of "
+                                        r"Mesh\(dp=2, tp=2\).*aten\.linear\.default.*contracted dim")),
 ])
 def test_bad_split_counts(small, value, message):
     with pytest.raises(HintError, match=message):

@@ -2,7 +2,7 @@
 export failures, MindSpore split counts and `autoshard.constrain`."""
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import autoshard
 from autoshard import meta
@@ -12,7 +12,7 @@ from autoshard.verify import verify_simulated
 from autoshard.zoo import gpt2, mlp
 from autoshard.zoo.hints import plan_hints
 
-DP_TP = dict(mesh=(2, 2), axis_names=("dp", "tp"))
+DP_TP = {"mesh": (2, 2), "axis_names": ("dp", "tp")}
 
 
 def small_mlp(**kwargs):
@@ -117,7 +117,7 @@ def test_no_grad_region_is_exported_as_a_higher_order_op():
 def test_no_grad_in_forward_verifies_with_correct_gradients():
     torch.manual_seed(0)
     x = torch.randn(4, 8)
-    report, prog = verify_simulated(NoGradInside(), (x,), hints={"input:0": {"dp": "S(0)"}}, **DP_TP)
+    report, _prog = verify_simulated(NoGradInside(), (x,), hints={"input:0": {"dp": "S(0)"}}, **DP_TP)
     assert report.ok, report
     assert report.max_diff["grads"] <= 1e-6
     # Gradient through the region would differ: check the reference really stops it.

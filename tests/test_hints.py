@@ -5,7 +5,13 @@ import pytest
 
 from autoshard.constrain import parse_spec, spec_text
 from autoshard.errors import HintError
-from autoshard.hints import Hints, MAX_HINT_FILE_BYTES, check_placement_for, match_paths, unknown_target_error
+from autoshard.hints import (
+    MAX_HINT_FILE_BYTES,
+    Hints,
+    check_placement_for,
+    match_paths,
+    unknown_target_error,
+)
 from autoshard.placement import P, R, S
 
 EXAMPLE = {

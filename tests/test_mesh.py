@@ -3,7 +3,8 @@ import math
 
 import pytest
 from fuzzing import fuzz_settings
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from autoshard.mesh import Mesh
 

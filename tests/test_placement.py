@@ -5,11 +5,24 @@ import math
 import pytest
 import torch
 from fuzzing import fuzz_settings
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from autoshard.placement import (P, R, S, Partial, Replicate, Shard, Spec, describe_type, local_shape,
-                                 parse_placement, shard_index, shard_tensor, unshard_tensors)
-
+from autoshard.placement import (
+    P,
+    Partial,
+    R,
+    Replicate,
+    S,
+    Shard,
+    Spec,
+    describe_type,
+    local_shape,
+    parse_placement,
+    shard_index,
+    shard_tensor,
+    unshard_tensors,
+)
 
 # --- placements and specs ------------------------------------------------------------------------
 

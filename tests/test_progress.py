@@ -35,9 +35,8 @@ def test_a_slow_step_shows_the_bar_with_its_name():
 
 def test_not_interactive_is_silent_for_slow_steps():
     out = io.StringIO()
-    with StepProgress(1, "planning", delay_s=0.01, enabled=False, file=out) as progress:
-        with progress.step("solve"):
-            time.sleep(0.05)
+    with StepProgress(1, "planning", delay_s=0.01, enabled=False, file=out) as progress, progress.step("solve"):
+        time.sleep(0.05)
     assert out.getvalue() == "" and progress.bar is None
 
 

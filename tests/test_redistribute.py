@@ -11,15 +11,24 @@ import threading
 import pytest
 import torch
 from fuzzing import fuzz_settings
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
-from autoshard.placement import P, R, S, Partial, Spec, local_shape, shard_tensor, unshard_tensors
+from autoshard.placement import (
+    P,
+    Partial,
+    R,
+    S,
+    Spec,
+    local_shape,
+    shard_tensor,
+    unshard_tensors,
+)
 from autoshard.redistribute import Step, plan_redistribute
 from autoshard.runtime import collectives
 from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
-
 
 # --- helpers -------------------------------------------------------------------------------------
 
@@ -60,7 +69,7 @@ def run_on_mesh(mesh: Mesh, steps, blocks: dict, upstream: dict) -> dict:
     for t in threads:
         t.join()
     if errors:
-        rank, exc = sorted(errors.items())[0]
+        rank, exc = min(errors.items())
         raise AssertionError(f"rank {rank} failed: {type(exc).__name__}: {exc}") from exc
     return results
 

@@ -11,7 +11,7 @@ are dropped, and collectives stay visible call nodes naming their mesh axis.
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
 ...                              hints={"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
-...                                     "layers.1.weight": {"tp": "S(1)"}})
+...                                     "layers.1.weight": {"tp": "S(1)"}, "layers.1.bias": {"tp": "R"}})
 """
 from __future__ import annotations
 

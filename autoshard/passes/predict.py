@@ -13,7 +13,8 @@ The examples use Megatron's MLP on a 2-way tensor-parallel axis:
 >>> from autoshard.program import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
->>> hints = {"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"}, "layers.1.weight": {"tp": "S(1)"}}
+>>> hints = {"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"}, "layers.1.weight": {"tp": "S(1)"},
+...          "layers.1.bias": {"tp": "R"}}
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), hints=hints)
 """
 from __future__ import annotations

@@ -33,4 +33,4 @@ bert = bert.bert
 resnet = resnet.resnet
 vit = vit.vit
 
-__all__ = ["FACTORIES", "mlp", "gpt2", "llama", "bert", "resnet", "vit"]
+__all__ = ["FACTORIES", "bert", "gpt2", "llama", "mlp", "resnet", "vit"]

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_torchrun_example_trains_with_the_single_device_loss():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / "train_torchrun.py"), "--mesh", "2", "--axis-names", "dp", "--steps", "1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     logged = float(re.search(r"step 0: loss ([0-9.]+)", done.stdout).group(1))
     model, inputs, loss_fn = gpt2()

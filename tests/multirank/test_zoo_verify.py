@@ -40,7 +40,7 @@ def test_zoo_model_matches_single_device(pool_runner, model, mesh, names, batch_
 @pytest.mark.parametrize("mesh,names", [((2,), ("tp",)), ((4,), ("tp",)), ((2, 2), ("dp", "tp"))])
 def test_megatron_two_all_reduces_per_layer_each_way(pool_runner, model, mesh, names):
     batch = ("dp",) if "dp" in names else ()
-    report, program = verify_factory(f"autoshard.zoo:{model}", mesh, names,
+    report, _program = verify_factory(f"autoshard.zoo:{model}", mesh, names,
                                      hints=plan_hints(model, names, batch, "tp"), runner=pool_runner)
     assert report.ok, report
     layers = FACTORIES[model]()[0].cfg.n_layers

@@ -75,7 +75,7 @@ def test_recomputed_collectives_are_counted_as_predicted():
 
 
 def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
-    four_layers = lambda: gpt2(n_layers=4)  # noqa: E731
+    four_layers = lambda: gpt2(n_layers=4)
     free, _ = _plan(four_layers, "gpt2", checkpoint="auto")
     assert free.state.checkpoint_regions == []  # no budget given: nothing to save
     high = _plan(four_layers, "gpt2")[0].plan.predicted["memory_bytes_per_rank"]

@@ -1,7 +1,7 @@
 """annotate: hints resolved onto graph nodes (globs, tied aliases, module outputs, split counts, constrain)."""
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import autoshard
 from autoshard import meta

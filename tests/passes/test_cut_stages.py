@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import autoshard
 from autoshard import meta

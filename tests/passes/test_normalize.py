@@ -1,8 +1,8 @@
 """normalize: each rewrite's before/after op list, and the rewritten graph computes the same values."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from autoshard import meta
 from autoshard.frontend import trace
@@ -122,7 +122,7 @@ class AddMM(nn.Module):
 
 def test_addmm_and_baddbmm_become_matmul_plus_add():
     inputs = (torch.randn(3, 6), torch.randn(2, 3, 4))
-    loss = lambda out, x, y: out[0].sum() + out[1].sum()  # noqa: E731
+    loss = lambda out, x, y: out[0].sum() + out[1].sum()
     before, after = normalized(AddMM(), inputs, loss)
     assert ops(before)[:2] == ["aten.addmm.default", "aten.baddbmm.default"]
     assert ops(after)[:4] == ["aten.mm.default", "aten.add.Tensor", "aten.bmm.default", "aten.add.Tensor"]
@@ -131,7 +131,7 @@ def test_addmm_and_baddbmm_become_matmul_plus_add():
 
 def test_addmm_with_beta_is_left_alone():
     inputs = (torch.randn(3, 6), torch.randn(2, 3, 4))
-    before, after = normalized(AddMM(beta=0.5), inputs, lambda out, x, y: out[0].sum() + out[1].sum())
+    _before, after = normalized(AddMM(beta=0.5), inputs, lambda out, x, y: out[0].sum() + out[1].sum())
     assert ops(after)[0] == "aten.addmm.default"
 
 

@@ -3,7 +3,7 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import autoshard
 import autoshard.verify
@@ -53,7 +53,7 @@ def test_hinted_parameters_keep_their_placement_and_ops_follow():
     specs = {r.path: r.spec for r in prog.plan.rows if r.kind == "param"}
     assert specs == {"q.weight": "[S(0)]", "k.weight": "[S(0)]", "v.weight": "[S(0)]", "out.weight": "[S(1)]",
                      "norm.weight": "[R]", "norm.bias": "[R]"}
-    linear_out = [r for r in prog.plan.rows if r.path == "q" and r.op == "linear.default"][0]
+    linear_out = next(r for r in prog.plan.rows if r.path == "q" and r.op == "linear.default")
     assert linear_out.spec == "[S(1)]"  # column parallel: the output's feature dim is sharded
 
 
@@ -134,7 +134,7 @@ def test_unknown_op_is_replicated_with_a_warning_naming_it():
     with pytest.warns(UserWarning, match=r"no sharding rule for aten\.special_i0"):
         prog = autoshard.parallelize(Odd(), (2,), (torch.randn(4, 4),), axis_names=("dp",),
                                      hints={"input:0": {"dp": "S(0)"}})
-    node = [r for r in prog.plan.rows if "i0" in r.op][0]
+    node = next(r for r in prog.plan.rows if "i0" in r.op)
     assert node.spec == "[R]"
 
 

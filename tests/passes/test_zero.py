@@ -122,7 +122,7 @@ def test_zero_3_plan_saves_and_applies_unchanged(case, tmp_path):
 
 def test_zero_2_refuses_to_train_without_the_sharded_optimizer(case):
     prog = _plan(case, zero=2)
-    model, inputs, _ = case
+    _model, inputs, _ = case
 
     def step(module):
         loss, _ = module(*module.local_inputs(*inputs))

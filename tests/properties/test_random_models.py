@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from fuzzing import fuzz_settings
-from hypothesis import given, reject, strategies as st
+from hypothesis import given, reject
+from hypothesis import strategies as st
+from torch import nn
 
 from autoshard.errors import HintError
 from autoshard.verify import verify_simulated

@@ -1,10 +1,10 @@
 """Tier 2: random pipelines (depth, stage count, cut, micro-batches, a data-parallel axis or not) run in
 the simulator and train exactly like the single device; failures shrink to the smallest such case."""
 import torch
-import torch.nn as nn
 from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 from autoshard.verify import verify_simulated
 

@@ -1,6 +1,6 @@
 """Edge cases found by the random-model property tests (size-1 mesh axes, models without parameters)."""
 import torch
-import torch.nn as nn
+from torch import nn
 
 from autoshard.verify import verify_simulated
 

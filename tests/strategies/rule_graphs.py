@@ -8,7 +8,7 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from autoshard.strategies import candidates_for, tensor_inputs
 from autoshard.strategies.base import output_shapes

@@ -1,12 +1,12 @@
 """Exact candidate sets of the einsum-like rules (linear, mm, bmm, matmul, einsum, embedding, conv)."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from rule_graphs import aten, candidate_set, candidates_of, hand_node
+from torch import nn
 
 from autoshard.strategies import candidates_for
 from autoshard.strategies.einsum import einsum_strategies, matmul_subscripts
-from rule_graphs import aten, candidate_set, candidates_of, hand_node
 
 REPL2 = "(R, R) -> R"
 PARTIALS2 = {"(P, R) -> P", "(R, P) -> P"}

@@ -1,10 +1,16 @@
 """Exact candidate sets of the special ops: norms, batch norm, attention, nll_loss, creation, gathers."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-
-from rule_graphs import aten, candidate_set, candidates_of, export_graph, find_node, hand_node
+from rule_graphs import (
+    aten,
+    candidate_set,
+    candidates_of,
+    export_graph,
+    find_node,
+    hand_node,
+)
+from torch import nn
 
 X = torch.randn(4, 6, 8)
 

@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from rule_graphs import aten, candidate_set, candidates_of, export_graph, find_node
 
 X = torch.randn(4, 6, 8)

@@ -1,7 +1,6 @@
 """Exact candidate sets of reductions: sums go partial, max/var/softmax keep the reduced dim whole."""
 import pytest
 import torch
-
 from rule_graphs import aten, candidate_set, candidates_of, hand_node
 
 X = torch.randn(4, 6, 8)

@@ -4,9 +4,10 @@ import math
 
 import torch
 from fuzzing import fuzz_settings
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from autoshard.placement import Spec, S, R, local_shape, shard_tensor
+from autoshard.placement import R, S, Spec, local_shape, shard_tensor
 from autoshard.strategies.views import reshape_dim_map, reshape_groups
 
 SETTINGS = fuzz_settings(150)
@@ -21,7 +22,7 @@ def factorizations(draw):
         cuts = sorted(draw(st.sets(st.integers(1, max(len(values) - 1, 1)), max_size=len(values))))
         cuts = [c for c in cuts if 0 < c < len(values)]
         bounds = [0, *cuts, len(values)]
-        shape = [math.prod(values[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        shape = [math.prod(values[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
         for _ in range(draw(st.integers(0, 2))):
             shape.insert(draw(st.integers(0, len(shape))), 1)
         return tuple(shape)

@@ -2,8 +2,8 @@
 shards the dim the rule once misread (split/chunk dims, var keepdim, norm dims, sort, 3-D sdpa)."""
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from autoshard.verify import verify_simulated
 

@@ -1,9 +1,17 @@
 """Exact candidate sets of the view family: reshape algebra, permute, expand, slice/select/split/cat, getitem."""
 import pytest
 import torch
+from rule_graphs import (
+    GETITEM,
+    aten,
+    candidate_set,
+    candidates_of,
+    export_graph,
+    find_node,
+    hand_node,
+)
 
 from autoshard.strategies.views import reshape_dim_map, reshape_groups
-from rule_graphs import GETITEM, aten, candidate_set, candidates_of, export_graph, find_node, hand_node
 
 X = torch.randn(4, 6, 8)
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
