@@ -42,7 +42,8 @@ class CompileState:
     @property
     def semi_auto(self) -> bool:
         """Any user constraint (hint file/dict or `autoshard.constrain` in forward) makes the plan
-        semi-automatic: unhinted parameters stay replicated and hinted shardings propagate.
+        semi-automatic: hinted shardings propagate; unhinted parameters stay replicated on the axes where
+        the user sharded an input (data parallelism) and elsewhere follow their ops (a bias its weight).
 
         >>> state.semi_auto, CompileState(state.gm, state.mesh, traced, hints={"input:0": {"dp": "S(0)"}}).semi_auto
         (False, True)

@@ -31,10 +31,11 @@ def strategies(state) -> None:
     """
     mesh = state.mesh
     semi_auto = state.semi_auto
+    batch_axes = _batch_hinted_axes(state.gm.graph)
     unknown: dict[str, list[str]] = {}
     for node in state.gm.graph.nodes:
         if node.op == "placeholder":
-            node.meta[meta.CANDIDATES] = [_placeholder_candidates(node, axis, k, semi_auto)
+            node.meta[meta.CANDIDATES] = [_placeholder_candidates(node, axis, k, semi_auto, axis in batch_axes)
                                           for axis, k in enumerate(mesh.shape)]
         elif node.op == "call_function" and is_tensor_value(node):
             in_shapes = [_first_shape(n) for n in tensor_inputs(node)]
@@ -69,13 +70,24 @@ def _first_shape(node):
     return shapes[0] if shapes else ()
 
 
-def _placeholder_candidates(node, axis: int, axis_size: int, semi_auto: bool) -> list[AxisStrategy]:
+def _batch_hinted_axes(graph) -> set:
+    """Axes on which the user sharded an input (their data-parallel axes)."""
+    return {axis for n in graph.nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"
+            for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}
+
+
+def _placeholder_candidates(node, axis: int, axis_size: int, semi_auto: bool,
+                            batch_axis: bool = False) -> list[AxisStrategy]:
     found = [AxisStrategy((), R)]
     hinted = node.meta.get(meta.HINT, {}).get(axis)
     if axis_size == 1:  # nothing to split; a hint's placement is the same thing on one device
         return found + ([AxisStrategy((), hinted)] if hinted is not None and hinted != R else [])
-    if semi_auto:  # unhinted placeholders stay replicated
+    if semi_auto and (node.meta.get(meta.KIND) != "param" or batch_axis):
+        # Unhinted inputs and buffers stay replicated, and so do parameters on the user's data-parallel
+        # axes (the user chose data parallelism there).
         return found + ([AxisStrategy((), hinted)] if hinted is not None and hinted != R else [])
+    # Elsewhere an unhinted parameter may be stored sharded in semi-auto mode too: a bias then follows
+    # its weight's sharding (GSPMD's propagation) instead of being chunked, or the activation moved.
     shape = _first_shape(node)
     found += [AxisStrategy((), Shard(d)) for d, size in enumerate(shape) if size % axis_size == 0 and size >= axis_size]
     return found
