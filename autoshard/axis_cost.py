@@ -6,6 +6,15 @@ when the strategy splits the work. Communication follows the duality rule: a rep
 op that splits its work gets a partial gradient, all-reduced in backward (`comm_bwd` for activations,
 `sync` for parameters, reduced after backward). Memory is what the node keeps on a device: a
 parameter with its gradient and optimizer state, an input, or an activation saved for backward.
+
+>>> from autoshard.cost import HardwareProfile
+>>> from autoshard.program import state_before
+>>> from autoshard.placement import R, S
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("dp",))
+>>> graph = state.gm.graph
+>>> linear = next(n for n in graph.nodes if n.target is torch.ops.aten.linear.default)
+>>> model = AxisCostModel(state.mesh, 0, HardwareProfile(), needs_grad(graph))
 """
 from __future__ import annotations
 
@@ -25,7 +34,11 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class CostBreakdown:
-    """Seconds (compute, backward all-reduces, gradient sync) and bytes kept per device."""
+    """Seconds (compute, backward all-reduces, gradient sync) and bytes kept per device.
+
+    >>> CostBreakdown(compute=1e-6, memory=128).to_json()
+    {'compute_s': 1e-06, 'comm_bwd_s': 0.0, 'sync_s': 0.0, 'memory_bytes': 128}
+    """
 
     compute: float = 0.0
     comm_bwd: float = 0.0
@@ -33,11 +46,20 @@ class CostBreakdown:
     memory: float = 0.0
 
     def to_json(self):
+        """The breakdown as JSON (what `explain` shows).
+
+        >>> CostBreakdown(sync=2e-6).to_json()["sync_s"]
+        2e-06
+        """
         return {"compute_s": self.compute, "comm_bwd_s": self.comm_bwd, "sync_s": self.sync, "memory_bytes": self.memory}
 
 
 def needs_grad(graph) -> dict:
-    """Which values carry a gradient: parameters and everything float computed from them."""
+    """Which values carry a gradient: parameters and everything float computed from them.
+
+    >>> sorted(n.name for n, g in needs_grad(graph).items() if g)[:4]  # graph: see the module docstring
+    ['add_tensor', 'add_tensor_1', 'div_tensor', 'linear_default']
+    """
     out = {}
     for node in graph.nodes:
         val = node.meta.get("val")
@@ -53,7 +75,11 @@ def needs_grad(graph) -> dict:
 
 class AxisCostModel:
     """Cost terms on mesh axis `axis`. `other` arguments give the node's strategies on the other
-    axes already fixed ({axis: AxisStrategy}); sizes are divided by the shards they imply."""
+    axes already fixed ({axis: AxisStrategy}); sizes are divided by the shards they imply.
+
+    >>> model.k, model.link.bandwidth  # model: see the module docstring
+    (2, 200000000000.0)
+    """
 
     def __init__(self, mesh, axis, profile, grad, optimizer_state_factor: float = 2.0):
         self.mesh, self.axis, self.profile = mesh, axis, profile
@@ -69,13 +95,30 @@ class AxisCostModel:
         return nbytes
 
     def local_bytes(self, node, other: dict) -> float:
-        """Bytes of the node's output after the other axes' placements (whole on this axis)."""
+        """Bytes of the node's output after the other axes' placements (whole on this axis).
+
+        >>> model.local_bytes(linear, {})  # the [8, 8] float32 output of the first linear
+        256.0
+        """
         return self._shrink(float(node_bytes(node)), {b: c.output for b, c in other.items()})
 
     def input_bytes(self, producer, pos, other: dict) -> float:
+        """Bytes of `producer` as the consumer takes it at input `pos` (placements of the other axes).
+
+        >>> model.input_bytes(linear.args[1], 1, {})  # the [8, 4] weight
+        128.0
+        """
         return self._shrink(float(node_bytes(producer)), {b: c.inputs[pos] for b, c in other.items()})
 
     def node(self, node, cand, other: dict) -> CostBreakdown:
+        """The breakdown of one candidate: data parallel halves the work and syncs the weight's gradient.
+
+        >>> replicated, batch_split = linear.meta["autoshard.candidates"][0][:2]
+        >>> model.node(linear, replicated, {}).memory, model.node(linear, batch_split, {}).memory
+        (256.0, 128.0)
+        >>> model.node(linear, batch_split, {}).sync > 0
+        True
+        """
         kept = self.local_bytes(node, other) / (self.k if isinstance(cand.output, Shard) else 1)
         if node.op == "placeholder":
             kind = node.meta.get(meta.KIND)
@@ -100,7 +143,11 @@ class AxisCostModel:
         return CostBreakdown(compute, comm_bwd, sync, saved)
 
     def edge(self, producer, produced, wanted, producer_other: dict) -> float:
-        """Seconds (forward + backward) to turn the producer's placement into the consumer's."""
+        """Seconds (forward + backward) to turn the producer's placement into the consumer's.
+
+        >>> model.edge(linear, S(0), R, {})  # all-gather 256 bytes over 2 ranks: latency + 128 B / bandwidth
+        5.00064e-06
+        """
         if produced == wanted:
             return 0.0
         if isinstance(producer.meta.get("val"), (tuple, list)):

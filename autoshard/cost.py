@@ -63,7 +63,7 @@ class HardwareProfile:
                 "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "HardwareProfile":
+    def from_json(cls, data: dict) -> HardwareProfile:
         """A profile from JSON (e.g. what `python -m autoshard calibrate` wrote); unknown keys are errors.
 
         >>> HardwareProfile.from_json({"name": "x", "peak_flops": 1e12}).peak_flops
@@ -113,6 +113,7 @@ def load_profile(spec) -> HardwareProfile:
     True
     """
     import json
+
     from .errors import UserInputError
     if spec is None or isinstance(spec, HardwareProfile):
         return spec
@@ -186,7 +187,7 @@ def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link:
 
 
 @functools.lru_cache(maxsize=65536)
-def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: "HardwareProfile",
+def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: HardwareProfile,
                         with_backward: bool = True) -> float:
     """Forward (+ backward) seconds of the exact collectives `plan_redistribute(src, dst)` emits.
 

@@ -22,7 +22,7 @@ three mesh axes, and the solver/insert_comm derive the collectives. Activations 
 >>> tp = colossal_hints("gpt2", dict(tensor=dict(size=4, mode="2d")))
 >>> tp.mesh_shape, tp.axis_names
 ((2, 2), ('row', 'col'))
->>> tp.hints["layers.*.attn.q.weight"]
+>>> tp.hints["layers.*.attn.[qkv].weight"]
 {'row': 'S(1)', 'col': 'S(0)'}
 """
 from __future__ import annotations
@@ -37,7 +37,11 @@ MODES = ("1d", "2d", "2.5d", "3d")
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """What a ColossalAI `parallel=` config means here: hints plus the mesh they are written for."""
+    """What a ColossalAI `parallel=` config means here: hints plus the mesh they are written for.
+
+    >>> colossal_hints("llama", dict(tensor=dict(size=8, mode="2.5d", depth=2))).mesh_shape
+    (2, 2, 2)
+    """
 
     mode: str
     mesh_shape: tuple
@@ -74,7 +78,11 @@ def _layouts(mode: str):
 
 
 def mesh_for(mode: str, size: int, depth: int | None = None) -> tuple[tuple, tuple]:
-    """Mesh shape and axis names of a ColossalAI tensor config (errors say which sizes are valid)."""
+    """Mesh shape and axis names of a ColossalAI tensor config (errors say which sizes are valid).
+
+    >>> mesh_for("3d", 8), mesh_for("2.5d", 8, depth=2)
+    (((2, 2, 2), ('x', 'y', 'z')), ((2, 2, 2), ('dep', 'row', 'col')))
+    """
     if mode == "1d":
         return (size,), ("tp",)
     if mode == "2d":
@@ -95,7 +103,11 @@ def mesh_for(mode: str, size: int, depth: int | None = None) -> tuple[tuple, tup
 
 
 def linear_roles(model) -> tuple[list[str], list[str]]:
-    """Module globs of the column (first of a pair) and row (second) linears of a zoo model."""
+    """Module globs of the column (first of a pair) and row (second) linears of a zoo model.
+
+    >>> linear_roles("gpt2")
+    (['layers.*.attn.[qkv]', 'layers.*.mlp.fc1'], ['layers.*.attn.proj', 'layers.*.mlp.fc2'])
+    """
     from .zoo.hints import _MEGATRON
     name = model if isinstance(model, str) else type(model).__name__.lower()
     if name not in _MEGATRON or name == "resnet":
@@ -112,7 +124,12 @@ def colossal_hints(model, parallel: dict, column=None, row=None) -> TensorParall
     """ColossalAI's `parallel=dict(data=N, tensor=dict(size=S, mode='1d'|'2d'|'2.5d'|'3d', depth=D))`
     as autoshard hints and the mesh they need (a data axis "dp" goes first when data > 1).
 
-    `model` is a zoo model (name or instance) or any model with `column`/`row` module globs given."""
+    `model` is a zoo model (name or instance) or any model with `column`/`row` module globs given.
+
+    >>> plan = colossal_hints("gpt2", dict(data=2, tensor=dict(size=4, mode="2d")))
+    >>> plan.axis_names, plan.hints["input:0"]
+    (('dp', 'row', 'col'), {'dp': 'S(0)', 'row': 'S(0)'})
+    """
     if not isinstance(parallel, dict) or not isinstance(parallel.get("tensor"), dict):
         raise UserInputError(f"parallel= must look like dict(tensor=dict(size=8, mode='3d')), got {parallel!r:.80}")
     unknown = set(parallel) - {"data", "tensor", "pipeline"}
@@ -150,7 +167,13 @@ def colossal_hints(model, parallel: dict, column=None, row=None) -> TensorParall
 
 
 def apply_parallel_config(model, parallel: dict, mesh, axis_names, hints):
-    """`parallelize(..., parallel=...)`: the mesh, axis names and hints (user hints win) of the config."""
+    """`parallelize(..., parallel=...)`: the mesh, axis names and hints (user hints win) of the config.
+
+    >>> mesh, names, hints = apply_parallel_config("gpt2", dict(tensor=dict(size=2, mode="1d")), None, None,
+    ...                                            {"layers.*.mlp.fc1.weight": {"tp": "R"}})
+    >>> mesh, names, hints["layers.*.mlp.fc1.weight"]
+    ((2,), ('tp',), {'tp': 'R'})
+    """
     tp = colossal_hints(model, parallel)
     if mesh is not None and tuple(mesh) != tp.mesh_shape:
         raise UserInputError(f"parallel={parallel!r} needs mesh {tp.mesh_shape} (axes {tp.axis_names}), but mesh="
@@ -164,7 +187,11 @@ def apply_parallel_config(model, parallel: dict, mesh, axis_names, hints):
 
 def llama_layer_linears(dim: int, ffn_dim: int, kv_dim: int):
     """(H_in, H_out) of a Llama block's linears, grouped by the activation they gather: q/k/v share the
-    attention norm's output, w1/w3 the FFN norm's; wo and w2 are the second linear of their pair."""
+    attention norm's output, w1/w3 the FFN norm's; wo and w2 are the second linear of their pair.
+
+    >>> llama_layer_linears(dim=32, ffn_dim=64, kv_dim=16)["row"]
+    [(32, 32), (64, 32)]
+    """
     return {"column": [[(dim, dim), (dim, kv_dim), (dim, kv_dim)], [(dim, ffn_dim), (dim, ffn_dim)]],
             "row": [(dim, dim), (ffn_dim, dim)]}
 

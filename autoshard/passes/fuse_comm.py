@@ -9,6 +9,16 @@ reduce-scatter in backward, not an all-reduce plus a free chunk (twice the bytes
 Why it is exact: the gradient's all-reduce on a commutes with the collectives on other axes between
 the two nodes, and all-reduce followed by this rank's chunk is a reduce-scatter.
 Invariant: the values and gradients every rank computes are unchanged; specs are unchanged.
+
+>>> import torch
+>>> from autoshard.program import state_before
+>>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 8))
+>>> hints = {"1:output": {"tp": "S(0)"}, "2.weight": {"tp": "S(0)"}}  # tokens split, then column parallel
+>>> state = state_before("fuse_comm", net, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=hints)
+>>> def collectives(state):
+...     return [n.meta["autoshard.comm"]["op"] for n in state.gm.graph.nodes if "autoshard.comm" in n.meta]
+>>> collectives(state)
+['chunk', 'all_gather', 'grad_all_reduce']
 """
 from __future__ import annotations
 
@@ -17,6 +27,12 @@ from ..runtime.collectives import COLLECTIVES
 
 
 def fuse_comm(state) -> None:
+    """The pass: fuse every all_gather with the grad_all_reduce on its axis that follows it.
+
+    >>> fuse_comm(state)  # state: see the module docstring
+    >>> collectives(state)
+    ['chunk', 'all_gather_sum_grad']
+    """
     graph = state.gm.graph
     for node in list(graph.nodes):
         info = node.meta.get(meta.COMM)

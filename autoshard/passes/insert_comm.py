@@ -13,10 +13,16 @@ is instead reduced after backward by the bucketed grad sync (also when a use gat
 ZeRO axis) is gathered by its own `param_all_gather` right before each use, which also reduce-scatters
 its gradient. Invariant: every edge's producer spec equals its consumer's required spec, and every
 gradient arrives in its dual placement.
+
+>>> import torch
+>>> from autoshard.program import state_before
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
+>>> state = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
 """
 from __future__ import annotations
 
-import torch.fx as fx
+from torch import fx
 
 from .. import meta
 from ..placement import Shard, Spec
@@ -27,6 +33,14 @@ from ..strategies.base import is_tensor_value
 
 
 def insert_comm(state) -> None:
+    """The pass: a chain of collectives on every edge whose placements differ (see the module docstring).
+    The row-parallel output is partial; its bias follows the column split, so it is reduce-scattered:
+
+    >>> insert_comm(state)
+    >>> [(n.meta["autoshard.comm"]["op"], n.meta["autoshard.comm"]["axis"]) for n in state.gm.graph.nodes
+    ...  if "autoshard.comm" in n.meta]
+    [('reduce_scatter', 'tp')]
+    """
     graph = state.gm.graph
     names = state.mesh.names
     uses: dict = {}

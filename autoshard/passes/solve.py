@@ -23,6 +23,12 @@ sharded tensor back to replicated, cost `PROPAGATION_PENALTY` times their price 
 where no op can keep the sharding), and on axes where the user sharded an input the gradient
 reduction of replicated parameters is not charged (sharding the batch *is* the user's choice of data
 parallelism).
+
+>>> import torch
+>>> from autoshard.program import state_before
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
+>>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
 """
 
 from __future__ import annotations
@@ -33,10 +39,15 @@ import torch
 
 from .. import meta
 from ..axis_cost import AxisCostModel, needs_grad
-from ..cost import all_gather_time, all_reduce_time
-from ..flops import node_bytes
-from ..cost import DEFAULT_PROFILE, INF, redistribution_time
+from ..cost import (
+    DEFAULT_PROFILE,
+    INF,
+    all_gather_time,
+    all_reduce_time,
+    redistribution_time,
+)
 from ..errors import HintError
+from ..flops import node_bytes
 from ..ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from ..layers import decision_classes
 from ..placement import Replicate, Shard, Spec
@@ -55,6 +66,13 @@ JOINT_MAX_VARIABLES = 150_000
 
 
 def solve(state) -> None:
+    """The pass: one strategy per node and mesh axis (see the module docstring). Unhinted biases follow
+    their weights' sharding:
+
+    >>> solve(state)
+    >>> {n.meta["autoshard.path"]: str(n.meta["autoshard.spec"]) for n in state.gm.graph.nodes if n.op == "placeholder"}
+    {'0.weight': '[S(0)]', '0.bias': '[S(0)]', '2.weight': '[S(1)]', '2.bias': '[S(0)]', 'input:0': '[R]'}
+    """
     from .zero import planned_zero, solve_with_zero
     state.zero_for_memory = planned_zero(state)  # a requested ZeRO shrinks the memory row from the start
     try:
@@ -90,7 +108,15 @@ solve.name = "solve"
 
 
 def record_choice(node, chosen, grad) -> None:
-    """Write a node's chosen strategies (one per axis) and what follows from them (also used by apply_plan)."""
+    """Write a node's chosen strategies (one per axis) and what follows from them (also used by apply_plan).
+
+    >>> from autoshard.axis_cost import needs_grad
+    >>> solved = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
+    >>> linear = next(n for n in solved.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    >>> record_choice(linear, linear.meta["autoshard.choice"], needs_grad(solved.gm.graph))
+    >>> linear.meta["autoshard.choice"], linear.meta["autoshard.spec"], linear.meta["autoshard.in_specs"]
+    ([(R, S(0)) -> S(1)], [S(1)], [[R], [S(0)]])
+    """
     node.meta[meta.CHOICE] = chosen
     node.meta[meta.SPEC] = Spec(c.output for c in chosen)
     n_in = len(chosen[0].inputs) if chosen else 0
@@ -287,7 +313,7 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism
                   for n in nodes}
     classes, class_of = decision_classes(
         nodes, lambda n: (tuple(tuple(sorted(c.items())) for c in combos[n]), node_bytes(n),
-                          tuple(tuple(c.output for c in choices[n]))))
+                          tuple(c.output for c in choices[n])))
     sizes = [len(combos[members[0]]) for members in classes]
     costs = [[0.0] * size for size in sizes]
     memory = [[0.0] * size for size in sizes]
