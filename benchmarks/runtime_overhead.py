@@ -19,7 +19,7 @@ from .timing import interleaved_times, median_ratio, slowest_rank
 
 N_LAYERS = 4
 # hidden -> (repetitions, steps per timed sample): small steps are repeated to rise above timer noise.
-FULL = {64: (40, 5), 512: (15, 1)}
+FULL = {64: (60, 5), 512: (25, 1)}
 QUICK = {64: (3, 2)}
 DTENSOR_GOAL_AT_64 = 0.5  # "about half the time where per-op overhead dominates"
 
