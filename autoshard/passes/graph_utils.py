@@ -59,3 +59,14 @@ def val_of(node: fx.Node):
     torch.Size([8, 32])
     """
     return node.meta.get("val")
+
+
+def data_parallel_axes(nodes) -> set:
+    """Mesh axes on which the user sharded an input (their data-parallel axes), from annotate's hints.
+
+    >>> data_parallel_axes(gm.graph.nodes)  # no hints in this graph
+    set()
+    """
+    from ..placement import Shard
+    return {axis for n in nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"
+            for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}

@@ -8,9 +8,9 @@ collective nodes calling `autoshard.runtime.collectives.*` (meta `autoshard.kind
 Duality rule: a replicated input of an op that splits its work on an axis gets a partial gradient
 there. For activations a `grad_all_reduce` node (identity forward, all-reduce backward) restores
 the replicated gradient; one node per (producer, spec) serves every consumer, so q/k/v projections of
-one input cost one backward all-reduce. A parameter whose every use is direct and partial on an axis
-is instead reduced after backward by the bucketed grad sync (also when a use gathers it on other axes). A ZeRO-3 parameter (stored S(d) on the
-ZeRO axis) is gathered by its own `param_all_gather` right before each use, which also reduce-scatters
+one input cost one backward all-reduce. A parameter partial on an axis in every use, and converted by
+none of them on that axis, is instead reduced after backward by the bucketed grad sync. A ZeRO-3
+parameter (stored S(d) on the ZeRO axis) is gathered by its own `param_all_gather` right before each use, which also reduce-scatters
 its gradient. Invariant: every edge's producer spec equals its consumer's required spec, and every
 gradient arrives in its dual placement.
 

@@ -54,6 +54,7 @@ from ..placement import Replicate, Shard, Spec
 from ..strategies import tensor_inputs
 from ..strategies.base import RuleContext, feasible, output_shapes
 from .annotate import INPUT_HINT
+from .graph_utils import data_parallel_axes
 
 aten = torch.ops.aten
 _SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
@@ -279,12 +280,6 @@ def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others) -> flo
     return refund * _SCALE
 
 
-def _data_parallel_axes(nodes) -> set:
-    """Axes on which the user sharded an input: gradient sync there is their choice, so it is not charged."""
-    return {axis for n in nodes if n.meta.get(meta.KIND) == "input"
-            for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}
-
-
 def _zero_memory_scale(node, combo, prior, state, models) -> float:
     """A parameter's memory under the ZeRO stage being planned for (`state.zero_for_memory`), relative to
     without; its placement on the ZeRO axis is the candidate's, the earlier decision's, or R (undecided)."""
@@ -301,7 +296,7 @@ def _zero_memory_scale(node, combo, prior, state, models) -> float:
 def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism: float = 1.0):
     """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
     mesh = state.mesh
-    free_sync = _data_parallel_axes(nodes) if semi_auto else set()
+    free_sync = data_parallel_axes(nodes) if semi_auto else set()  # gradient sync there is the user's choice
     profile = models[0].profile
 
     def others(node, combo, axis):

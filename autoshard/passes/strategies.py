@@ -14,6 +14,7 @@ from .. import meta
 from ..placement import R, Shard
 from ..strategies import AxisStrategy, candidates_for, tensor_inputs
 from ..strategies.base import is_tensor_value, output_shapes
+from .graph_utils import data_parallel_axes
 
 
 def strategies(state) -> None:
@@ -31,7 +32,7 @@ def strategies(state) -> None:
     """
     mesh = state.mesh
     semi_auto = state.semi_auto
-    batch_axes = _batch_hinted_axes(state.gm.graph)
+    batch_axes = data_parallel_axes(state.gm.graph.nodes)
     unknown: dict[str, list[str]] = {}
     for node in state.gm.graph.nodes:
         if node.op == "placeholder":
@@ -68,12 +69,6 @@ def _on_axis(candidates: list[AxisStrategy], axis_size: int, node, axis: int) ->
 def _first_shape(node):
     shapes = output_shapes(node)
     return shapes[0] if shapes else ()
-
-
-def _batch_hinted_axes(graph) -> set:
-    """Axes on which the user sharded an input (their data-parallel axes)."""
-    return {axis for n in graph.nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"
-            for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}
 
 
 def _placeholder_candidates(node, axis: int, axis_size: int, semi_auto: bool,
