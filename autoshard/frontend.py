@@ -11,6 +11,8 @@ other names are kept as aliases.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +69,30 @@ class Traced:
     output_spec: object = None  # pytree spec of the model's outputs
 
 
+# While `reuse_exports()` is active: (model, loss_fn, input shapes) -> the ExportedProgram, kept unmodified.
+_EXPORTS: dict | None = None
+
+
+@contextlib.contextmanager
+def reuse_exports():
+    """Within the block, tracing one model and loss at the same input shapes exports once: the
+    pipeline search plans several candidates whose micro-batch programs often share their shapes.
+    Each trace still gets its own copy of the graph (the passes rewrite it in place).
+
+    >>> with reuse_exports():
+    ...     first, second = trace(model, inputs, loss_fn), trace(model, inputs, loss_fn)
+    >>> first.gm is not second.gm and first.gm.code == second.gm.code
+    True
+    """
+    global _EXPORTS
+    outer = _EXPORTS
+    _EXPORTS = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _EXPORTS = outer
+
+
 def trace(model, example_inputs, loss_fn=None) -> Traced:
     """Export `loss_fn(model(*inputs), *inputs)` (or the default loss) at ATen level; every placeholder
     gets `autoshard.kind` and `autoshard.path`, every op its module path.
@@ -95,16 +121,21 @@ def trace(model, example_inputs, loss_fn=None) -> Traced:
             raise UserInputError(f"example_inputs[{i}] is of type {type(value).__name__}, not a torch.Tensor; "
                                  "autoshard shards tensor inputs only. Bind other arguments into the model (e.g. "
                                  "functools.partial or module attributes) and pass only tensors.")
-    step = _TrainStep(model, loss_fn)
-    try:
-        exported = torch.export.export(step, tuple(example_inputs), strict=False)
-    except Exception as exc:  # re-raised with what to do; the original stays chained
-        raise ExportError.from_exception(exc) from exc
-    return _lift(exported, model, len(example_inputs))
+    key = (id(model), id(loss_fn), tuple((tuple(v.shape), v.dtype, str(v.device)) for v in example_inputs))
+    exported = _EXPORTS.get(key) if _EXPORTS is not None else None
+    if exported is None:
+        step = _TrainStep(model, loss_fn)
+        try:
+            exported = torch.export.export(step, tuple(example_inputs), strict=False)
+        except Exception as exc:  # re-raised with what to do; the original stays chained
+            raise ExportError.from_exception(exc) from exc
+        if _EXPORTS is not None:
+            _EXPORTS[key] = exported
+    gm = copy.deepcopy(exported.graph_module) if _EXPORTS is not None else exported.graph_module
+    return _lift(exported, gm, model, len(example_inputs))
 
 
-def _lift(exported, model, n_inputs) -> Traced:
-    gm = exported.graph_module
+def _lift(exported, gm, model, n_inputs) -> Traced:
     sig = exported.graph_signature
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     to_param = {k: meta._strip_root(v) for k, v in sig.inputs_to_parameters.items()}

@@ -90,9 +90,11 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
                "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint}
     if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
         options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
+    from .frontend import reuse_exports
     from .pipeline_search import choose_pipeline
-    choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
-                             unnamed=unnamed, debug=debug)
+    with reuse_exports():  # the pipeline search's candidates often trace the same shapes
+        choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
+                                 unnamed=unnamed, debug=debug)
     if choice is not None:
         return choice
     state, history = compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan)

@@ -249,3 +249,19 @@ def test_constrain_partial_activation():
     assert report.ok, report
     (node,) = prog.state.gm.graph.find_nodes(op="call_function", target=torch.ops.autoshard.constrain.default)
     assert node.meta[meta.SPEC] == Spec((P,))
+
+
+def test_pipeline_search_exports_each_shape_once(monkeypatch):
+    """Unnamed (2,2) mesh, 2 devices per node: the search plans no pipeline and a pipeline over each axis
+    (inter- and intra-node differ). Both pipelines trace the same micro-batch shapes: one export each."""
+    from autoshard.cost import HardwareProfile
+    exports = []
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(a[1][0].shape) or export(*a, **k))
+    model, inputs, loss_fn = mlp(n_layers=4)
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, profile=HardwareProfile(devices_per_node=2))
+    pipelined = [c for c in prog.plan.search["candidates"] if c["axis"] is not None and "microbatches" in c]
+    assert len(pipelined) == 2 and pipelined[0]["microbatches"] == pipelined[1]["microbatches"]
+    # 5 compiles (no pipeline; per axis the first micro-batch count and the re-planned one) but each
+    # shape is traced once: the full batch and the two micro-batch sizes.
+    assert len(exports) == len(set(exports)) == 3
