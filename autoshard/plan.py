@@ -127,7 +127,11 @@ class Plan:
         """Read a plan file written by `save`: JSON only, at most 64 MiB, checked against the plan schema;
         anything wrong raises PlanFileError saying what, where (JSON path, node) and what to do.
 
-        >>> # Plan.load("plan.json"), or directly: autoshard.parallelize(model, mesh, inputs, plan="plan.json")
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> plan.save(path)
+        >>> Plan.load(path).fingerprint == plan.fingerprint  # or autoshard.parallelize(..., plan=path)
+        True
         """
         from .plan_io import load_plan
         return load_plan(path)
@@ -346,7 +350,8 @@ class Plan:
         """{node name: predicted {"seconds", "memory_bytes", "sync_s"} per step and rank} from the predict
         pass; empty for a plan loaded from JSON (which keeps only decisions and totals).
 
-        >>> # prog.plan.row_costs()["linear_default"]["seconds"]  -> forward+backward compute seconds
+        >>> plan.row_costs()["linear_default"]["seconds"] > 0  # forward + backward compute seconds
+        True
         """
         if self._state is None:
             return {}
@@ -356,7 +361,8 @@ class Plan:
     def diff(self, other: Plan):
         """What changed from this plan to `other`: placements, collectives, predicted time/memory/bytes.
 
-        >>> # print(prog_dp.plan.diff(prog_tp.plan))   # or display it in a notebook (HTML)
+        >>> bool(plan.diff(plan))  # nothing changed; print it, or display it in a notebook (HTML)
+        False
         """
         from .plan_diff import diff_plans
         return diff_plans(self, other)
@@ -364,7 +370,12 @@ class Plan:
     def draw(self, collapse=(), color_by: str = "auto"):
         """The sharded graph as a picture (SVG in notebooks, text in terminals); see `autoshard.viz`.
 
-        >>> # prog.plan.draw(collapse=["layers.1"], color_by="stage").save("graph.svg")
+        >>> import warnings
+        >>> with warnings.catch_warnings():  # without graphviz's `dot`: the built-in layout, with a warning
+        ...     warnings.simplefilter("ignore")
+        ...     picture = plan.draw(collapse=["layers.1"])
+        >>> "<svg" in picture.svg and "layers.1" in repr(picture)
+        True
         """
         from .viz import draw_graph
         return draw_graph(self, collapse=collapse, color_by=color_by)
@@ -372,14 +383,20 @@ class Plan:
     def to_svg(self, collapse=(), color_by: str = "auto") -> str:
         """The sharded graph as SVG text (graphviz when its `dot` binary is installed, else a built-in layout).
 
-        >>> # open("graph.svg", "w").write(prog.plan.to_svg())
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     svg = plan.to_svg()
+        >>> svg.rstrip().endswith("</svg>")
+        True
         """
         return self.draw(collapse, color_by).svg
 
     def draw_mesh(self):
         """The device mesh as a picture: each axis's size and what the plan uses it for.
 
-        >>> # prog.plan.draw_mesh()
+        >>> "<svg" in plan.draw_mesh().svg
+        True
         """
         from .viz import draw_mesh
         return draw_mesh(self.mesh, self.axis_roles())

@@ -87,7 +87,9 @@ class PlanDiff:
     after)} communicated bytes per step (forward + backward + gradient sync); `only_before` /
     `only_after`: node names present in one plan only (a different model or inputs).
 
-    >>> # d = prog_a.plan.diff(prog_b.plan); print(d); d.totals["step_time_s"]  -> (before, after)
+    >>> before, after = d.totals["step_time_s"]  # d: see the module docstring
+    >>> (before, after) == (dp.plan.predicted["step_time_s"], tp.plan.predicted["step_time_s"])
+    True
     """
 
     before: object
@@ -163,7 +165,8 @@ class PlanDiff:
 def diff_plans(before, after) -> PlanDiff:
     """What changed from plan `before` to plan `after` (both `autoshard.Plan`, compiled or loaded).
 
-    >>> # diff_plans(prog_a.plan, prog_b.plan) is prog_a.plan.diff(prog_b.plan)
+    >>> diff_plans(dp.plan, tp.plan).placements == dp.plan.diff(tp.plan).placements
+    True
     """
     old = {r.name: r for r in before.rows if r.kind != "comm"}
     new = {r.name: r for r in after.rows if r.kind != "comm"}

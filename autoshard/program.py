@@ -203,7 +203,12 @@ class Program:
     def draw(self, collapse=(), color_by: str = "auto"):
         """The sharded graph as a picture, like `prog.plan.draw(...)`: SVG in notebooks, text in terminals.
 
-        >>> # prog.draw(collapse=["layers.1"]).save("graph.svg")
+        >>> import warnings
+        >>> with warnings.catch_warnings():  # without graphviz's `dot`: the built-in layout, with a warning
+        ...     warnings.simplefilter("ignore")
+        ...     picture = tp.draw(collapse=["layers.1"])
+        >>> "<svg" in picture.svg
+        True
         """
         return self.plan.draw(collapse, color_by)
 

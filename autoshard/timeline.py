@@ -221,7 +221,14 @@ def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
 def planned_timeline(program) -> Timeline:
     """The step the plan predicts for a pipelined program (its stage table and the pp link).
 
-    >>> # print(planned_timeline(prog))  # == prog.planned_timeline(); .plot() in a notebook
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+    ...                              pipeline={"microbatches": 2})
+    >>> planned = planned_timeline(pipe)  # == pipe.planned_timeline(); print it, or .plot() in a notebook
+    >>> planned.ranks, planned.span() == pipe.plan.pipeline["simulated_step_s"]
+    ([0, 1], True)
     """
     config = program.config
     table = program.state.pipeline_stages
@@ -235,7 +242,17 @@ def measured_timeline(results: dict, program) -> Timeline:
     """The measured step from rank results of `pipeline_rank_run` ({rank: {"timeline": [...]}}): one row
     per pp rank (the rank with intra-op coordinate 0 of each pp coordinate).
 
-    >>> # results = runner(verify_rank_task, ...); print(measured_timeline(results, prog))
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+    ...                              pipeline={"microbatches": 2})
+    >>> results = {0: {"timeline": [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 2.0, 4.0)]},  # what ranks report
+    ...            1: {"timeline": [(1, "F", 0, 1.0, 2.0)]}}
+    >>> print(measured_timeline(results, pipe))
+    measured timeline: step 4 s, bubble 50.0%
+      pp rank 0: FFFFFFFFFFFFFFFFFF..................BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB
+      pp rank 1: ..................FFFFFFFFFFFFFFFFFF....................................
     """
     events = []
     for rank, res in sorted(results.items()):
