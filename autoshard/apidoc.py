@@ -3,8 +3,7 @@
 One section per module of the package (found from the files, so a new module appears by itself): its
 docstring, then each public class and function defined there with its signature and docstring, a
 class's public methods and properties under it. Examples (`>>>`) and indented blocks become code blocks.
-Modules listed in PENDING (docstrings still being written; none now) are left out until they are done; the
-docstring test (tests/test_tutorial.py) checks the same modules, and tests/test_apidoc.py fails when
+The docstring test (tests/test_tutorial.py) checks the same modules, and tests/test_apidoc.py fails when
 docs/api.md differs from what `render()` writes, so the page cannot go stale.
 
     python -m autoshard.apidoc            # rewrite docs/api.md
@@ -16,7 +15,6 @@ class `Step(op: str, axis: int, dim: int | None = None, to_dim: int | None = Non
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import importlib
 import inspect
 import re
@@ -25,8 +23,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 API_PAGE = ROOT / "docs" / "api.md"
-# Modules whose docstrings other work is still changing; the reference and the docstring test skip them.
-PENDING: tuple = ()
 
 
 def all_modules() -> list[str]:
@@ -45,12 +41,12 @@ def all_modules() -> list[str]:
 
 
 def documented_modules() -> list[str]:
-    """The modules the reference covers and the docstring test checks: all but PENDING.
+    """The modules the reference covers and the docstring test checks: every module of the package.
 
-    >>> "autoshard.mesh" in documented_modules(), len(documented_modules()) == len(all_modules()) - len(PENDING)
-    (True, True)
+    >>> documented_modules() == all_modules()
+    True
     """
-    return [m for m in all_modules() if not any(fnmatch.fnmatchcase(m, p) for p in PENDING)]
+    return all_modules()
 
 
 def public_members(module) -> list[tuple[str, object]]:

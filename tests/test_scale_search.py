@@ -1,7 +1,5 @@
 """The scale search (autoshard/scale_search.py): one export, tp inside a node, memory forces model
 parallelism, and its figures are the project's own predictions (equal to parallelize's where both apply)."""
-import doctest
-
 import pytest
 import torch
 
@@ -18,14 +16,6 @@ def tiny_profile(memory_bytes=1e9, devices_per_node=4):
     return HardwareProfile(name="tiny", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=memory_bytes,
                            devices_per_node=devices_per_node, intra_node=Link(5e-6, 1e10),
                            inter_node=Link(1e-5, 1e9))
-
-
-def test_docstring_examples_run():
-    finder = doctest.DocTestFinder()
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in finder.find(scale_search):
-        runner.run(test)
-    assert runner.failures == 0, f"{runner.failures} failing examples (run with -s to see them)"
 
 
 def test_model_is_exported_once_for_every_candidate(monkeypatch):

@@ -43,8 +43,7 @@ def test_tutorial_code_runs(tmp_path, monkeypatch):
     assert namespace["optimizer"].state[trained.layers[0].weight]["momentum_buffer"].shape == (128, 32)
 
 
-# Every module of the package (found from its files) except those still being written (apidoc.PENDING);
-# docs/api.md covers the same modules.
+# Every module of the package (found from its files); docs/api.md covers the same modules.
 DOCUMENTED = documented_modules()
 
 
