@@ -8,6 +8,11 @@ An optional memory row bounds sum(memory[c, s] * x[c, s]). A shared charge is pa
 its groups is chosen: a variable y in [0, 1] with y >= sum(x over the group) for every group, costing
 `cost * y` (the backward all-reduce of a value used by several split ops happens once).
 
+Plans are canonical: a second solve keeps the objective within `tie_slack` of the optimum and minimises
+`tie_order` (fewest bytes kept per device, then the candidates' fixed order), so the choice depends on
+the problem alone, not on the HiGHS version, seed, presolve or thread count
+(tests/properties/test_solver_reproducible.py).
+
 Two classes with two candidates each; the edge forbids mixing candidate 0 of one with candidate 1 of
 the other. The cheapest consistent choice is candidate 1 for both:
 
@@ -17,6 +22,9 @@ the other. The cheapest consistent choice is candidate 1 for both:
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from dataclasses import dataclass, field
 
 import highspy
@@ -51,6 +59,19 @@ class IlpProblem:
         """
         return len(self.sizes)
 
+    def evaluate(self, choice) -> float:
+        """The objective of one choice per class (what the solver minimises): candidate costs, the edges
+        between the chosen pairs, and each shared charge once when any of its groups is chosen.
+
+        >>> problem.evaluate([1, 1]), problem.evaluate([0, 0])
+        (3.0, 6.0)
+        """
+        total = sum(self.costs[c][s] for c, s in enumerate(choice))
+        total += sum(matrix[choice[c]][choice[d]] for (c, d), matrix in self.edges.items())
+        chosen = set(enumerate(choice))
+        total += sum(cost for cost, groups in self.shared if any(chosen.intersection(g) for g in groups))
+        return total
+
 
 @dataclass
 class IlpResult:
@@ -67,8 +88,8 @@ class IlpResult:
     constraints: int
 
 
-def solve_ilp(problem: IlpProblem) -> IlpResult:
-    """Solve `problem` exactly (HiGHS, one thread, fixed seed: the same choice on every rank).
+def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
+    """Solve `problem` exactly and canonically (the same choice on every rank and installation).
 
     A memory budget the cheapest choice exceeds forces the other one:
 
@@ -96,11 +117,12 @@ def solve_ilp(problem: IlpProblem) -> IlpResult:
             name = problem.names[c] if problem.names else str(c)
             raise PlanError(f"no sharding of {name} is compatible with its fixed neighbours (a multi-output or "
                             "in-place operand would need resharding)")
-    h = highspy.Highs()
+    h = quiet_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 0)
-    h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", 0.0)  # exact optimum: compute can dwarf the communication differences
+    for key, value in {**_OVERRIDES, **(options or {})}.items():
+        h.setOptionValue(key, value)
     start, obj, upper = [], [], []
     for c in range(problem.n_classes):
         start.append(len(obj))
@@ -139,16 +161,119 @@ def solve_ilp(problem: IlpProblem) -> IlpResult:
     if problem.budget is not None and problem.memory is not None:
         idx = [start[c] + s for c, n in enumerate(problem.sizes) for s in range(n)]
         rows.add(-highspy.kHighsInf, problem.budget, idx, [m for per in problem.memory for m in per])
+    n_rows = rows.count
     rows.flush(h)
+    _run(h, problem)
+    objective = h.getInfo().objective_function_value
+    # Ties: among the plans within TIE_TOLERANCE of the optimum, take the canonical one (see tie_order), so
+    # that the plan does not depend on the solver's build, seed or options.
+    nonzero = [i for i, cost in enumerate(obj) if cost != 0.0]
+    h.addRow(-highspy.kHighsInf, objective + tie_slack(objective), len(nonzero), np.array(nonzero, dtype=np.int32),
+             np.array([obj[i] for i in nonzero], dtype=np.float64))
+    order = tie_order(problem, allowed)
+    secondary = np.zeros(n_var)
+    for c, ranks in enumerate(order):
+        secondary[start[c]:start[c] + len(ranks)] = ranks
+    h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), secondary)
+    try:
+        _run(h, problem)
+    except MemoryBudgetError:  # the optimum satisfies the row: older HiGHS presolves it away wrongly
+        h.setOptionValue("presolve", "off")
+        _run(h, problem)
+    values = h.getSolution().col_value
+    choice = [max(range(n), key=lambda s: values[start[c] + s]) for c, n in enumerate(problem.sizes)]
+    return IlpResult(choice, problem.evaluate(choice), n_var, n_rows)
+
+
+_OVERRIDES: dict = {}
+
+
+@contextlib.contextmanager
+def highs_options(**options):
+    """HiGHS options for every ILP solved inside the block (tests use it to show that the plan does not
+    depend on the solver's seed, presolve or threads).
+
+    >>> with highs_options(random_seed=7, presolve="off"):
+    ...     solve_ilp(problem).choice
+    [1, 1]
+    """
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(options)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+TIE_RELATIVE = 1e-9  # plans whose objectives differ by less than this (plus 1 ns) are equally good
+
+
+def tie_slack(objective: float) -> float:
+    """How far above the optimum (in the solver's microseconds) a plan still counts as a tie.
+
+    >>> tie_slack(0.0), tie_slack(1e6)
+    (0.001, 0.002)
+    """
+    return TIE_RELATIVE * abs(objective) + 1e-3
+
+
+def tie_order(problem: IlpProblem, allowed=None) -> list[list[float]]:
+    """The second objective that makes the plan canonical: per class, each candidate's rank when its
+    candidates are ordered by bytes kept per device, then by their position in the candidate list (a
+    fixed order: the strategy registry's); class c's ranks weigh 1 + c / classes, so that two plans rarely
+    tie on the sum.
+
+    >>> tie_order(IlpProblem(sizes=[2, 2], costs=[[0.0, 0.0]] * 2, memory=[[8.0, 4.0], [1.0, 1.0]]))
+    [[1.0, 0.0], [0.0, 1.5]]
+    """
+    out = []
+    n = problem.n_classes
+    for c, size in enumerate(problem.sizes):
+        memory = problem.memory[c] if problem.memory is not None else [0.0] * size
+        ranked = sorted(range(size), key=lambda s: (memory[s], s))
+        weight = 1.0 + c / n
+        ranks = [0.0] * size
+        for r, s in enumerate(ranked):
+            ranks[s] = r * weight
+        out.append(ranks)
+    return out
+
+
+def _run(h, problem) -> None:
     h.run()
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
         raise MemoryBudgetError(problem)
     if status != highspy.HighsModelStatus.kOptimal:
         raise PlanError(f"the sharding ILP found no plan ({h.modelStatusToString(status)})")
-    values = h.getSolution().col_value
-    choice = [max(range(n), key=lambda s: values[start[c] + s]) for c, n in enumerate(problem.sizes)]
-    return IlpResult(choice, h.getInfo().objective_function_value, n_var, rows.count)
+
+
+_banner_shown = False
+
+
+def quiet_highs():
+    """A `highspy.Highs` without the copyright banner HiGHS prints on stdout at its first construction in
+    a process (it would corrupt `plan --json`): that one construction runs with file descriptor 1 on
+    /dev/null.
+
+    >>> type(quiet_highs()).__name__
+    'Highs'
+    """
+    global _banner_shown
+    if _banner_shown:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _banner_shown = True
+    return h
 
 
 class MemoryBudgetError(PlanError):

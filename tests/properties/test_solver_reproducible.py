@@ -1,0 +1,113 @@
+"""Tier 2: the plan is a function of the model, mesh, hints and profile alone -- not of the HiGHS build,
+seed, presolve or thread count. Random ILPs full of ties (small integer costs) and random models are
+solved under several solver option sets and must give the same choice; small ILPs are also checked
+against brute force: the choice is optimal and, among the optimal ones, the canonical one (tie_order).
+"""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import torch
+from fuzzing import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
+from test_random_models import NAMES, cases
+
+import autoshard
+from autoshard.errors import HintError, PlanError
+from autoshard.frontend import reuse_exports
+from autoshard.ilp import INF, IlpProblem, highs_options, solve_ilp, tie_order, tie_slack
+
+# Threads are tried in a fresh process (below): HiGHS sizes one scheduler per process at its first solve.
+OPTION_SETS = [{}, {"random_seed": 11}, {"presolve": "off"},
+               {"random_seed": 5, "presolve": "off", "mip_heuristic_effort": 0.3}]
+
+
+@st.composite
+def problems(draw):
+    sizes = draw(st.lists(st.integers(1, 3), min_size=2, max_size=6))
+    n = len(sizes)
+    costs = [[float(draw(st.integers(0, 2))) for _ in range(k)] for k in sizes]
+    edges = {}
+    for c, d in itertools.combinations(range(n), 2):
+        if draw(st.booleans()):
+            edges[(c, d)] = [[draw(st.sampled_from([0.0, 0.0, 1.0, INF])) for _ in range(sizes[d])]
+                             for _ in range(sizes[c])]
+    memory = [[float(draw(st.integers(0, 3))) for _ in range(k)] for k in sizes]
+    shared = []
+    if draw(st.booleans()):  # a charge's groups each hold candidates of one class (one consumer's)
+        classes = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3, unique=True))
+        groups = [sorted({(c, draw(st.integers(0, sizes[c] - 1))) for _ in range(2)}) for c in classes]
+        shared.append((float(draw(st.integers(1, 2))), groups))
+    return IlpProblem(sizes, costs, edges, memory, None, shared)
+
+
+def brute_force(problem):
+    """(optimal objective, the canonical choice among the optimal ones) by enumeration."""
+    order = tie_order(problem)
+    feasible = [c for c in itertools.product(*[range(k) for k in problem.sizes])
+                if all(m[c[a]][c[b]] != INF for (a, b), m in problem.edges.items())]
+    if not feasible:
+        return None, None
+    best = min(problem.evaluate(c) for c in feasible)
+    ties = [c for c in feasible if problem.evaluate(c) <= best + tie_slack(best)]
+    return best, list(min(ties, key=lambda c: sum(order[k][s] for k, s in enumerate(c))))
+
+
+@fuzz_settings(100)
+@given(problems())
+def test_ilp_choice_is_optimal_canonical_and_independent_of_solver_options(problem):
+    best, canonical = brute_force(problem)
+    if best is None:
+        return
+    choices = []
+    for options in OPTION_SETS:
+        try:
+            with highs_options(**options):
+                choices.append(solve_ilp(problem).choice)
+        except PlanError as exc:  # an edge with only forbidden pairs at a single-candidate end
+            choices.append(str(exc))
+    assert all(c == choices[0] for c in choices), choices
+    if isinstance(choices[0], list):
+        assert problem.evaluate(choices[0]) == best
+        assert sum(tie_order(problem)[k][s] for k, s in enumerate(choices[0])) == \
+            sum(tie_order(problem)[k][s] for k, s in enumerate(canonical))
+
+
+@fuzz_settings(6)
+@given(cases())
+def test_random_model_plans_are_independent_of_solver_options(case):
+    fingerprints, x = [], torch.randn(case.shape)
+    with reuse_exports():  # one export; each option set solves again
+        for options in OPTION_SETS:
+            with highs_options(**options):
+                try:
+                    prog = autoshard.parallelize(case.model, case.mesh, (x,), axis_names=NAMES[: len(case.mesh)],
+                                                 hints=case.hints)
+                except HintError:
+                    return  # a random hint no op can meet: nothing to compare
+                fingerprints.append(prog.plan.fingerprint)
+    assert len(set(fingerprints)) == 1, f"{case!r}\n{fingerprints}"
+
+
+FINGERPRINTS = """
+import sys
+import autoshard
+from autoshard.ilp import highs_options
+from autoshard.zoo import gpt2, llama, mlp
+with highs_options(**eval(sys.argv[1])):
+    for factory in (mlp, gpt2, llama):
+        model, inputs, loss_fn = factory()
+        prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("a", "b"))
+        print(factory.__name__, prog.plan.fingerprint)
+"""
+
+
+def test_zoo_plans_are_independent_of_solver_threads():
+    """Fresh processes (HiGHS fixes its thread count at the first solve): automatic plans of zoo models
+    with the default thread count and with 2 threads have the same fingerprints."""
+    runs = [subprocess.run([sys.executable, "-c", FINGERPRINTS, repr(options)], capture_output=True, text=True,
+                           timeout=600, check=True).stdout for options in ({}, {"threads": 2})]
+    assert runs[0] == runs[1] and runs[0].count("\n") == 3, runs
