@@ -157,6 +157,44 @@ def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
     return 0.0 if k == 1 else (k - 1) / k * local_bytes / link.bandwidth + (k - 1) * link.alpha
 
 
+# The collective table: each collective op the planner emits (autoshard.comm's "op") as the ring
+# collective it runs in forward and the one its backward runs, each priced on that direction's bytes (the
+# runtime's convention, see the module docstring). The ILP, predict, the stage table and the scale search
+# all price communication through `collective_time`.
+COLLECTIVES = {"all_reduce": ("all_reduce", None), "grad_all_reduce": (None, "all_reduce"),
+               "all_gather": ("all_gather", None), "chunk": (None, "all_gather"),
+               "param_all_gather": ("all_gather", "reduce_scatter"), "reduce_scatter": ("reduce_scatter", "all_gather"),
+               "all_gather_sum_grad": ("all_gather", "reduce_scatter"), "all_to_all": ("all_to_all", "all_to_all")}
+_RING = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
+         "all_to_all": all_to_all_time}
+
+
+def collective_time(op: str, fwd_bytes: float, bwd_bytes: float, k: int, link: Link) -> float:
+    """Seconds of one emitted collective, forward and backward: a direction that moves no bytes (a chunk's
+    forward is a local slice; a value without a gradient has no backward) costs nothing.
+
+    >>> link = Link(1e-5, 1e9)
+    >>> collective_time("reduce_scatter", 1e6, 1e6, 4, link) == reduce_scatter_time(1e6, 4, link) + all_gather_time(1e6, 4, link)
+    True
+    >>> collective_time("chunk", 0, 0, 4, link)   # forward slice, no gradient: free
+    0.0
+    """
+    total = 0.0
+    for ring, nbytes in zip(COLLECTIVES[op], (fwd_bytes, bwd_bytes)):
+        if ring is not None and nbytes > 0:
+            total += _RING[ring](nbytes, k, link)
+    return total
+
+
+def collective_latency(op: str, fwd_bytes: float, bwd_bytes: float, k: int, link: Link) -> float:
+    """The part of `collective_time` that does not shrink with the bytes (per-message latencies).
+
+    >>> round(collective_latency("all_gather_sum_grad", 1e6, 1e6, 4, Link(1e-5, 1e9)), 9)  # 2 x 3 steps of 10 us
+    6e-05
+    """
+    return collective_time(op, fwd_bytes, bwd_bytes, k, Link(link.alpha, math.inf))
+
+
 def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link: Link,
                     with_backward: bool = True) -> float:
     """Forward (+ backward, for values with a gradient) time of turning `src` into `dst` on one axis;
@@ -174,16 +212,16 @@ def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link:
         return INF  # making a partial sum out of a full tensor is never needed (even on a size-1 axis)
     if k == 1:
         return 0.0
-    bwd = 1.0 if with_backward else 0.0
+    bwd = nbytes if with_backward else 0.0
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
-            return all_reduce_time(nbytes, k, link)
-        return reduce_scatter_time(nbytes, k, link) + bwd * all_gather_time(nbytes, k, link)
+            return collective_time("all_reduce", nbytes, 0, k, link)
+        return collective_time("reduce_scatter", nbytes, bwd, k, link)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return all_gather_time(nbytes, k, link)
+        return collective_time("all_gather", nbytes, 0, k, link)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return bwd * all_gather_time(nbytes, k, link)  # free forward chunk, gathered gradient
-    return (1.0 + bwd) * all_to_all_time(nbytes / k, k, link)
+        return collective_time("chunk", 0, bwd, k, link)  # free forward chunk, gathered gradient
+    return collective_time("all_to_all", nbytes / k, bwd / k, k, link)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -204,16 +242,9 @@ def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: Hard
     for step in steps:
         local = global_bytes / math.prod(mesh_shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
         k, link = mesh_shape[step.axis], profile.link(mesh_shape, step.axis)
-        bwd = 1.0 if with_backward else 0.0
-        if step.op == "all_reduce":
-            total += all_reduce_time(local, k, link)
-        elif step.op == "all_gather":
-            total += all_gather_time(local * k, k, link)
-        elif step.op == "chunk":
-            total += bwd * all_gather_time(local, k, link)
-        elif step.op == "reduce_scatter":
-            total += reduce_scatter_time(local, k, link) + bwd * all_gather_time(local, k, link)
-        else:
-            total += (1.0 + bwd) * all_to_all_time(local, k, link)
+        bwd = local if with_backward else 0.0
+        fwd_bwd = {"all_reduce": (local, 0), "all_gather": (local * k, 0), "chunk": (0, bwd),
+                   "reduce_scatter": (local, bwd), "all_to_all": (local, bwd)}[step.op]
+        total += collective_time(step.op, *fwd_bwd, k, link)
         spec = step.apply(spec)
     return total

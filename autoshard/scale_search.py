@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from . import meta
-from .cost import HardwareProfile, Link, all_reduce_time
+from .cost import HardwareProfile, Link, all_reduce_time, collective_latency
 from .errors import AutoshardError, UserInputError
 from .flops import is_matmul_like, node_flops
 from .frontend import Traced, trace
@@ -54,7 +54,7 @@ from .passes.checkpoint import region_savings
 from .passes.cut_stages import boundary_bytes
 from .passes.manager import CompileState, run_passes
 from .passes.normalize import normalize
-from .passes.predict import NODE_COST, _collective_time, local_bytes
+from .passes.predict import NODE_COST, collective_bytes, local_bytes
 from .pipeline_search import estimate_step
 
 # A100-80GB nodes of 8: 312 TFLOP/s bf16, ~2 TB/s HBM, NVLink ~300 GB/s per GPU inside a node, one
@@ -451,7 +451,8 @@ def _units(state, profile) -> tuple[list[Unit], list]:
             unit.fixed_s += cost.get("seconds", 0.0)
         elif comm:
             axis = mesh.axis(comm["axis"])
-            unit.fixed_s += _collective_time(comm["op"], 0, 0, mesh.shape[axis], profile.link(mesh.shape, axis))
+            unit.fixed_s += collective_latency(comm["op"], *collective_bytes(node, mesh), mesh.shape[axis],
+                                               profile.link(mesh.shape, axis))
         elif is_matmul_like(node):
             unit.flops += node_flops(node)
     for index, nodes in members.items():

@@ -89,19 +89,15 @@ def _region_of(node, regions):
 
 def _recompute(state, node) -> tuple[float, dict]:
     """Seconds of recomputing one node in backward, and the forward bytes per axis a collective resends."""
-    from ..cost import DEFAULT_PROFILE
-    from .predict import (  # predict imports this module
-        COMM_COST,
-        NODE_COST,
-        _collective_time,
-    )
+    from ..cost import DEFAULT_PROFILE, collective_time
+    from .predict import COMM_COST, NODE_COST  # predict imports this module
     if node.meta.get(meta.KIND) != "comm":
         return node.meta[NODE_COST]["seconds"] / 3, {}  # NODE_COST counts forward + backward (x3)
     info, mesh = node.meta[meta.COMM], state.mesh
     axis = mesh.axis(info["axis"])
     link = (state.options.get("profile") or DEFAULT_PROFILE).link(mesh.shape, axis)
     fwd = node.meta[COMM_COST]["fwd_bytes"]
-    return _collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
+    return collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
 
 
 def region_savings(state, nodes) -> tuple[float, float]:

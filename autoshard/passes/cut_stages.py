@@ -31,7 +31,8 @@ import torch
 
 from .. import meta
 from ..errors import PlanError, UserInputError
-from .predict import NODE_COST, local_bytes
+from ..cost import collective_latency
+from .predict import NODE_COST, collective_bytes, local_bytes
 
 STAGE = "autoshard.stage"
 AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidate cut; above, module boundaries
@@ -331,7 +332,6 @@ def stage_summary(state, config) -> list[dict]:
     from ..axis_cost import needs_grad
     grads = getattr(state, "grad_flags", None) or needs_grad(state.gm.graph)
     from ..cost import DEFAULT_PROFILE
-    from .predict import _collective_time
     profile = state.options.get("profile") or DEFAULT_PROFILE
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
             "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0}
@@ -353,7 +353,8 @@ def stage_summary(state, config) -> list[dict]:
         comm = node.meta.get(meta.COMM)
         if comm:  # the part of a collective's time that does not shrink with the micro-batch
             axis = state.mesh.axis(comm["axis"])
-            row["latency_s"] += _collective_time(comm["op"], 0, 0, state.mesh.shape[axis],
+            fwd, bwd = collective_bytes(node, state.mesh, grads.get(node, False))
+            row["latency_s"] += collective_latency(comm["op"], fwd, bwd, state.mesh.shape[axis],
                                                  profile.link(state.mesh.shape, axis))
         stack = module_stack(node)
         if stack:

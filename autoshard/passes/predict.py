@@ -23,13 +23,7 @@ import math
 
 from .. import meta
 from ..axis_cost import needs_grad
-from ..cost import (
-    DEFAULT_PROFILE,
-    all_gather_time,
-    all_reduce_time,
-    all_to_all_time,
-    reduce_scatter_time,
-)
+from ..cost import DEFAULT_PROFILE, all_reduce_time, collective_time
 from ..flops import is_matmul_like, node_bytes, node_flops
 from ..placement import Shard
 from ..zero_cost import apply_zero, gather_bytes
@@ -69,18 +63,6 @@ def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
     return fwd, bwd if has_grad else 0
 
 
-def _collective_time(op, fwd, bwd, k, link) -> float:
-    if op in ("all_reduce", "grad_all_reduce"):
-        return all_reduce_time(fwd + bwd, k, link)
-    if op in ("all_gather", "chunk", "param_all_gather"):
-        return all_gather_time(fwd + bwd, k, link)
-    if op == "reduce_scatter":
-        return reduce_scatter_time(fwd, k, link) + all_gather_time(bwd, k, link)
-    if op == "all_gather_sum_grad":
-        return all_gather_time(fwd, k, link) + reduce_scatter_time(bwd, k, link)
-    return all_to_all_time(fwd, k, link) + all_to_all_time(bwd, k, link)
-
-
 def predict(state) -> None:
     """The pass: write `state.predicted` and each node's `autoshard.node_cost` (collectives also
     `autoshard.comm_cost`), per step and rank.
@@ -104,7 +86,7 @@ def predict(state) -> None:
             info = node.meta[meta.COMM]
             axis = mesh.axis(info["axis"])
             fwd, bwd = collective_bytes(node, mesh, grad.get(node, False))
-            seconds = _collective_time(info["op"], fwd, bwd, mesh.shape[axis], profile.link(mesh.shape, axis))
+            seconds = collective_time(info["op"], fwd, bwd, mesh.shape[axis], profile.link(mesh.shape, axis))
             node.meta[COMM_COST] = {"fwd_bytes": fwd, "bwd_bytes": bwd, "seconds": seconds}
             per_axis[info["axis"]]["fwd"] += fwd
             per_axis[info["axis"]]["bwd"] += bwd
