@@ -313,7 +313,7 @@ def plan_objective(state) -> float:
     >>> round(plan_objective(solved) * 1e6, 3) == round(solved.objective_s * 1e6, 3)  # what solve recorded
     True
     >>> round(solved.objective_s * 1e6, 3)  # microseconds
-    17.059
+    10.001
     """
     nodes = [n for n in state.gm.graph.nodes if meta.CANDIDATES in n.meta]
     profile = state.options.get("profile") or DEFAULT_PROFILE
