@@ -1,7 +1,14 @@
 """Command line: `python -m autoshard plan|verify MODULE:FACTORY --mesh 2,2,2 ...` (see DESIGN.md) and
 `python -m autoshard calibrate --mesh 2,2 [--output profile.json]`.
 
-Exit codes: 0 success (verify: every difference within tolerance), 1 verify mismatch, 2 bad input.
+Exit codes (distinct, so scripts and CI can tell a wrong program from a run that never finished):
+
+- 0 success (verify: every difference within its tolerance);
+- 1 verify ran and found a mismatch (a difference above its tolerance);
+- 2 bad input: arguments, factory, model, inputs, loss function, hints, or a model that cannot be
+  exported or planned (the message says what to fix);
+- 3 could not run: a rank crashed, hung, timed out or planned a different program, or autoshard itself
+  failed (an internal error; the traceback is printed).
 
 >>> main(["plan", "autoshard.zoo:mlp", "--mesh", "2", "--axis-names", "dp"])  # doctest: +ELLIPSIS
 Plan on Mesh(dp=2): 18 nodes, ...
@@ -12,8 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 
 from .errors import AutoshardError
+
+OK, MISMATCH, BAD_INPUT, COULD_NOT_RUN = 0, 1, 2, 3
 
 
 def _mesh(text: str) -> tuple[int, ...]:
@@ -69,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--steps", type=int, default=2, help="SGD steps (default 2)")
             p.add_argument("--lr", type=float, default=0.1)
             p.add_argument("--simulate", action="store_true", help="run the ranks in this process instead")
+            p.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
+                           help="compare in this dtype (default float64, tolerance 1e-6); float32/bfloat16 for "
+                                "models with ops that have no float64 kernel, tolerance from the model's own noise")
         else:
             p.add_argument("--rank", type=int, default=None, help="also print this rank's graph")
     cal = sub.add_parser("calibrate", help="measure alpha/beta of each mesh axis on gloo ranks; write a profile")
@@ -88,9 +101,34 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
-    except AutoshardError as exc:
-        print(f"autoshard: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # every failure becomes a message and an exit code, never a bare traceback
+        code = exit_code(exc)
+        if code == BAD_INPUT:
+            print(f"autoshard: error: {exc}", file=sys.stderr)
+        elif isinstance(exc, AutoshardError):
+            print(f"autoshard: could not run: {exc}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+            print(f"autoshard: could not run: {type(exc).__name__}: {exc}\nThis is an internal error or a crash "
+                  "in a rank; the traceback above shows where (report it with the command line)", file=sys.stderr)
+        return code
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code for an exception: BAD_INPUT (2) for autoshard's own errors about what it was given,
+    COULD_NOT_RUN (3) for ranks that failed, hung or disagreed, and for anything unexpected.
+
+    >>> from autoshard.errors import UserInputError
+    >>> from autoshard.runtime.launch import RanksFailed
+    >>> died = RanksFailed("rank 1 died", {}, {1: -9}, [])
+    >>> exit_code(UserInputError("bad mesh")), exit_code(died), exit_code(RuntimeError("simulated rank 0 failed"))
+    (2, 3, 3)
+    """
+    from .runtime.communicator import CollectiveTimeout
+    from .runtime.launch import FingerprintMismatch, RanksFailed
+    if isinstance(exc, (RanksFailed, CollectiveTimeout, FingerprintMismatch)):
+        return COULD_NOT_RUN
+    return BAD_INPUT if isinstance(exc, AutoshardError) else COULD_NOT_RUN
 
 
 def _run(args) -> int:
@@ -105,9 +143,9 @@ def _run(args) -> int:
     options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
                "pipeline": _pipeline(args)}
     if args.command == "plan":
+        from .factory import make_case
         from .program import parallelize
-        from .verify import build_case
-        model, inputs, loss_fn = build_case(args.factory)
+        model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
         prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
         if args.json:
             extra = {"fingerprint": prog.plan.fingerprint, "ilp": prog.state.ilp_stats,
@@ -118,12 +156,12 @@ def _run(args) -> int:
             if args.rank is not None:
                 graph = prog.graph(args.rank)
                 print(graph.print_readable(print_output=False) if hasattr(graph, "print_readable") else graph)
-        return 0
+        return OK
     from .verify import verify_factory
     report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,
-                               **options)
+                               dtype=args.dtype, **options)
     print(json.dumps(report.to_json(), indent=1, sort_keys=True) if args.json else report)
-    return 0 if report.ok else 1
+    return OK if report.ok else MISMATCH
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import os
+import re
+import sys
+import sysconfig
+import traceback
 
 
 class AutoshardError(Exception):
@@ -69,10 +73,14 @@ class ExportError(AutoshardError):
     _DEFAULT_ADVICE = ("check that example_inputs match what forward() expects (count, shapes, dtypes, devices) and "
                        "that torch.export.export(model, example_inputs) works on its own")
 
+    _LOSS_ADVICE = ("autoshard calls loss_fn(outputs, *example_inputs): the model's outputs first, then every example "
+                    "input; run loss_fn(model(*example_inputs), *example_inputs) on its own to see the failure")
+
     @classmethod
-    def from_exception(cls, exc: Exception) -> ExportError:
-        """The ExportError for an exception torch.export raised: its first line, the user's source line
-        when one can be found, and advice matched to the kind of failure.
+    def from_exception(cls, exc: Exception, culprit: str = "the model") -> ExportError:
+        """The ExportError for an exception torch.export raised: its first line, the innermost line of the
+        user's own code (model or loss) when one can be found, and advice matched to the kind of failure.
+        `culprit` names whose code was running ("the model", or "the loss function <name>").
 
         >>> str(ExportError.from_exception(ValueError("boom"))).splitlines()[0]
         'torch.export could not trace the model: ValueError: boom'
@@ -80,37 +88,85 @@ class ExportError(AutoshardError):
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
         lowered = text.lower()
-        advice = next((a for key, a in cls._ADVICE if key in lowered), cls._DEFAULT_ADVICE)
+        default = cls._DEFAULT_ADVICE if culprit == "the model" else cls._LOSS_ADVICE
+        advice = next((a for key, a in cls._ADVICE if key in lowered), default)
         where = _user_frame(text) or _user_frame_from_traceback(exc)
-        return cls(f"torch.export could not trace the model: {type(exc).__name__}: {first}"
+        return cls(f"torch.export could not trace {culprit}: {type(exc).__name__}: {first}"
                    f"{where}\nWhat to do: {advice}. (The original error is chained below.)")
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Code that is never the user's: torch, what torch calls into, and Python's own library. Other installed
+# packages (transformers, ...) hold the user's model code and count as theirs.
+_INFRASTRUCTURE = ("torch", "functorch", "sympy", "typing_extensions", "_pytest", "pluggy")
+_STDLIB = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
 
 
 def _is_library(where: str) -> bool:
-    """Frames of torch, Python itself or autoshard's own machinery (the zoo's models count as user code)."""
-    if any(part in where for part in ("site-packages", "dist-packages", "<frozen", "<string>",
-                                      f"{os.sep}torch{os.sep}")):
+    """Frames of torch (and what it calls), Python's standard library or autoshard's own machinery (the
+    zoo's models count as user code).
+
+    >>> import torch
+    >>> _is_library(torch.nn.Linear.forward.__code__.co_filename), _is_library(os.__file__)
+    (True, True)
+    >>> _is_library(os.path.join(_PACKAGE_DIR, "zoo", "mlp.py")), _is_library("/home/me/model.py")
+    (False, False)
+    """
+    path = where.removeprefix("File ").strip().strip('"')
+    if path.startswith("<"):  # <frozen ...>, <string>, fx's generated <eval_with_key>
         return True
-    return _PACKAGE_DIR in where and os.path.join(_PACKAGE_DIR, "zoo") not in where
+    if any(path.startswith(root) for root in _infrastructure_roots()):
+        return True
+    if path.startswith(_STDLIB) and not any(d in path for d in ("site-packages", "dist-packages")):
+        return True
+    return path.startswith(_PACKAGE_DIR + os.sep) and not path.startswith(os.path.join(_PACKAGE_DIR, "zoo") + os.sep)
+
+
+def _infrastructure_roots() -> list[str]:
+    """The directory of each imported infrastructure package (the file itself for a one-file module)."""
+    roots = []
+    for name in _INFRASTRUCTURE:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            file = os.path.abspath(file)
+            roots.append(os.path.dirname(file) + os.sep if os.path.basename(file) == "__init__.py" else file)
+    return roots
+
+
+_FRAME = re.compile(r'^File "(?P<path>[^"]+)", line (?P<line>\d+)(?:, in (?P<name>\S+))?')
 
 
 def _user_frame(text: str) -> str:
-    """The first 'File ... line ...' of user code in export's message, with its source line if given."""
+    """The innermost 'File ... line ...' of user code that export's message names (stacks in it run from
+    the outermost call to the innermost), with its source line if given.
+
+    >>> message = ('File "/home/me/model.py", line 9, in forward\\n  y = self.block(x)\\n'
+    ...            'File "/home/me/block.py", line 4, in forward\\n  if x.sum() > 0:')
+    >>> print(_user_frame(message).strip())
+    Where: File "/home/me/block.py", line 4, in forward: if x.sum() > 0:
+    """
     lines = text.splitlines()
+    found = ""
     for i, line in enumerate(lines):
         stripped = line.strip()
-        if stripped.startswith("File ") and not _is_library(stripped):
+        match = _FRAME.match(stripped)
+        if match and not _is_library(match["path"]):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"\nWhere: {stripped}" + (f": {code}" if code and not code.startswith("File ") else "")
-    return ""
+            found = f"\nWhere: {stripped}" + (f": {code}" if code and not code.startswith("File ") else "")
+    return found
 
 
 def _user_frame_from_traceback(exc: BaseException) -> str:
-    """The innermost user-code frame of the exception's traceback (export's message did not name one)."""
-    import traceback
+    """The innermost user-code frame of the exception's traceback (export's message did not name one).
+
+    >>> import torch
+    >>> from autoshard.zoo.mlp import MLP, MLPConfig
+    >>> try:
+    ...     MLP(MLPConfig())(torch.ones(2, 5))  # the zoo's models count as user code
+    ... except RuntimeError as exc:
+    ...     print(_user_frame_from_traceback(exc).split(", line")[0].strip())
+    Where: File ".../autoshard/zoo/mlp.py"
+    """
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _is_library(f.filename)]
     if not frames:
         return ""

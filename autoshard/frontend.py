@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from . import meta
-from .errors import ExportError, UserInputError
+from .errors import AutoshardError, ExportError, UserInputError
+from .factory import check_inputs, check_loss_fn, check_loss_value, check_model, loss_name
 
 
 class _TrainStep(torch.nn.Module):
@@ -35,7 +36,20 @@ class _TrainStep(torch.nn.Module):
         outputs = self.model(*inputs)
         if self.loss_fn is None:
             return default_loss(outputs), outputs
-        return self.loss_fn(outputs, *inputs), outputs
+        loss = self.loss_fn(outputs, *inputs)
+        check_loss_value(loss, self.loss_fn)
+        return loss, outputs
+
+    @staticmethod
+    def failed_in_loss(exc: BaseException) -> bool:
+        """Whether `exc` was raised by the loss function, not the model: forward's frame has `outputs` once
+        the model has returned (export restores attributes set while tracing, so no flag could say it)."""
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is _TrainStep.forward.__code__:
+                return "outputs" in tb.tb_frame.f_locals
+            tb = tb.tb_next
+        return False
 
 
 def default_loss(outputs):
@@ -108,27 +122,20 @@ def trace(model, example_inputs, loss_fn=None) -> Traced:
     ...
     autoshard.errors.UserInputError: example_inputs[0] is of type list, not a torch.Tensor; ...
     """
-    if not isinstance(model, torch.nn.Module):
-        raise UserInputError(f"model must be a torch.nn.Module (or an fx.GraphModule), got {type(model).__name__}; "
-                             "wrap a plain function in an nn.Module whose forward() calls it")
-    if loss_fn is not None and not callable(loss_fn):
-        raise UserInputError(f"loss_fn must be a function loss_fn(outputs, *inputs) -> scalar tensor, got "
-                             f"{type(loss_fn).__name__}; leave it out to use the sum of the outputs' means")
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
-    for i, value in enumerate(example_inputs):
-        if not isinstance(value, torch.Tensor):
-            raise UserInputError(f"example_inputs[{i}] is of type {type(value).__name__}, not a torch.Tensor; "
-                                 "autoshard shards tensor inputs only. Bind other arguments into the model (e.g. "
-                                 "functools.partial or module attributes) and pass only tensors.")
+    check_model(model)
+    example_inputs = check_inputs(example_inputs)
+    check_loss_fn(loss_fn, len(example_inputs))
     key = (id(model), id(loss_fn), tuple((tuple(v.shape), v.dtype, str(v.device)) for v in example_inputs))
     exported = _EXPORTS.get(key) if _EXPORTS is not None else None
     if exported is None:
         step = _TrainStep(model, loss_fn)
         try:
             exported = torch.export.export(step, tuple(example_inputs), strict=False)
+        except AutoshardError:  # a check inside the traced code (e.g. the loss's value) already says what to do
+            raise
         except Exception as exc:  # re-raised with what to do; the original stays chained
-            raise ExportError.from_exception(exc) from exc
+            culprit = f"the loss function {loss_name(loss_fn)}" if step.failed_in_loss(exc) else "the model"
+            raise ExportError.from_exception(exc, culprit) from exc
         if _EXPORTS is not None:
             _EXPORTS[key] = exported
     gm = copy.deepcopy(exported.graph_module) if _EXPORTS is not None else exported.graph_module

@@ -1,8 +1,10 @@
 """Train the parallel program and the single-device model side by side and compare them.
 
-Both run N optimizer steps (SGD, or Adam; a ZeRO program steps a ZeroOptimizer) in float64 from the
-same weights on the same full batch. Compared: the loss of every step, the outputs and gradients of
-the first step, and the parameters after the last step (largest relative difference each).
+Both run N optimizer steps (SGD, or Adam; a ZeRO program steps a ZeroOptimizer) in float64 (or `dtype`)
+from the same weights on the same full batch. Compared: the loss of every step, the outputs and gradients
+of the first step, and the parameters after the last step (largest relative difference each). In float64
+every difference must be within 1e-6; in float32 / bfloat16 each tensor's tolerance is derived from the
+model's own rounding noise (autoshard/tolerance.py says exactly how).
 `verify_simulated` runs all ranks in this process;
 `autoshard.runtime.launch` runs the same rank function on real process groups.
 
@@ -24,7 +26,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-TOLERANCE = 1e-6
+from .tolerance import (FLOAT64_TOLERANCE, RULE, dtype_name, float64_unsupported, nudged, resolve_dtype, to_dtype,
+                        tolerance_for)
+
+TOLERANCE = FLOAT64_TOLERANCE  # relative, in float64; below it tolerances are derived per tensor
 
 
 def to_double(model, inputs):
@@ -34,9 +39,7 @@ def to_double(model, inputs):
     >>> double.layers[0].weight.dtype, x.dtype, model.layers[0].weight.dtype
     (torch.float64, torch.float64, torch.float32)
     """
-    model = copy.deepcopy(model).double()
-    inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
-    return model, inputs
+    return to_dtype(model, inputs, torch.float64)
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
@@ -85,6 +88,31 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str 
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
 
+def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
+                   dtype=torch.float64) -> tuple[dict, dict | None]:
+    """(the reference run, the noise run or None) of a model already in `dtype`: below float64, the
+    reference is trained again from nudged weights and inputs to measure the model's own rounding noise
+    (autoshard/tolerance.py). `model` itself is left untouched. A model that cannot run in float64 gets a
+    UserInputError saying to pass a lower dtype.
+
+    >>> low, low_inputs = to_dtype(model, inputs, torch.float32)
+    >>> ref, noise = reference_runs(low, low_inputs, loss_fn, steps=1, lr=0.1, dtype=torch.float32)
+    >>> 0 < rel_diff(noise["loss"][0], ref["loss"][0]) < 1e-5
+    True
+    """
+    try:
+        ref = reference_run(copy.deepcopy(model), inputs, loss_fn, steps, lr, optimizer)
+    except Exception as exc:
+        error = float64_unsupported(exc, type(model).__name__) if dtype == torch.float64 else None
+        if error is not None:
+            raise error from exc
+        raise
+    if dtype == torch.float64:
+        return ref, None
+    moved, moved_inputs = nudged(model, inputs)
+    return ref, reference_run(moved, moved_inputs, loss_fn, steps, lr, optimizer)
+
+
 def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False) -> dict:
     """One rank's training run on its module; returns its local results and collective counts (of the
     first step, optimizer step included: ZeRO all-gathers parameters there).
@@ -127,10 +155,12 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
 
 @dataclass
 class VerifyReport:
-    """Largest relative differences and the collectives one training step ran on rank 0.
+    """Largest relative differences and the collectives one training step ran on rank 0. Per kind (loss,
+    outputs, grads, params): the difference and name of the tensor nearest its tolerance, that tolerance
+    and (below float64) the noise it came from.
 
     >>> print(report)  # doctest: +ELLIPSIS
-    verify: OK (2 steps, tolerance 1e-06)
+    verify: OK (2 steps, float64, tolerance 1e-06)
       loss     max rel diff ...
     """
 
@@ -139,30 +169,39 @@ class VerifyReport:
     collectives: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
     steps: int = 0
-    tolerance: float = TOLERANCE
+    tolerance: float | None = TOLERANCE  # None: derived per tensor (`tolerances`)
+    dtype: str = "float64"
+    tolerances: dict = field(default_factory=dict)
+    noise: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        """Every largest relative difference is within the tolerance.
+        """Every largest relative difference is within its tolerance.
 
         >>> report.ok, VerifyReport(max_diff={"loss": 1e-3}).ok
         (True, False)
         """
-        return all(v <= self.tolerance for v in self.max_diff.values())
+        return all(v <= self.tolerances.get(k, self.tolerance) for k, v in self.max_diff.items())
 
     def to_json(self) -> dict:
         """What `verify --json` prints.
 
-        >>> sorted(report.to_json())
-        ['collectives_per_step', 'max_rel_diff', 'ok', 'predicted', 'steps', 'tolerance', 'worst']
+        >>> sorted(report.to_json())  # doctest: +NORMALIZE_WHITESPACE
+        ['collectives_per_step', 'dtype', 'max_rel_diff', 'noise', 'ok', 'predicted', 'steps', 'tolerance',
+         'tolerance_rule', 'tolerances', 'worst']
         """
-        return {"ok": self.ok, "steps": self.steps, "tolerance": self.tolerance, "max_rel_diff": self.max_diff,
+        return {"ok": self.ok, "steps": self.steps, "dtype": self.dtype, "tolerance": self.tolerance,
+                "tolerance_rule": "relative 1e-6" if self.tolerance is not None else RULE,
+                "tolerances": self.tolerances, "noise": self.noise, "max_rel_diff": self.max_diff,
                 "worst": self.worst, "collectives_per_step": self.collectives, "predicted": self.predicted}
 
     def __repr__(self) -> str:
-        lines = [f"verify: {'OK' if self.ok else 'MISMATCH'} ({self.steps} steps, tolerance {self.tolerance:g})"]
+        bound = f"tolerance {self.tolerance:g}" if self.tolerance is not None else f"tolerance {RULE}"
+        lines = [f"verify: {'OK' if self.ok else 'MISMATCH'} ({self.steps} steps, {self.dtype}, {bound})"]
         for key, value in self.max_diff.items():
-            lines.append(f"  {key:<8} max rel diff {value:.3e}  ({self.worst.get(key, '')})")
+            extra = "" if self.tolerance is not None else \
+                f"; tolerance {self.tolerances[key]:.2e} from noise {self.noise[key]:.2e}"
+            lines.append(f"  {key:<8} max rel diff {value:.3e}  ({self.worst.get(key, '')}{extra})")
         for axis, kinds in self.collectives.items():
             for kind, c in kinds.items():
                 lines.append(f"  axis {axis}: {kind} fwd {c['fwd']} bwd {c['bwd']} sync {c.get('sync', 0)} "
@@ -174,20 +213,28 @@ ABS_FLOOR = 1e-9  # gradients that are zero in exact arithmetic (e.g. a key bias
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|, with |b| floored so float64 round-off around zero is not a mismatch.
+    """max |a - b| / max |b|, with |b| floored so float64 round-off around zero is not a mismatch; a NaN
+    anywhere counts as an infinite difference.
 
     >>> rel_diff(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0])), rel_diff(torch.zeros(2), torch.zeros(3))
     (0.25, inf)
+    >>> rel_diff(torch.tensor([float("nan")]), torch.tensor([1.0]))
+    inf
     """
     if a.shape != b.shape:
         return float("inf")
     if not b.numel():
         return 0.0
-    return (a - b).abs().max().item() / max(b.abs().max().item(), ABS_FLOOR)
+    a, b = a.double(), b.double()  # bfloat16 would round the difference itself
+    diff = (a - b).abs().max().item() / max(b.abs().max().item(), ABS_FLOOR)
+    return diff if diff == diff else float("inf")  # a NaN on either side is a mismatch, never hidden
 
 
-def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
-    """The VerifyReport of the ranks' results (assembled into global tensors) against the reference run.
+def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = None,
+            dtype=torch.float64) -> VerifyReport:
+    """The VerifyReport of the ranks' results (assembled into global tensors) against the reference run;
+    with `noise` (a second reference run from nudged weights, see reference_runs) each tensor's tolerance
+    is derived from its own noise, otherwise it is 1e-6.
 
     >>> double, double_inputs = to_double(model, inputs)
     >>> ref = reference_run(double, double_inputs, loss_fn, steps=1, lr=0.1)
@@ -195,43 +242,59 @@ def compare(program, ref: dict, ranks: dict, steps: int) -> VerifyReport:
     >>> compare(program, ref, ranks, steps=1).ok
     True
     """
-    report = VerifyReport(steps=steps)
+    report = VerifyReport(steps=steps, dtype=dtype_name(dtype), tolerance=None if noise is not None else TOLERANCE)
     specs = program.output_specs
+    nearest: dict[str, float] = {}  # kind -> the largest difference / tolerance so far
 
-    def track(key, name, value):
-        if value >= report.max_diff.get(key, -1.0):
-            report.max_diff[key], report.worst[key] = value, name
+    def track(key, name, got, expected, index):
+        value = rel_diff(got, expected)
+        if noise is None:
+            own_noise, tolerance = None, TOLERANCE
+        else:  # the same tensor of the nudged reference
+            own_noise = rel_diff(noise[key][index], expected)
+            tolerance = tolerance_for(own_noise, dtype)
+        if value / tolerance >= nearest.get(key, -1.0):
+            nearest[key] = value / tolerance
+            report.max_diff[key], report.worst[key], report.tolerances[key] = value, name, tolerance
+            if own_noise is not None:
+                report.noise[key] = own_noise
 
     for step in range(steps):
         loss = program.assemble({r: res["loss"][step] for r, res in ranks.items()}, specs[0])
-        track("loss", f"step {step}", rel_diff(loss, ref["loss"][step]))
+        track("loss", f"step {step}", loss, ref["loss"][step], step)
     for i, expected in enumerate(ref["outputs"]):
         got = program.assemble({r: res["outputs"][i] for r, res in ranks.items()}, specs[1 + i])
-        track("outputs", f"output {i}", rel_diff(got, expected))
+        track("outputs", f"output {i}", got, expected, i)
     for kind in ("grads", "params"):
         for fqn, expected in ref[kind].items():
             name = program.canonical_param(fqn)
             blocks = {r: res[kind][name] for r, res in ranks.items() if name in res[kind]}  # pipelines: owners
             got = program.assemble(blocks, program.param_spec(name))
-            track(kind, fqn, rel_diff(got, expected))
+            track(kind, fqn, got, expected, fqn)
     report.collectives = ranks[0]["counts"]
     report.predicted = program.plan.predicted
     return report
 
 
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
-                     optimizer: str = "sgd", offload: bool = False, **kwargs):
-    """Parallelize in float64, train in the simulator and on one device; return (VerifyReport, program).
+                     optimizer: str = "sgd", offload: bool = False, dtype="float64", **kwargs):
+    """Parallelize in `dtype` (float64, float32 or bfloat16), train in the simulator and on one device;
+    return (VerifyReport, program). Tolerances: see the module docstring.
 
     >>> report.max_diff["params"] < 1e-12  # the simulator agrees to float64 round-off
     True
+    >>> low, _ = verify_simulated(model, inputs, loss_fn, mesh=(2, 2), axis_names=("dp", "tp"), hints=hints,
+    ...                           dtype="float32")
+    >>> low.ok, low.dtype, low.tolerances["grads"] >= 10 * torch.finfo(torch.float32).eps
+    (True, 'float32', True)
     """
     from .program import parallelize
-    model, inputs = to_double(model, inputs)
-    program = parallelize(copy.deepcopy(model), mesh, inputs, loss_fn=loss_fn, **kwargs)
-    ref = reference_run(model, inputs, loss_fn, steps, lr, optimizer)
+    dtype = resolve_dtype(dtype)
+    model, inputs = to_dtype(model, inputs, dtype)
+    ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype)
+    program = parallelize(model, mesh, inputs, loss_fn=loss_fn, **kwargs)
     ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
-    return compare(program, ref, ranks, steps), program
+    return compare(program, ref, ranks, steps, noise, dtype), program
 
 
 def simulate_ranks(program, fn) -> dict:
@@ -249,52 +312,22 @@ def simulate_ranks(program, fn) -> dict:
     return {program.mesh.rank(program._full_coord(r)): res for r, res in results.items()}
 
 
-def load_factory(spec: str):
-    """'package.module:factory' -> the zero-argument callable (errors say what to fix).
-
-    >>> load_factory("autoshard.zoo:mlp") is mlp
-    True
-    >>> load_factory("autoshard.zoo.mlp")
-    Traceback (most recent call last):
-    ...
-    autoshard.errors.UserInputError: factory 'autoshard.zoo.mlp' must look like MODULE:FACTORY, e.g. ...
-    """
-    import importlib
-
-    from .errors import UserInputError
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserInputError(f"factory {spec!r} must look like MODULE:FACTORY, e.g. autoshard.zoo:gpt2")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserInputError(f"cannot import module {module_name!r} of factory {spec!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UserInputError(f"{module_name!r} has no callable {attr!r} (factory {spec!r})")
-    return factory
-
-
-def build_case(factory_spec: str):
-    """(model, inputs, loss_fn) in float64 from a FACTORY returning (model, inputs[, loss_fn]).
+def build_case(factory_spec: str, dtype=torch.float64):
+    """(model, inputs, loss_fn) in `dtype` from a FACTORY returning (model, inputs[, loss_fn]), checked by
+    autoshard.factory.make_case.
 
     >>> case_model, case_inputs, case_loss = build_case("autoshard.zoo:mlp")
     >>> case_inputs[0].dtype, case_loss.__name__
     (torch.float64, 'mlp_loss')
     """
-    from .errors import UserInputError
-    made = load_factory(factory_spec)()
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise UserInputError(f"factory {factory_spec!r} must return (model, example_inputs) or "
-                             "(model, example_inputs, loss_fn)")
-    model, inputs = made[0], made[1]
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    model, inputs = to_double(model, inputs)
-    return model, inputs, (made[2] if len(made) == 3 else None)
+    from .factory import make_case
+    model, inputs, loss_fn = make_case(factory_spec)
+    model, inputs = to_dtype(model, inputs, resolve_dtype(dtype))
+    return model, inputs, loss_fn
 
 
 def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
-                     offload=False, shared_plan=None):
+                     offload=False, shared_plan=None, dtype="float64"):
     """What each real rank runs for `verify`: plan (or apply the plan the launcher made, as every rank of
     a job can: `parallelize(plan=...)`), check fingerprints, train, return local results. Here on a
     one-rank gloo group in this process:
@@ -321,7 +354,7 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
     comm = communicator_for(mesh, strict_world=False)
     if comm is None:
         return None
-    model, inputs, loss_fn = build_case(factory_spec)
+    model, inputs, loss_fn = build_case(factory_spec, dtype)
     program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **(options or {}))
     check_fingerprint(comm, program.plan.fingerprint)
     result = rank_run(program.module(rank, comm), inputs, steps, lr, optimizer, offload)
@@ -330,8 +363,9 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
 
 
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
-                   runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False, **options):
-    """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device.
+                   runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False,
+                   dtype="float64", **options):
+    """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device, in `dtype`.
 
     >>> checked, _ = verify_factory("autoshard.zoo:mlp", (2,), ("dp",), hints={"input:0": {"dp": "S(0)"}},
     ...                             simulate=True)
@@ -342,9 +376,10 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     from .program import parallelize
     from .runtime.launch import run_distributed
     mesh = Mesh.of(mesh, axis_names)
-    model, inputs, loss_fn = build_case(factory_spec)
-    program = parallelize(copy.deepcopy(model), mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
-    ref = reference_run(model, inputs, loss_fn, steps, lr, optimizer)
+    dtype = resolve_dtype(dtype)
+    model, inputs, loss_fn = build_case(factory_spec, dtype)
+    ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype)
+    program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
     if simulate:
         ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
     else:
@@ -352,7 +387,7 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
         # compares every rank's program.
         shared = {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
         args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
-                optimizer, offload, shared)
+                optimizer, offload, shared, dtype_name(dtype))
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
         ranks = {r: res for r, res in results.items() if res is not None}
-    return compare(program, ref, ranks, steps), program
+    return compare(program, ref, ranks, steps, noise, dtype), program

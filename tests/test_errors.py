@@ -306,16 +306,30 @@ def test_hint_file_top_level_not_an_object(tmp_path):
 # --- model and inputs ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("inputs, kind", [(([1.0, 2.0],), "list"), ((3,), "int"), ((None,), "NoneType")])
-def test_example_inputs_not_tensors(small, inputs, kind):
-    with pytest.raises(UserInputError, match=rf"example_inputs\[0\] is of type {kind}, not a torch\.Tensor; "
+@pytest.mark.parametrize("inputs, shown", [(([1.0, 2.0],), r"list \(\[1\.0, 2\.0\]\)"), ((3,), r"int \(3\)"),
+                                           ((None,), r"NoneType \(None\)")], ids=["list", "int", "None"])
+def test_example_inputs_not_tensors(small, inputs, shown):
+    with pytest.raises(UserInputError, match=rf"example_inputs\[0\] is of type {shown}, not a torch\.Tensor; "
                                              r"autoshard shards tensor inputs only\. Bind other arguments"):
         plan(small, example_inputs=inputs)
 
 
 def test_second_example_input_not_a_tensor(small):
-    with pytest.raises(UserInputError, match=r"example_inputs\[1\] is of type str"):
+    with pytest.raises(UserInputError, match=r"example_inputs\[1\] is of type str \('mask'\), not a torch\.Tensor"):
         plan(small, example_inputs=(small[1][0], "mask"))
+
+
+def test_example_input_that_is_a_list_of_tensors(small):
+    with pytest.raises(UserInputError, match=r"example_inputs\[0\] is of type list of 2 items, not a torch\.Tensor; "
+                                             r"pass its 2 tensors as separate example inputs"):
+        plan(small, example_inputs=([small[1][0], small[1][0]],))
+
+
+def test_example_inputs_as_a_dict(small):
+    with pytest.raises(UserInputError, match=r"example_inputs must be a tuple \(or list\) of tensors, one per "
+                                             r"positional argument of forward\(\), got a dict .*\(keyword inputs are "
+                                             r"not supported\); pass e\.g\. \(ids, mask\)"):
+        plan(small, example_inputs={"x": small[1][0]})
 
 
 def test_model_not_a_module():
@@ -349,6 +363,63 @@ def test_model_that_cannot_be_exported():
     assert f'File "{__file__}"' in text and "in forward: if x.sum() > 0:" in text  # where
     assert "use torch.where / torch.cond instead of Python `if` on tensors" in text  # what to do
     assert info.value.__cause__ is not None  # the original error stays chained
+
+
+class Wrapper(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+def _project(x):
+    return x @ torch.ones(5, 3)
+
+
+class Projects(nn.Module):
+    def forward(self, x):
+        return _project(x)
+
+
+@pytest.mark.parametrize("inner, line", [(DataDependent(), "if x.sum() > 0:"),
+                                         (Projects(), "return x @ torch.ones(5, 3)")], ids=["guard", "shape"])
+def test_export_error_names_the_innermost_model_line(inner, line):
+    """Not the wrapper's `self.inner(x)`: the line inside the wrapped model (or its helper) that failed."""
+    with pytest.raises(ExportError) as info:
+        autoshard.parallelize(Wrapper(inner), mesh=(2,), axis_names=("dp",), example_inputs=(torch.randn(2, 4),))
+    where = next(row for row in str(info.value).splitlines() if row.startswith("Where:"))
+    assert where.endswith(line) and "self.inner(x)" not in where
+
+
+HUB_MODEL = """
+import torch
+
+
+class Embeds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.embed(ids)
+"""
+
+
+def test_export_error_names_the_installed_model_line_not_the_wrapper(tmp_path, monkeypatch):
+    """A model from an installed package (transformers, ...) wrapped by the user: its own line is the
+    culprit (only torch, what torch calls into and the standard library are skipped)."""
+    package = tmp_path / "site-packages" / "autoshard_hub_models"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(HUB_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    from autoshard_hub_models.model import Embeds
+    with pytest.raises(ExportError) as info:  # float token ids
+        autoshard.parallelize(Wrapper(Embeds()), mesh=(2,), axis_names=("dp",), example_inputs=(torch.randn(2, 3),))
+    where = next(row for row in str(info.value).splitlines() if row.startswith("Where:"))
+    assert "site-packages/autoshard_hub_models/model.py" in where and where.endswith("return self.embed(ids)")
 
 
 def test_example_input_with_the_wrong_shape(small):
