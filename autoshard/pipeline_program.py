@@ -67,13 +67,11 @@ class PipelineProgram(Program):
         >>> sorted({row.stage for row in prog.plan.rows}), prog.plan.pipeline["stage_ranks"]
         ([0, 1], [0, 1])
         """
-        from .pipeline_search import predicted_step
         plan = super().plan
         stages = self.state.pipeline_stages
         planned = self.planned_timeline()
         plan.pipeline = {**self.config.to_json(), "stage_table": stages,
-                         "predicted_step_s": predicted_step(stages, self.config.microbatches, self.config.virtual),
-                         "simulated_step_s": planned.span(), "predicted_bubble": planned.bubble_fraction(),
+                         "predicted_step_s": planned.span(), "predicted_bubble": planned.bubble_fraction(),
                          "tied_params": {k: list(v) for k, v in sorted(self.tied_params.items())},
                          "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)]}
         for row, node in zip(plan.rows, (n for n in self.state.gm.graph.nodes if meta.SPEC in n.meta)):

@@ -227,15 +227,32 @@ def planned_timeline(program) -> Timeline:
     >>> pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
     ...                              pipeline={"microbatches": 2})
     >>> planned = planned_timeline(pipe)  # == pipe.planned_timeline(); print it, or .plot() in a notebook
-    >>> planned.ranks, planned.span() == pipe.plan.pipeline["simulated_step_s"]
+    >>> planned.ranks, planned.span() == pipe.plan.pipeline["predicted_step_s"]
     ([0, 1], True)
     """
-    config = program.config
-    table = program.state.pipeline_stages
+    return pipeline_timeline(program.config, program.state.pipeline_stages)
+
+
+def pipeline_timeline(config, table) -> Timeline:
+    """The pipeline's predicted step: the schedule's actions run on the stage table's forward/backward
+    times with the stage-to-stage transfers, then each rank's gradient sync ("S"); its span is the one
+    predicted step the plan reports (`plan.pipeline["predicted_step_s"]`).
+
+    >>> from autoshard.pipeline import PipelineConfig
+    >>> table = [{"stage": s, "fwd_s": 1.0, "bwd_s": 2.0, "send_bytes": 0, "sync_s": 0.5} for s in range(2)]
+    >>> round(pipeline_timeline(PipelineConfig("pp", 2, 4, "1F1B"), table).span(), 3)  # (m + p - 1) x 3 + 0.5
+    15.5
+    """
     durations = {row["stage"]: {"F": row["fwd_s"], "B": row["bwd_s"]} for row in table}
     boundary = max((row["send_bytes"] for row in table), default=0)
     transfer = config.link.alpha + boundary / 2 / config.link.bandwidth
-    return simulate(config, durations, transfer)
+    timeline = simulate(config, durations, transfer)
+    end = max((e[5] for e in timeline.events), default=0.0)
+    sync = {config.stage_rank(row["stage"]): 0.0 for row in table}
+    for row in table:
+        sync[config.stage_rank(row["stage"])] += row.get("sync_s", 0.0)
+    timeline.events += [(rank, -1, "S", -1, end, end + seconds) for rank, seconds in sorted(sync.items()) if seconds]
+    return timeline
 
 
 def measured_timeline(results: dict, program) -> Timeline:

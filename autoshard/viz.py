@@ -35,7 +35,7 @@ REPLICATED, COLLECTIVE, COLLAPSED = "#f0f0f0", "#d62728", "#e0e0e0"
 GRAPHVIZ_HINT = ("graphviz's `dot` binary is not installed; drawing with autoshard's built-in layout (for "
                  "graphviz's layout install it: `apt-get install graphviz`, `brew install graphviz` or "
                  "`conda install graphviz`)")
-TIMELINE_COLORS = {"F": "#1f77b4", "B": "#2ca02c", "W": "#9467bd", "idle": "#dddddd"}
+TIMELINE_COLORS = {"F": "#1f77b4", "B": "#2ca02c", "W": "#9467bd", "S": "#ff7f0e", "idle": "#dddddd"}
 
 
 @dataclass
@@ -406,7 +406,7 @@ def plot_timeline(events, ax=None, title: str | None = None):
     """A Gantt chart of training-step events; returns the matplotlib Figure.
 
     `events`: iterable of `(row label, start_s, end_s, kind, microbatch)` with kind "F" (forward), "B"
-    (backward), "W" (weight-gradient) or "idle"; one row per label (a rank or a pipeline stage) in the
+    (backward), "W" (weight-gradient), "S" (gradient sync) or "idle"; one row per label (a rank or a pipeline stage) in the
     order first seen; `microbatch` (int or None) is written inside bars wide enough for it.
 
     >>> fig = plot_timeline([("stage 0", 0.0, 1.0, "F", 0), ("stage 1", 1.0, 2.0, "F", 0),
@@ -444,7 +444,7 @@ def plot_timeline(events, ax=None, title: str | None = None):
     ax.set_ylim(len(labels) - 0.5, -0.5)  # first label on top
     ax.set_xlabel(f"time ({unit})")
     kinds = [k for k in TIMELINE_COLORS if any(e[3] == k for e in events)]
-    names = {"F": "forward", "B": "backward", "W": "weight grad", "idle": "idle"}
+    names = {"F": "forward", "B": "backward", "W": "weight grad", "S": "gradient sync", "idle": "idle"}
     ax.legend(handles=[Patch(color=TIMELINE_COLORS[k], label=names[k]) for k in kinds], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if title:
