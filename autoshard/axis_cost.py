@@ -54,6 +54,29 @@ class CostBreakdown:
         return {"compute_s": self.compute, "comm_bwd_s": self.comm_bwd, "sync_s": self.sync, "memory_bytes": self.memory}
 
 
+def compute_time(node, split: int, profile) -> float:
+    """Seconds of forward + backward (3x forward) of one op whose work is divided `split` ways: FLOPs over
+    the peak for matmul-like ops, bytes over the memory bandwidth for the rest (the ILP and predict).
+
+    >>> compute_time(linear, 1, HardwareProfile()) == 3 * 2 * 8 * 4 * 8 / 3e14  # graph: see the module docstring
+    True
+    """
+    if is_matmul_like(node):
+        return 3 * node_flops(node) / profile.peak_flops / split
+    return 3 * node_bytes(node) / profile.memory_bandwidth / split
+
+
+def held_bytes_factor(node, grad: dict, optimizer_state_factor: float) -> float:
+    """How many copies of a placeholder's block a device keeps: a trained parameter its value, gradient and
+    optimizer state; an input or buffer itself.
+
+    >>> held_bytes_factor(linear.args[1], needs_grad(graph), 2.0), held_bytes_factor(linear.args[0], {}, 2.0)
+    (4.0, 1.0)
+    """
+    trained = node.meta.get(meta.KIND) == "param" and grad.get(node, False)
+    return 2.0 + optimizer_state_factor if trained else 1.0
+
+
 def needs_grad(graph) -> dict:
     """Which values carry a gradient: parameters and everything float computed from them.
 
@@ -121,15 +144,10 @@ class AxisCostModel:
         """
         kept = self.local_bytes(node, other) / (self.k if isinstance(cand.output, Shard) else 1)
         if node.op == "placeholder":
-            kind = node.meta.get(meta.KIND)
-            factor = 2.0 + self.optimizer_state_factor if kind == "param" and self.grad.get(node) else 1.0
-            return CostBreakdown(memory=kept * factor)
+            return CostBreakdown(memory=kept * held_bytes_factor(node, self.grad, self.optimizer_state_factor))
         split = math.prod(self.mesh.shape[b] for b, c in other.items() if c.divides_compute)
         split *= self.k if cand.divides_compute else 1
-        if is_matmul_like(node):
-            compute = 3 * node_flops(node) / self.profile.peak_flops / split
-        else:
-            compute = 3 * node_bytes(node) / self.profile.memory_bandwidth / split
+        compute = compute_time(node, split, self.profile)
         comm_bwd = sync = 0.0
         if cand.splits_work:
             for pos, producer in enumerate(tensor_inputs(node)):

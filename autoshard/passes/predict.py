@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 
 from .. import meta
-from ..axis_cost import needs_grad
+from ..axis_cost import compute_time, held_bytes_factor, needs_grad
 from ..cost import DEFAULT_PROFILE, all_reduce_time, collective_time
-from ..flops import is_matmul_like, node_bytes, node_flops
+from ..flops import node_bytes
 from ..placement import Shard
 from ..zero_cost import apply_zero, gather_bytes
 from .checkpoint import account_recompute
@@ -95,8 +95,7 @@ def predict(state) -> None:
             continue
         kept = local_bytes(node, spec, mesh)
         if node.op == "placeholder":
-            is_param = node.meta.get(meta.KIND) == "param" and grad.get(node)
-            held = kept * (2 + opt_factor if is_param else 1)
+            held = kept * held_bytes_factor(node, grad, opt_factor)
             memory += held
             sync = 0.0
             for axis_name in state.grad_reduce.get(node.meta.get(meta.PATH), ()):
@@ -107,10 +106,7 @@ def predict(state) -> None:
             node.meta[NODE_COST] = {"seconds": 0.0, "memory_bytes": held, "sync_s": sync}
             continue
         split = math.prod(mesh.shape[a] for a, c in enumerate(node.meta.get(meta.CHOICE, [])) if c.divides_compute)
-        if is_matmul_like(node):
-            seconds = 3 * node_flops(node) / profile.peak_flops / split
-        else:
-            seconds = 3 * node_bytes(node) / profile.memory_bandwidth / split
+        seconds = compute_time(node, split, profile)
         compute += seconds
         saved = kept if grad.get(node) else 0
         memory += saved

@@ -18,7 +18,14 @@ from test_random_models import NAMES, cases
 import autoshard
 from autoshard.errors import HintError, PlanError
 from autoshard.frontend import reuse_exports
-from autoshard.ilp import INF, IlpProblem, highs_options, solve_ilp, tie_order, tie_slack
+from autoshard.ilp import (
+    INF,
+    IlpProblem,
+    highs_options,
+    solve_ilp,
+    tie_order,
+    tie_slack,
+)
 
 # Threads are tried in a fresh process (below): HiGHS sizes one scheduler per process at its first solve.
 OPTION_SETS = [{}, {"random_seed": 11}, {"presolve": "off"},
