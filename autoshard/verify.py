@@ -326,8 +326,23 @@ def build_case(factory_spec: str, dtype=torch.float64):
     return model, inputs, loss_fn
 
 
+def case_digest(model, inputs) -> str:
+    """A hash of the model's weights and the example inputs: ranks rebuild the case from the factory and
+    must get the launcher's (an unseeded factory would train every rank on other data).
+
+    >>> case_digest(*build_case("autoshard.zoo:mlp")[:2]) == case_digest(*build_case("autoshard.zoo:mlp")[:2])
+    True
+    """
+    import hashlib
+    digest = hashlib.sha256()
+    for tensor in [*model.state_dict().values(), *inputs]:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
-                     offload=False, shared_plan=None, dtype="float64"):
+                     offload=False, shared_plan=None, dtype="float64", digest=None):
     """What each real rank runs for `verify`: plan (or apply the plan the launcher made, as every rank of
     a job can: `parallelize(plan=...)`), check fingerprints, train, return local results. Here on a
     one-rank gloo group in this process:
@@ -355,6 +370,11 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
     if comm is None:
         return None
     model, inputs, loss_fn = build_case(factory_spec, dtype)
+    if digest is not None and case_digest(model, inputs) != digest:
+        from .errors import UserInputError
+        raise UserInputError(f"factory {factory_spec} built other weights or example inputs on rank {rank} than in "
+                             "the launcher: it is not deterministic, so the ranks cannot be compared with the single "
+                             "device. Seed it: call torch.manual_seed(0) at the start of the factory")
     program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **(options or {}))
     check_fingerprint(comm, program.plan.fingerprint)
     result = rank_run(program.module(rank, comm), inputs, steps, lr, optimizer, offload)
@@ -374,12 +394,13 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     """
     from .mesh import Mesh
     from .program import parallelize
-    from .runtime.launch import run_distributed
+    from .runtime.launch import remember_warnings, run_distributed
     mesh = Mesh.of(mesh, axis_names)
     dtype = resolve_dtype(dtype)
-    model, inputs, loss_fn = build_case(factory_spec, dtype)
-    ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype)
-    program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
+    with remember_warnings():  # the ranks' copies of these are not shown again
+        model, inputs, loss_fn = build_case(factory_spec, dtype)
+        ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype)
+        program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
     if simulate:
         ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
     else:
@@ -387,7 +408,7 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
         # compares every rank's program.
         shared = {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
         args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
-                optimizer, offload, shared, dtype_name(dtype))
+                optimizer, offload, shared, dtype_name(dtype), case_digest(model, inputs))
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
         ranks = {r: res for r, res in results.items() if res is not None}
     return compare(program, ref, ranks, steps, noise, dtype), program

@@ -18,12 +18,15 @@ set by hand) and end it at the end of each example:
 """
 from __future__ import annotations
 
+import builtins
+import contextlib
 import io
 import os
 import queue as queue_mod
 import socket
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -196,11 +199,15 @@ def _child(rank, world, port, task, args, results, timeout_s):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
         _set_timeout(dist.group.WORLD, timedelta(seconds=timeout_s))
-        results.put((rank, "ok", _to_bytes(task(rank, world, *args))))
+        with warnings.catch_warnings(record=True) as caught:  # the parent shows each once for all ranks
+            warnings.simplefilter("default")
+            value = task(rank, world, *args)
+        shown = list(dict.fromkeys((w.category.__name__, str(w.message)) for w in caught))
+        results.put((rank, "ok", _to_bytes(value), shown))
         ok = True
     except BaseException as exc:  # noqa: BLE001  (reported to the parent with the traceback)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        results.put((rank, "error", (type(exc).__name__, first, traceback.format_exc())))
+        results.put((rank, "error", (type(exc).__name__, first, traceback.format_exc()), []))
     finally:
         if ok and dist.is_initialized():  # after a failure the peers may be gone: tearing down could block
             dist.destroy_process_group()
@@ -245,12 +252,14 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out, errors, exit_codes, hung = {}, {}, {}, []
+    out, errors, exit_codes, hung, warned = {}, {}, {}, [], {}
     deadline = time.monotonic() + timeout_s + 60
     failed_at = None
 
     def take(item):
-        rank, status, value = item
+        rank, status, value, shown = item
+        for warning in shown:
+            warned.setdefault(warning, []).append(rank)
         if status == "ok":
             out[rank] = _from_bytes(value)
         else:
@@ -285,10 +294,56 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
             p.join(timeout=2 if failed else 30)
             if p.is_alive():
                 p.kill()
+    show_rank_warnings(warned, world_size)
     if errors or exit_codes or hung:
         raise RanksFailed(_failure_report(errors, exit_codes, hung, world_size, timeout_s, failed_at is None),
                           errors, exit_codes, hung)
     return out
+
+
+def show_rank_warnings(warned: dict, world_size: int) -> None:
+    """Show each warning the ranks raised once, with how many ranks raised it, unless this process has
+    already shown the same message (the launcher usually planned the same model first).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     show_rank_warnings({("UserWarning", "autoshard: no sharding rule for aten.foo"): [0, 1, 2, 3]}, 4)
+    >>> [str(w.message) for w in caught]
+    ['autoshard: no sharding rule for aten.foo (on 4 of 4 ranks)']
+    """
+    for (category, message), ranks in warned.items():
+        if message in _SHOWN:
+            continue
+        _SHOWN.add(message)
+        kind = getattr(builtins, category, None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, Warning) else UserWarning
+        warnings.warn(f"{message} (on {len(set(ranks))} of {world_size} ranks)", kind, stacklevel=3)
+
+
+_SHOWN: set = set()  # messages this process showed (its own, via remember_warnings, or the ranks')
+
+
+@contextlib.contextmanager
+def remember_warnings():
+    """Within the block, warnings are shown as usual and remembered, so that `show_rank_warnings` does not
+    repeat them for the ranks (verify plans in the launcher, then every rank plans the same model).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     with remember_warnings():
+    ...         warnings.warn("autoshard: example once")
+    ...     show_rank_warnings({("UserWarning", "autoshard: example once"): [0, 1]}, 2)
+    >>> len(caught)
+    1
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        yield
+    for w in caught:
+        _SHOWN.add(str(w.message))
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _peer_closed(first_line: str) -> bool:
