@@ -21,13 +21,22 @@ True
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
 
-from .tolerance import (FLOAT64_TOLERANCE, RULE, dtype_name, float64_unsupported, nudged, resolve_dtype, to_dtype,
-                        tolerance_for)
+from .tolerance import (
+    FLOAT64_TOLERANCE,
+    RULE,
+    dtype_name,
+    float64_unsupported,
+    nudged,
+    resolve_dtype,
+    to_dtype,
+    tolerance_for,
+)
 
 TOLERANCE = FLOAT64_TOLERANCE  # relative, in float64; below it tolerances are derived per tensor
 
@@ -227,7 +236,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     a, b = a.double(), b.double()  # bfloat16 would round the difference itself
     diff = (a - b).abs().max().item() / max(b.abs().max().item(), ABS_FLOOR)
-    return diff if diff == diff else float("inf")  # a NaN on either side is a mismatch, never hidden
+    return float("inf") if math.isnan(diff) else diff  # a NaN on either side is a mismatch, never hidden
 
 
 def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = None,
