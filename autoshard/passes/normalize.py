@@ -5,7 +5,10 @@ Reads the traced graph; writes a graph where
 - `mean` is `sum / count` with the global count (a mean over a shard is not a partial mean);
 - cross-entropy is `log_softmax` + `nll_loss(sum) / number of counted targets`;
 - training batch norm is explicit sums over (batch, spatial) dims plus in-place running-stat updates;
-- `unflatten` is a `view` to its output shape;
+- `unflatten` is a `view` to its output shape; `x.T` (numpy_T) is a `permute`;
+- `x @ W.T` (matmul of a transposed 2-D W) is `linear(x, W)`; addmm/baddbmm's alpha and beta are muls;
+- in-place ops whose operand nothing else aliases (not a placeholder, not a view) are out-of-place
+  (`x.div_(y)` -> `div(x, y)`), so they shard like any op;
 - higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off).
 Rewrites run in graph order and may read nodes earlier rewrites made (their `val`s are filled in first).
 Invariant: the graph computes the same values; every node has a FakeTensor `val`.
@@ -44,7 +47,7 @@ def normalize(state) -> None:
         if node.op != "call_function":
             continue
         _warn_random(node)
-        rewrite = _REWRITES.get(node.target)
+        rewrite = _REWRITES.get(node.target) or (_out_of_place if _in_place(node.target) else None)
         if rewrite is None:
             continue
         _fill_input_vals(node, mode)  # an earlier rewrite may have made this node's inputs
@@ -113,13 +116,92 @@ def _split_bias(bias_index: int, bias_view_dims=0):
 
 
 def _addmm(graph, node):
+    """beta * bias + alpha * (a @ b) with the scalings as muls (beta = 0 ignores the bias, as torch does)."""
     bias, a, b = node.args[:3]
-    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-        return False
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
     mm = aten.mm.default if node.target is aten.addmm.default else aten.bmm.default
     with graph.inserting_before(node):
-        out = new_node(graph, aten.add.Tensor, [new_node(graph, mm, [a, b], like=node), bias], like=node)
+        out = new_node(graph, mm, [a, b], like=node)
+        if alpha != 1:
+            out = new_node(graph, aten.mul.Tensor, [out, alpha], like=node)
+        if beta != 0:
+            if beta != 1:
+                bias = new_node(graph, aten.mul.Tensor, [bias, beta], like=node)
+            out = new_node(graph, aten.add.Tensor, [out, bias], like=node)
     return _replace(node, out)
+
+
+def _numpy_t(graph, node):
+    """x.T reverses the dims: a permute, which has a rule."""
+    ndim = len(val_of(node.args[0]).shape)
+    with graph.inserting_before(node):
+        out = new_node(graph, aten.permute.default, [node.args[0], list(reversed(range(ndim)))], like=node)
+    return _replace(node, out)
+
+
+def _transposed_2d(node) -> fx.Node | None:
+    """W when `node` is W.T of a 2-D W (t, a [1, 0] permute or a transpose of its two dims)."""
+    if not isinstance(node, fx.Node) or node.target not in (aten.t.default, aten.permute.default, aten.transpose.int):
+        return None
+    if not isinstance(val_of(node.args[0]), torch.Tensor) or val_of(node.args[0]).dim() != 2:
+        return None
+    if node.target is aten.t.default:
+        return node.args[0]
+    if node.target is aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]:
+        return node.args[0]
+    if node.target is aten.transpose.int and node.args[1] % 2 != node.args[2] % 2:
+        return node.args[0]
+    return None
+
+
+def _matmul(graph, node):
+    """x @ W.T (Falcon's and others' own linear layers) is linear(x, W): the weight's S(0) is then column
+    parallel like nn.Linear's, and its S(1) row parallel."""
+    x, w_t = node.args[:2]
+    weight = _transposed_2d(w_t)
+    if weight is None or len(val_of(x).shape) < 1:
+        return False
+    with graph.inserting_before(node):
+        out = new_node(graph, aten.linear.default, [x, weight], like=node)
+    _replace(node, out)
+    if not w_t.users:
+        graph.erase_node(w_t)
+    return True
+
+
+def _out_of_place(graph, node):
+    """An in-place op on a value nothing else sees (not a graph input, not a view, no view of it, every other
+    use before this one) is its functional twin: later uses already read this node (export's form)."""
+    target = node.target
+    functional = getattr(getattr(aten, target.overloadpacket.__name__[:-1], None), target._overloadname, None)
+    operand = node.args[0] if node.args else None
+    if functional is None or not isinstance(operand, fx.Node) or operand.op != "call_function":
+        return False
+    if _aliases(operand) or any(_aliases(user) for user in operand.users if user is not node):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if any(order.get(user, len(order)) > order[node] for user in operand.users):
+        return False
+    with graph.inserting_before(node):
+        out = new_node(graph, functional, list(node.args), node.kwargs, like=node)
+    return _replace(node, out)
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether the node's value may share storage with an input (a view, an in-place result, a view's piece)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return node.op == "call_function" and (schema is None or any(r.alias_info is not None for r in schema.returns))
+
+
+def _in_place(target) -> bool:
+    """An ATen op that writes its first argument (`div_`, `index_put_`, ...)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments or not target.overloadpacket.__name__.endswith("_"):
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def _mean(graph, node):
@@ -264,5 +346,7 @@ _REWRITES = {
     aten.nll_loss_nd.default: _nll_mean,
     aten.nll_loss.default: _nll_mean,
     aten.unflatten.int: _unflatten,
+    aten.numpy_T.default: _numpy_t,
+    aten.matmul.default: _matmul,
     aten.batch_norm.default: _batch_norm,
 }

@@ -2,7 +2,8 @@
 
 Reads: node vals, `autoshard.kind`, the compile mode (auto / semi-auto). Writes
 `autoshard.candidates` = [per axis: [AxisStrategy]] on every placeholder and op node.
-Invariant: every list holds at least the all-replicated candidate (always correct).
+Invariant: every list holds at least the all-replicated candidate (always correct). An op without a rule
+is replicated, with one warning per op and process.
 Placeholders choose an output placement only: R or S(d) (never P). In semi-auto mode (any hint
 given) a parameter or buffer without a hint on an axis stays replicated there, as in MindSpore.
 """
@@ -48,12 +49,16 @@ def strategies(state) -> None:
             if caught:
                 unknown.setdefault(str(node.target), []).append(node.name)
     for op, names in unknown.items():
+        if op in _WARNED:  # once per op and process: a model planned again (or its repeated layers) stays quiet
+            continue
+        _WARNED.add(op)
         warnings.warn(f"autoshard: no sharding rule for {op} (nodes {', '.join(names[:5])}"
                       f"{' ...' if len(names) > 5 else ''}); they run replicated on every rank. Register a rule "
                       "in autoshard/strategies to shard them.", stacklevel=2)
 
 
 strategies.name = "strategies"
+_WARNED: set[str] = set()  # ops already reported as having no rule
 
 
 def _on_axis(candidates: list[AxisStrategy], axis_size: int, node, axis: int) -> list[AxisStrategy]:

@@ -169,7 +169,9 @@ class Rule:
 
 @dataclass
 class Registry:
-    """ATen op (overload or packet) -> Rule. Overload entries win over packet entries.
+    """ATen op (overload or packet) -> Rule. Overload entries win over packet entries. An op of a library
+    that may not be loaded (a custom op such as transformers' grouped matmul) is registered by its name,
+    `str(op)`, e.g. "transformers.grouped_mm_fallback.default".
 
     >>> registry = Registry()
     >>> registry.register(torch.ops.aten.relu, lambda ctx: [], note="a packet: every overload")
@@ -199,7 +201,10 @@ class Registry:
         if target in self.rules:
             return self.rules[target]
         packet = getattr(target, "overloadpacket", None)
-        return self.rules.get(packet)
+        rule = self.rules.get(packet)
+        if rule is None and isinstance(target, torch._ops.OpOverload):
+            rule = self.rules.get(str(target))
+        return rule
 
 
 REGISTRY = Registry()
@@ -219,6 +224,18 @@ def register(ops, shape_arg: int | None = None, note: str = ""):
         REGISTRY.register(ops, fn, shape_arg, note)
         return fn
     return wrap
+
+
+def keeps_sums(node: fx.Node) -> bool:
+    """Whether a linear op that may also cast (`to`, `sum(dtype=)`, `cumsum(dtype=)`) still passes partial
+    sums: it does into a floating type, or between equal non-bool types; a float cast to int truncates
+    each rank's share, a cast to bool saturates it.
+
+    >>> keeps_sums(linear)
+    True
+    """
+    src, out = node.args[0].meta["val"].dtype, node.meta["val"].dtype
+    return out.is_floating_point or out.is_complex or (src == out and src != torch.bool)
 
 
 def feasible(strategy: AxisStrategy, ctx: RuleContext) -> bool:

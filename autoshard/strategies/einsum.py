@@ -121,3 +121,17 @@ def _conv_rule(ctx):
         found = [AxisStrategy((*s.inputs, Shard(0) if s.output == Shard(1) else R), s.output)
                  for s in found if s.output is not P]
     return found
+
+
+def _grouped_mm_rule(ctx):
+    """grouped_mm(x [S, K], w [E, K, N], offs [E]): row block i of x times w[i]; offs counts rows per expert.
+    The rows stay whole (offs are global); N shards with w, K gives partial sums."""
+    if len(ctx.in_shapes) != 3 or len(ctx.in_shapes[0]) != 2 or len(ctx.in_shapes[1]) != 3:
+        return []
+    return [AxisStrategy((R, Shard(2), R), Shard(1)), AxisStrategy((Shard(1), Shard(1), R), P),
+            AxisStrategy((P, R, R), P), AxisStrategy((R, P, R), P)]
+
+
+# transformers' MoE experts (integrations/moe.py) call its own op where torch's grouped_mm cannot run.
+register([aten._grouped_mm.default, "transformers.grouped_mm_fallback.default"], note="per-expert matmul")(
+    _grouped_mm_rule)

@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from ..placement import P, R, Shard
-from .base import REGISTRY, AxisStrategy, RuleContext
+from .base import REGISTRY, AxisStrategy, RuleContext, keeps_sums
 
 aten = torch.ops.aten
 
@@ -68,11 +68,9 @@ def scaling_rule(partial_positions=None):
 
 ADDITIVE = [aten.add.Tensor, aten.sub.Tensor]
 SCALING_ANY = [aten.mul.Tensor, aten.neg.default, aten.clone.default, aten.contiguous.default,
-               aten.alias.default, aten.detach.default, aten._to_copy.default, aten.to.dtype,
-               aten.to.dtype_layout, aten.lift_fresh_copy.default, aten.zeros_like.default,
+               aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default, aten.zeros_like.default,
                aten.real.default, aten.view_as_real.default]
-# type_as only reads its second operand's dtype: a partial `other` must not make the output partial.
-SCALING_FIRST = [aten.div.Tensor, aten.div.Scalar, aten.mul.Scalar, aten.type_as.default]
+SCALING_FIRST = [aten.div.Tensor, aten.div.Scalar, aten.mul.Scalar]
 NONLINEAR = [
     aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.rsub.Tensor, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
     aten.pow.Scalar, aten.exp.default, aten.log.default, aten.log1p.default, aten.expm1.default, aten.sqrt.default,
@@ -89,13 +87,32 @@ NONLINEAR = [
     aten.softplus.default, aten.hardswish.default, aten.hardsigmoid.default, aten.relu6.default,
     aten.dropout.default, aten.native_dropout.default, aten.lerp.Scalar, aten.addcmul.default,
     aten.addcdiv.default, aten.isnan.default, aten.isinf.default, aten.nan_to_num.default, aten.tril.default,
-    aten.triu.default,
+    aten.triu.default, aten.__and__.Tensor, aten.__and__.Scalar, aten.__or__.Tensor, aten.__or__.Scalar,
+    aten.__xor__.Tensor, aten.bitwise_xor.Tensor, aten.logical_xor.default, aten.floor_divide.default,
+    aten.floor_divide.Scalar, aten.remainder.Tensor, aten.remainder.Scalar, aten.fmod.Tensor, aten.fmod.Scalar,
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.min.other, aten.max.other,
+    aten.fmin.default, aten.fmax.default,
 ]
 
 REGISTRY.register(ADDITIVE, _additive_rule, note="elementwise; partial when every operand is partial")
 REGISTRY.register(SCALING_ANY, scaling_rule(), note="elementwise, linear in each operand")
 REGISTRY.register(SCALING_FIRST, scaling_rule((0,)), note="elementwise, linear in the first operand")
 REGISTRY.register(NONLINEAR, broadcast_strategies, note="elementwise")
+
+
+def _cast_rule(ctx):
+    """Casts pass partial sums only where the sum survives the cast: into a floating type, or between equal
+    integer types (float -> int truncates each rank's share; bool saturates). Further tensors (`to.other`,
+    `type_as`) only lend their dtype."""
+    found = broadcast_strategies(ctx)
+    if keeps_sums(ctx.node):
+        found.append(AxisStrategy((P,) + (R,) * (len(ctx.in_shapes) - 1), P))
+    return found
+
+
+CASTS = [aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+         aten.type_as.default]
+REGISTRY.register(CASTS, _cast_rule, note="elementwise; partial when the cast keeps sums")
 
 
 def _tri_rule(ctx):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import P, R, Shard
-from .base import REGISTRY, AxisStrategy, RuleContext
+from .base import REGISTRY, AxisStrategy, RuleContext, keeps_sums
 
 aten = torch.ops.aten
 
@@ -40,7 +40,7 @@ def _reduction_rule(partial: bool, dim_index=1, keepdim_index=2):
                     found.append(AxisStrategy((Shard(d),) + (R,) * (n - 1), P))
             else:
                 found.append(AxisStrategy((Shard(d),) + (R,) * (n - 1), Shard(_out_dim(d, reduced, keepdim))))
-        if partial:
+        if partial and keeps_sums(ctx.node):
             found.append(AxisStrategy((P,) + (R,) * (n - 1), P))
         return found
     return rule
@@ -48,7 +48,8 @@ def _reduction_rule(partial: bool, dim_index=1, keepdim_index=2):
 
 def _whole_sum(ctx):
     """sum.default reduces every dim: any shard gives a partial sum."""
-    return [AxisStrategy((Shard(d),), P) for d in range(len(ctx.in_shapes[0]))] + [AxisStrategy((P,), P)]
+    found = [AxisStrategy((Shard(d),), P) for d in range(len(ctx.in_shapes[0]))]
+    return found + ([AxisStrategy((P,), P)] if keeps_sums(ctx.node) else [])
 
 
 REGISTRY.register([aten.sum.dim_IntList], _reduction_rule(True), note="sharded reduced dim -> partial")
@@ -66,15 +67,16 @@ REGISTRY.register([aten.var.correction, aten.std.correction, aten.var_mean.corre
                   _reduction_rule(False, 1, 3), note="reduced dims stay whole")
 
 
-def _along_dim(linear: bool):
-    """Ops working along one dim (softmax, cumsum): that dim stays whole."""
+def _along_dim(linear: bool, dim_index: int = 1):
+    """Ops working along one dim (softmax, cumsum, topk): that dim stays whole; every tensor input (diff's
+    prepend/append) is sharded alike on the others."""
     def rule(ctx):
-        dim = ctx.arg(1, "dim", -1) % max(len(ctx.in_shapes[0]), 1)  # sort's dim defaults to -1
+        dim = ctx.arg(dim_index, "dim", -1) % max(len(ctx.in_shapes[0]), 1)  # sort's dim defaults to -1
         n = len(ctx.in_shapes)
-        found = [AxisStrategy((Shard(d),) + (R,) * (n - 1), Shard(d))
-                 for d in range(len(ctx.in_shapes[0])) if d != dim]
-        if linear:
-            found.append(AxisStrategy((P,) + (R,) * (n - 1), P))
+        found = [AxisStrategy((Shard(d),) * n, Shard(d)) for d in range(len(ctx.in_shapes[0]))
+                 if d != dim and all(s[d] == ctx.in_shapes[0][d] for s in ctx.in_shapes)]
+        if linear and keeps_sums(ctx.node):
+            found.append(AxisStrategy((P,) * n, P))
         return found
     return rule
 
@@ -83,3 +85,17 @@ REGISTRY.register([aten.softmax.int, aten.log_softmax.int, aten._softmax.default
                    aten.cummax.default, aten.cummin.default, aten.sort.default],
                   _along_dim(False), note="the softmax/sort dim stays whole")
 REGISTRY.register([aten.cumsum.default], _along_dim(True), note="the cumsum dim stays whole; linear")
+# diff(x, n, dim, prepend, append): differences along dim, linear in x, prepend and append together.
+REGISTRY.register([aten.diff.default], _along_dim(True, dim_index=2), note="the diff dim stays whole; linear")
+# topk(x, k, dim) / kthvalue(x, k, dim): the k comes before the dim.
+REGISTRY.register([aten.topk.default, aten.kthvalue.default], _along_dim(False, dim_index=2),
+                  note="the topk dim stays whole")
+
+
+def _histc(ctx):
+    """Counts over a fixed range add up across shards; min == max takes the range from the data (whole)."""
+    low, high = ctx.arg(2, "min", 0), ctx.arg(3, "max", 0)
+    return [AxisStrategy((Shard(d),), P) for d in range(len(ctx.in_shapes[0]))] if low < high else []
+
+
+REGISTRY.register([aten.histc.default], _histc, note="bin counts: any shard -> partial")

@@ -74,7 +74,7 @@ def _permute_rule(ctx):
     ndim = len(ctx.in_shapes[0])
     if node.target is aten.permute.default:
         order = [d % ndim for d in ctx.arg(1, "dims")]
-    elif node.target is aten.t.default:
+    elif node.target in (aten.t.default, aten.numpy_T.default):
         order = list(reversed(range(ndim)))
     else:  # transpose(x, a, b)
         a, b = ctx.arg(1, "dim0") % ndim, ctx.arg(2, "dim1") % ndim
@@ -112,11 +112,16 @@ def _keep_dim_whole(dim_index: int, removes_dim: bool = False):
 
 
 def _cat_rule(ctx):
+    """Inputs shard alike off the cat dim; a 1-D empty input (torch.cat skips it: transformers' first KV-cache
+    update concatenates onto one) stays replicated."""
     ndim = len(ctx.out_shape)
     dim = ctx.arg(1, "dim", 0) % ndim
-    n = len(ctx.in_shapes)
-    found = [AxisStrategy((Shard(d),) * n, Shard(d)) for d in range(ndim) if d != dim]
-    return found + [AxisStrategy((P,) * n, P)]
+    skipped = [shape == (0,) and ndim > 1 for shape in ctx.in_shapes]
+
+    def each(placement):
+        return tuple(R if skip else placement for skip in skipped)
+    found = [AxisStrategy(each(Shard(d)), Shard(d)) for d in range(ndim) if d != dim]
+    return found + [AxisStrategy(each(P), P)]
 
 
 def _stack_rule(ctx):
@@ -125,6 +130,20 @@ def _stack_rule(ctx):
     n = len(ctx.in_shapes)
     found = [AxisStrategy((Shard(d),) * n, Shard(d if d < dim else d + 1)) for d in range(ndim - 1)]
     return found + [AxisStrategy((P,) * n, P)]
+
+
+def _pad_rule(ctx):
+    """constant_pad_nd(x, pad, value) / pad(x, pad, mode, value): padded dims stay whole; the others shard.
+    Padding with zeros (or copying edges) is linear, so partial sums pass."""
+    ndim = len(ctx.in_shapes[0])
+    pads = ctx.arg(1, "pad")
+    padded = {ndim - 1 - i // 2 for i, amount in enumerate(pads) if amount}
+    if ctx.node.target is aten.pad.default:
+        linear = ctx.arg(2, "mode", "constant") != "constant" or not ctx.arg(3, "value", None)
+    else:
+        linear = not ctx.arg(2, "value", 0)
+    found = [AxisStrategy((Shard(d),), Shard(d)) for d in range(ndim) if d not in padded]
+    return found + ([AxisStrategy((P,), P)] if linear else [])
 
 
 def _getitem_rule(ctx):
@@ -138,8 +157,10 @@ REGISTRY.register([aten.view.default, aten.reshape.default, aten._unsafe_view.de
                   note="dimension-mapping algebra")
 REGISTRY.register([aten.flatten.using_ints, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
                    aten.unsqueeze.default, aten.unflatten.int], _reshape_rule, note="dimension-mapping algebra")
-REGISTRY.register([aten.permute.default, aten.transpose.int, aten.t.default], _permute_rule, note="dims permuted")
-REGISTRY.register([aten.expand.default], _expand_rule, shape_arg=1, note="broadcast dims shard for free")
+REGISTRY.register([aten.permute.default, aten.transpose.int, aten.t.default, aten.numpy_T.default], _permute_rule,
+                  note="dims permuted")
+REGISTRY.register([aten.expand.default, aten.broadcast_to.default], _expand_rule, shape_arg=1,
+                  note="broadcast dims shard for free")
 REGISTRY.register([aten.slice.Tensor, aten.narrow.default], _keep_dim_whole(1), note="the sliced dim stays whole")
 # split(x, size, dim) / chunk(x, chunks, dim): the dim comes after the sizes.
 REGISTRY.register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _keep_dim_whole(2),
@@ -149,4 +170,5 @@ REGISTRY.register([aten.select.int, aten.unbind.int], _keep_dim_whole(1, removes
 REGISTRY.register([aten.index_select.default], _keep_dim_whole(1), note="the indexed dim stays whole")
 REGISTRY.register([aten.cat.default], _cat_rule, note="the concatenated dim stays whole")
 REGISTRY.register([aten.stack.default], _stack_rule, note="shards move past the new dim")
+REGISTRY.register([aten.constant_pad_nd.default, aten.pad.default], _pad_rule, note="padded dims stay whole")
 REGISTRY.register([__import__("operator").getitem], _getitem_rule, note="follows the multi-output producer")
