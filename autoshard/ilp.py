@@ -165,12 +165,27 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     rows.flush(h)
     _run(h, problem)
     objective = h.getInfo().objective_function_value
+    values = h.getSolution().col_value
+    optimum = [max(range(n), key=lambda s: values[start[c] + s]) for c, n in enumerate(problem.sizes)]
     # Ties: among the plans within tie_slack of the optimum, take the canonical one (see tie_order), so
     # that the plan does not depend on the solver's build, seed or options.
-    _fix_by_reduced_costs(h, n_var, n_choice, objective + tie_slack(objective), problem)
-    nonzero = [i for i, cost in enumerate(obj) if cost != 0.0]
-    h.addRow(-highspy.kHighsInf, objective + tie_slack(objective), len(nonzero), np.array(nonzero, dtype=np.int32),
-             np.array([obj[i] for i in nonzero], dtype=np.float64))
+    # Every plan pays each class's cheapest candidate: the row and the slack count only what a plan pays
+    # above that, so that cost all plans share (compute, mostly) does not drown their differences.
+    floor = [min(cost for cost, ok in zip(costs[c], allowed[c]) if ok) for c in range(problem.n_classes)]
+    shift = sum(floor)
+    bound = objective + tie_slack(objective - shift)
+    fixed = _fix_by_reduced_costs(h, n_var, n_choice, bound, problem)
+    row = list(obj)
+    for c in range(problem.n_classes):
+        for s in range(problem.sizes[c]):
+            row[start[c] + s] -= floor[c]
+    nonzero = [i for i, cost in enumerate(row) if cost != 0.0 and i not in fixed and upper[i] > 0]
+    # HiGHS refuses matrix entries above 1e15 (a replicated op at a slow peak): the row is scaled down.
+    scale = min(1.0, 1e9 / max((abs(row[i]) for i in nonzero), default=1.0))
+    status = h.addRow(-highspy.kHighsInf, (bound - shift) * scale, len(nonzero), np.array(nonzero, dtype=np.int32),
+                      np.array([row[i] * scale for i in nonzero], dtype=np.float64))
+    if status == highspy.HighsStatus.kError:
+        raise PlanError("the sharding ILP's tie-breaking row was refused by HiGHS; please report this model")
     order = tie_order(problem, allowed)
     secondary = np.zeros(n_var)
     for c, ranks in enumerate(order):
@@ -183,13 +198,16 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
         _run(h, problem)
     values = h.getSolution().col_value
     choice = [max(range(n), key=lambda s: values[start[c] + s]) for c, n in enumerate(problem.sizes)]
+    if problem.evaluate(choice) > problem.evaluate(optimum) + tie_slack(objective - shift):
+        choice = optimum  # the row held only within the solver's tolerance: keep the optimum itself
     return IlpResult(choice, problem.evaluate(choice), n_var, n_rows)
 
 
-def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem) -> None:
+def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem) -> set:
     """Fix to 0 every variable that no plan with objective <= `bound` can use: in the LP relaxation, a
     variable at 0 with reduced cost r raises the objective by at least r when set to 1. The tie-breaking
-    solve then sees only the candidates that can still tie (usually a few), so it costs little."""
+    solve then sees only the candidates that can still tie (usually a few), so it costs little. Returns
+    the fixed variables."""
     everything = np.arange(n_var, dtype=np.int32)
     h.changeColsIntegrality(n_var, everything, np.array([highspy.HighsVarType.kContinuous] * n_var))
     _run(h, problem)
@@ -201,6 +219,7 @@ def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem) -> None:
     if fixed:
         h.changeColsBounds(len(fixed), np.array(fixed, dtype=np.int32), np.zeros(len(fixed)), np.zeros(len(fixed)))
     h.changeColsIntegrality(n_choice, everything[:n_choice], np.array([highspy.HighsVarType.kInteger] * n_choice))
+    return set(fixed)
 
 
 _OVERRIDES: dict = {}
@@ -224,14 +243,18 @@ def highs_options(**options):
         _OVERRIDES.update(saved)
 
 
-TIE_RELATIVE = 1e-9  # plans whose objectives differ by less than this (plus 1 ns) are equally good
+# Plans whose objectives differ by less than this share (plus 1 ns) of what the optimum pays above every
+# class's cheapest candidate are equally good: HiGHS's feasibility tolerances cannot resolve finer
+# differences in the tie-breaking solve's objective row.
+TIE_RELATIVE = 1e-7
 
 
 def tie_slack(objective: float) -> float:
-    """How far above the optimum (in the solver's microseconds) a plan still counts as a tie.
+    """How far above the optimum (in the solver's microseconds) a plan still counts as a tie; `objective`
+    is what the optimum pays above every class's cheapest candidate.
 
-    >>> tie_slack(0.0), tie_slack(1e6)
-    (0.001, 0.002)
+    >>> tie_slack(0.0), round(tie_slack(1e6), 9)
+    (0.001, 0.101)
     """
     return TIE_RELATIVE * abs(objective) + 1e-3
 
