@@ -37,6 +37,7 @@ from .passes.checkpoint import checkpoint as checkpoint_pass
 from .passes.codegen import attr_names, build_rank_module, codegen
 from .passes.cut_stages import cut_stages
 from .passes.fuse_comm import fuse_comm
+from .passes.hint_check import check_hints
 from .passes.insert_comm import insert_comm
 from .passes.manager import CompileState, History, run_passes
 from .passes.manager import pass_name as pass_name_of
@@ -50,7 +51,8 @@ from .placement import describe_type, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
 
-PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, checkpoint_pass, predict, codegen]
+PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, checkpoint_pass, predict, check_hints,
+          codegen]
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,

@@ -6,5 +6,5 @@ CompileState; its docstring says what it reads, what it writes and the invariant
 
 >>> from autoshard.program import PASSES
 >>> [p.name for p in PASSES]
-['normalize', 'annotate', 'strategies', 'solve', 'zero', 'insert_comm', 'fuse_comm', 'checkpoint', 'predict', 'codegen']
+['normalize', 'annotate', 'strategies', 'solve', 'zero', 'insert_comm', 'fuse_comm', 'checkpoint', 'predict', 'check_hints', 'codegen']
 """

@@ -34,12 +34,12 @@ from ..strategies.base import is_tensor_value
 
 def insert_comm(state) -> None:
     """The pass: a chain of collectives on every edge whose placements differ (see the module docstring).
-    The row-parallel output is partial; its bias follows the column split, so it is reduce-scattered:
+    The row-parallel output is partial; its bias is replicated (added once), so it is all-reduced:
 
     >>> insert_comm(state)
     >>> [(n.meta["autoshard.comm"]["op"], n.meta["autoshard.comm"]["axis"]) for n in state.gm.graph.nodes
     ...  if "autoshard.comm" in n.meta]
-    [('reduce_scatter', 'tp')]
+    [('all_reduce', 'tp')]
     """
     graph = state.gm.graph
     names = state.mesh.names

@@ -59,8 +59,28 @@ from .graph_utils import data_parallel_axes
 aten = torch.ops.aten
 _SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
 PROPAGATION_PENALTY = 1e3
-MUTATED_POSITIONS = {aten.add_.Tensor: (0,), aten.copy_.default: (0,), aten.mul_.Tensor: (0,),
-                     aten.fill_.Scalar: (0,), aten.zero_.default: (0,)}
+def mutated_positions(node) -> tuple[int, ...]:
+    """Positions (among the node's tensor inputs) of the operands its op writes in place, from the op's
+    schema: they cannot be resharded (the write would land on a copy).
+
+    >>> graph = torch.fx.Graph()
+    >>> x, y = graph.placeholder("x"), graph.placeholder("y")
+    >>> x.meta["val"] = y.meta["val"] = torch.zeros(2)
+    >>> add_ = graph.call_function(torch.ops.aten.add_.Tensor, (x, y))
+    >>> mutated_positions(add_), mutated_positions(graph.call_function(torch.ops.aten.add.Tensor, (x, y)))
+    ((0,), ())
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return ()
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, torch.fx.Node):
+                written.append(value)
+    inputs = tensor_inputs(node)
+    return tuple(pos for pos, value in enumerate(inputs) if value in written)
 
 
 JOINT_MAX_VARIABLES = 150_000
@@ -358,7 +378,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     for v in nodes:
         if v.op != "call_function":
             continue
-        mutated = MUTATED_POSITIONS.get(v.target, ())
+        mutated = mutated_positions(v)
         for pos, u in enumerate(tensor_inputs(v)):
             if u not in combos:
                 continue

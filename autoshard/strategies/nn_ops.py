@@ -151,7 +151,7 @@ def _in_place(ctx):
 
 
 # normalize makes other in-place ops out-of-place where nothing aliases their operand; these remain on buffers
-# and views (solve must not reshard the mutated operand: see MUTATED_POSITIONS there).
+# and views (solve must not reshard the mutated operand: see mutated_positions there).
 REGISTRY.register([aten.add_.Tensor, aten.copy_.default, aten.mul_.Tensor, aten.fill_.Scalar, aten.zero_.default,
                    aten.div_.Tensor, aten.div_.Scalar, aten.masked_fill_.Scalar],
                   _in_place, note="in-place update of a buffer, sharded like it")
