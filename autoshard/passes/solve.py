@@ -221,6 +221,49 @@ def _axis_candidates(node, axis, mesh, choices):
     return found
 
 
+def is_view(node) -> bool:
+    """Whether the node's op returns a view of its first argument (its schema's alias annotation).
+
+    >>> graph = torch.fx.Graph()
+    >>> x = graph.placeholder("x")
+    >>> is_view(graph.call_function(torch.ops.aten.slice.Tensor, (x, 1, 1))), is_view(x)
+    (True, False)
+    """
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return out is not None and not out.is_write and first is not None and first.before_set == out.before_set
+
+
+def written_through_views(graph) -> set:
+    """Values written in place through a view (`shifted[:, 1:] = labels[:, :-1]` in transformers'
+    shift_tokens_right), with the views between: none of them may be resharded, or the write would land
+    on a rank's fresh copy and later reads of the base would miss it.
+
+    >>> graph = torch.fx.Graph()
+    >>> base, src = graph.placeholder("base"), graph.placeholder("src")
+    >>> base.meta["val"] = src.meta["val"] = torch.zeros(2, 4)
+    >>> view = graph.call_function(torch.ops.aten.slice.Tensor, (base, 1, 1))
+    >>> view.meta["val"] = torch.zeros(2, 3)
+    >>> write = graph.call_function(torch.ops.aten.copy_.default, (view, src))
+    >>> sorted(n.name for n in written_through_views(graph))
+    ['base', 'slice_tensor']
+    """
+    frozen = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        for pos in mutated_positions(node):
+            value, chain = tensor_inputs(node)[pos], []
+            while is_view(value):
+                chain.append(value)
+                value = value.args[0]
+            if chain:
+                frozen.update([*chain, value])
+    return frozen
+
+
 def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh, profile) -> float:
     """Scaled cost of turning placements `have` into `want` on `axes` (one tuple entry per axis)."""
     if mutated:
@@ -375,10 +418,11 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share)
     edges: dict = {}
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
+    frozen = written_through_views(state.gm.graph)
     for v in nodes:
         if v.op != "call_function":
             continue
-        mutated = mutated_positions(v)
+        mutated = set(mutated_positions(v)) | {pos for pos, u in enumerate(tensor_inputs(v)) if u in frozen}
         for pos, u in enumerate(tensor_inputs(v)):
             if u not in combos:
                 continue
