@@ -14,9 +14,7 @@ The default run (`DEFAULT`) verifies every family with DP + TP hints, the automa
 families and pure DP on one (about 80 s on 2 cores); `AUTOSHARD_FULL_MATRIX=1` runs every family in
 every mode (about 3 minutes): `AUTOSHARD_FULL_MATRIX=1 python -m pytest tests/test_transformers_families.py`.
 """
-import contextlib
 import fnmatch
-import io
 import os
 
 import pytest
@@ -51,9 +49,8 @@ OPTIONS = {
 @pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_family_verifies(family, mode):
     model, inputs, loss_fn = families.FAMILIES[family]()
-    with contextlib.redirect_stdout(io.StringIO()):  # the solver's banner
-        report, program = verify_simulated(model, inputs, loss_fn, dtype=DTYPE.get(family, "float64"),
-                                           **OPTIONS[mode](family))
+    report, program = verify_simulated(model, inputs, loss_fn, dtype=DTYPE.get(family, "float64"),
+                                       **OPTIONS[mode](family))
     assert report.ok, f"{family} ({mode}):\n{report}"
     comm = program.plan.predicted["comm_bytes_per_step"]
     if mode in ("dp", "dp_tp"):  # the gradients of replicated parameters are all-reduced on dp
