@@ -175,6 +175,10 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     shift = sum(floor)
     bound = objective + tie_slack(objective - shift)
     fixed = _fix_by_reduced_costs(h, n_var, n_choice, bound, problem)
+    open_choices = [[s for s in range(n) if allowed[c][s] and start[c] + s not in fixed]
+                    for c, n in enumerate(problem.sizes)]
+    if all(len(left) == 1 for left in open_choices):  # no other plan can tie: the optimum is the plan
+        return IlpResult(optimum, problem.evaluate(optimum), n_var, n_rows)
     row = list(obj)
     for c in range(problem.n_classes):
         for s in range(problem.sizes[c]):
