@@ -190,7 +190,7 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
                       np.array([row[i] * scale for i in nonzero], dtype=np.float64))
     if status == highspy.HighsStatus.kError:
         raise PlanError("the sharding ILP's tie-breaking row was refused by HiGHS; please report this model")
-    order = tie_order(problem, allowed)
+    order = tie_order(problem)
     secondary = np.zeros(n_var)
     for c, ranks in enumerate(order):
         secondary[start[c]:start[c] + len(ranks)] = ranks
@@ -263,7 +263,7 @@ def tie_slack(objective: float) -> float:
     return TIE_RELATIVE * abs(objective) + 1e-3
 
 
-def tie_order(problem: IlpProblem, allowed=None) -> list[list[float]]:
+def tie_order(problem: IlpProblem) -> list[list[float]]:
     """The second objective that makes the plan canonical: per class, each candidate's rank when its
     candidates are ordered by bytes kept per device, then by their position in the candidate list (a
     fixed order: the strategy registry's); class c's ranks weigh 1 + c / classes, so that two plans rarely
