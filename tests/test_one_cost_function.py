@@ -53,3 +53,11 @@ def test_pipeline_microbatch_objective_is_its_predicted_step_with_the_sync_paid_
     step = prog.plan.predicted["step_time_s"]
     assert math.isclose(prog.state.objective_s, step - sync * (1 - 1 / m), rel_tol=1e-9)
     assert prog.plan.pipeline["predicted_step_s"] == prog.planned_timeline().span()
+
+
+def test_a_saved_plan_applied_again_has_the_same_objective():
+    """apply_plan records the objective as solve does: the plan file compiles to the same objective and step."""
+    prog = _plan("mlp", (2, 2), pipeline=False)
+    again = _plan("mlp", (2, 2), pipeline=False, plan=prog.plan)
+    assert again.state.objective_s == prog.state.objective_s
+    assert again.plan.predicted["step_time_s"] == prog.plan.predicted["step_time_s"]

@@ -3,7 +3,8 @@
 
 Reads the Plan's rows (each with its `choice` per mesh axis), `autoshard.candidates`, `autoshard.hint`
 and FakeTensor vals. Writes what solve writes: `autoshard.choice`, `autoshard.spec`,
-`autoshard.in_specs`, `autoshard.grad_partial`, and `state.ilp_stats = []` (nothing was solved).
+`autoshard.in_specs`, `autoshard.grad_partial`, `state.objective_s` (the plan's objective, as solve
+records it) and `state.ilp_stats = []` (nothing was solved).
 Invariant: the plan's rows (inserted collectives aside) match the graph's nodes one to one in order —
 name, op, module path, kind, shape and dtype — and each chosen strategy is one solve could have chosen
 on that axis (solve's `_axis_candidates`: divisible after the earlier axes, hints respected); otherwise
@@ -35,7 +36,7 @@ from ..placement import describe_type, dtype_name
 from ..plan import Plan, _op_name
 from ..plan_io import PlanMismatchError, short
 from ..strategies.base import is_tensor_value
-from .solve import _axis_candidates, record_choice
+from .solve import _axis_candidates, plan_objective, record_choice
 
 _REPLAN = ("pass the plan saved for this model and these example inputs (same shapes and dtypes), or re-plan "
            "without plan=")
@@ -125,6 +126,7 @@ class ApplyPlan:
         for node in nodes:
             record_choice(node, choices[node], grad)
         state.ilp_stats = []
+        state.objective_s = plan_objective(state)
 
 
 def match_rows(plan: Plan, graph) -> list:
