@@ -338,12 +338,14 @@ def remember_warnings():
     >>> len(caught)
     1
     """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        yield
-    for w in caught:
-        _SHOWN.add(str(w.message))
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            yield
+    finally:  # also when the block fails: its warnings may say why
+        for w in caught:
+            _SHOWN.add(str(w.message))
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _peer_closed(first_line: str) -> bool:
