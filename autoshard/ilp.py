@@ -7,6 +7,11 @@ Forbidden pairs fix e[s, t] = 0; edges with a single-candidate end fold into the
 An optional memory row bounds sum(memory[c, s] * x[c, s]). A shared charge is paid once when any of
 its groups is chosen: a variable y in [0, 1] with y >= sum(x over the group) for every group, costing
 `cost * y` (the backward all-reduce of a value used by several split ops happens once).
+A conjunction charge is paid once when any of its terms holds, a term being "classes c and d choose
+one of these candidate pairs" (a conversion of one value shared by all consumers that ask for the same
+placement: insert_comm emits one chain for them). Its variable y is tied to the edge variables
+e[s, t] of the pairs, so it stays as tight as the edges: y >= sum(e over a term's pairs) per term when
+it costs, y <= sum(e over every term's pairs) when it pays back (a negative cost).
 
 Plans are canonical: a second solve keeps the objective within `tie_slack` of the optimum and minimises
 `tie_order` (fewest bytes kept per device, then the candidates' fixed order), so the choice depends on
@@ -48,6 +53,7 @@ class IlpProblem:
     memory: list[list[float]] | None = None  # [class][candidate] bytes
     budget: float | None = None
     shared: list = field(default_factory=list)  # [(cost, [[(class, candidate), ...], ...])]
+    conjunctions: list = field(default_factory=list)  # [(cost, [(class c, class d, [(s, t), ...]), ...])]
     names: list[str] = field(default_factory=list)  # for error messages
 
     @property
@@ -61,7 +67,8 @@ class IlpProblem:
 
     def evaluate(self, choice) -> float:
         """The objective of one choice per class (what the solver minimises): candidate costs, the edges
-        between the chosen pairs, and each shared charge once when any of its groups is chosen.
+        between the chosen pairs, each shared charge once when any of its groups is chosen and each
+        conjunction charge once when any of its terms holds.
 
         >>> problem.evaluate([1, 1]), problem.evaluate([0, 0])
         (3.0, 6.0)
@@ -70,6 +77,8 @@ class IlpProblem:
         total += sum(matrix[choice[c]][choice[d]] for (c, d), matrix in self.edges.items())
         chosen = set(enumerate(choice))
         total += sum(cost for cost, groups in self.shared if any(chosen.intersection(g) for g in groups))
+        total += sum(cost for cost, terms in self.conjunctions
+                     if any((choice[c], choice[d]) in pairs for c, d, pairs in terms))
         return total
 
 
@@ -140,6 +149,10 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     for cost, _ in problem.shared:
         obj.append(cost)
         upper.append(1.0)
+    conjunction_start = len(obj)
+    for cost, _ in problem.conjunctions:
+        obj.append(cost)
+        upper.append(1.0)
     n_var = len(obj)
     h.addVars(n_var, np.zeros(n_var), np.array(upper))
     h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), np.array(obj, dtype=np.float64))
@@ -158,6 +171,17 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
         for group in groups:
             idx = [start[c] + s for c, s in group]
             rows.add(-highspy.kHighsInf, 0.0, idx + [shared_start + i], [1.0] * len(idx) + [-1.0])
+    joint_start = {(c, d): e0 for (c, d, _), e0 in zip(joint, edge_start)}
+    for i, (cost, terms) in enumerate(problem.conjunctions):
+        y = conjunction_start + i
+        indicators = [_pair_indicator(problem.sizes, start, joint_start, c, d, pairs) for c, d, pairs in terms]
+        if cost >= 0:  # y >= each term's indicator
+            for idx, constant in indicators:
+                rows.add(-highspy.kHighsInf, -constant, idx + [y], [1.0] * len(idx) + [-1.0])
+        else:  # y <= the sum of the indicators (and y <= 1 by its bound)
+            idx = [j for term, _ in indicators for j in term]
+            rows.add(-highspy.kHighsInf, sum(constant for _, constant in indicators), [y] + idx,
+                     [1.0] + [-1.0] * len(idx))
     if problem.budget is not None and problem.memory is not None:
         idx = [start[c] + s for c, n in enumerate(problem.sizes) for s in range(n)]
         rows.add(-highspy.kHighsInf, problem.budget, idx, [m for per in problem.memory for m in per])
@@ -205,6 +229,21 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     if problem.evaluate(choice) > problem.evaluate(optimum) + tie_slack(objective - shift):
         choice = optimum  # the row held only within the solver's tolerance: keep the optimum itself
     return IlpResult(choice, problem.evaluate(choice), n_var, n_rows)
+
+
+def _pair_indicator(sizes, start, joint_start, c, d, pairs) -> tuple[list[int], float]:
+    """Variables whose sum is 1 exactly when classes c and d choose one of `pairs` (and a constant):
+    the edge variables e[s, t] of a joint edge, or one class's x when the other has one candidate."""
+    if (c, d) in joint_start:
+        e0, nv = joint_start[(c, d)], sizes[d]
+        return [e0 + s * nv + t for s, t in pairs], 0.0
+    if sizes[c] == 1 and sizes[d] == 1:
+        return [], float((0, 0) in pairs)
+    if sizes[c] == 1:
+        return [start[d] + t for s, t in pairs if s == 0], 0.0
+    if sizes[d] == 1:
+        return [start[c] + s for s, t in pairs if t == 0], 0.0
+    raise ValueError(f"conjunction over classes {c} and {d}, which share no edge: add it to `edges`")
 
 
 def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem) -> set:

@@ -6,8 +6,10 @@ and `autoshard.grad_partial` (per input position: axes where its gradient comes 
 
 Axes are solved one after another (outer first); each axis's ILP (autoshard/ilp.py) sees tensor sizes
 already divided by the earlier axes' choices. Copies of a node in repeated layers share one decision
-(autoshard/layers.py), so the ILP does not grow with depth. Edges carry resharding costs; multi-output
-producers and mutated inputs cannot be resharded. Hints are hard constraints. Node costs
+(autoshard/layers.py), so the ILP does not grow with depth. A conversion is charged once per chain
+insert_comm emits (one per value, wanted placement and partial axes, shared by its consumers), so the
+chosen plan's objective is predict's step; edges forbid resharding multi-output producers and mutated
+inputs. Hints are hard constraints. Node costs
 (autoshard/axis_cost.py) count compute, the backward all-reduces implied by the duality rule and, in
 auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bounds the parameters
 (with gradients and optimizer state), inputs and saved activations; on axis a the bound is the budget
@@ -44,6 +46,7 @@ from ..cost import (
     INF,
     all_gather_time,
     all_reduce_time,
+    fused_gather_saving,
     redistribution_time,
 )
 from ..errors import HintError
@@ -324,15 +327,21 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
     return [(cost, groups) for cost, groups in shared]
 
 
-def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others) -> float:
+def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes) -> float:
     """Scaled seconds over-counted when an edge gathers `u` on an axis where `v` splits its work with
     that input replicated: the shared charge prices the gradient's reduction as an all-reduce, but
     fuse_comm turns gather + all-reduce into one all_gather_sum_grad (a reduce-scatter backward).
     Activations only: a parameter gathered per use is ZeRO-3 without the re-gather, whose true cost is
     the gathered copy kept for backward, which the memory row does not count -- refunding it would make
-    the solver prefer it to data parallelism on a tie it cannot see."""
+    the solver prefer it to data parallelism on a tie it cannot see.
+    When `axes` are the whole mesh, the chain insert_comm emits is known step by step and the saving is
+    exact (cost.fused_gather_saving); one axis of several is priced on that axis alone."""
     if u.op == "placeholder" or not models[0].grad.get(u, False):
         return 0.0
+    mesh = models[0].mesh
+    if len(axes) == mesh.ndim and len(axes) > 1:
+        return fused_gather_saving(Spec(have), Spec(want), partial_axes, node_bytes(u), mesh.shape,
+                                   models[0].profile) * _SCALE
     refund = 0.0
     for i, axis in enumerate(axes):
         strategy = cv[axis]
@@ -342,6 +351,32 @@ def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others) -> flo
             nbytes = model.input_bytes(u, pos, others(v, cv, axis))
             refund += all_reduce_time(nbytes, model.k, model.link) - all_gather_time(nbytes, model.k, model.link)
     return refund * _SCALE
+
+
+def _partial_axes(u, pos, strategies, models) -> tuple:
+    """Axes where a consumer with these strategies (axis -> AxisStrategy) gets `u`'s gradient back
+    partial: it splits its work with the input replicated. insert_comm builds one chain per (value,
+    wanted placement, these axes)."""
+    if not models[0].grad.get(u, False):
+        return ()
+    return tuple(sorted(a for a, s in strategies.items() if s.splits_work and isinstance(s.inputs[pos], Replicate)))
+
+
+def _conversion_charges(conversions, edges) -> list:
+    """Conjunction charges (autoshard/ilp.py) for the conversions: insert_comm emits one chain per value,
+    wanted placement and partial axes, shared by every consumer that asks for it, so its cost is paid
+    once when any consumer pair chooses it. Copies of a value in repeated layers whose charges span the
+    same class pairs merge into one charge that costs their sum."""
+    merged: dict = {}
+    for (_, _, _, _, _, cost), terms in conversions.items():
+        if cost == 0.0:
+            continue
+        if any(edges[key][a][b] == INF for key, pairs in terms.items() for a, b in pairs):
+            terms = {key: {(a, b) for a, b in pairs if edges[key][a][b] != INF} for key, pairs in terms.items()}
+        signature = (cost > 0, tuple(sorted((key, tuple(sorted(pairs))) for key, pairs in terms.items() if pairs)))
+        if signature[1]:
+            merged[signature] = merged.get(signature, 0.0) + cost
+    return [(cost, [(c, d, list(pairs)) for (c, d), pairs in signature[1]]) for signature, cost in merged.items()]
 
 
 def _zero_memory_scale(node, combo, prior, state, models) -> float:
@@ -417,6 +452,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
     shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share)
     edges: dict = {}
+    conversions: dict = {}  # one charge per chain insert_comm emits (see _conversion_charges)
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
     frozen = written_through_views(state.gm.graph)
     for v in nodes:
@@ -429,6 +465,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
             key = (class_of[u], class_of[v])
             matrix = edges.setdefault(key, [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])])
             wants = [tuple(cv[a].inputs[pos] for a in axes) for cv in combos[v]]
+            partials = [_partial_axes(u, pos, {**dict(enumerate(choices[v])), **cv}, models) for cv in combos[v]]
             priced: dict = {}  # (have, want) -> cost: many candidate pairs share one conversion
             # A conversion into an input placement the user asked for (`<module>:input`) is not penalized.
             penalize = semi_auto and not any(pos in wanted for wanted in v.meta.get(INPUT_HINT, {}).values())
@@ -440,13 +477,19 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
                     if cost is None:
                         cost = priced[(have, want)] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
                                                                  models, others, penalize, mesh, profile)
-                    matrix[a][b] += cost - _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes, models,
-                                                                others)
+                    if cost == INF:
+                        matrix[a][b] = INF
+                        continue
+                    cost -= _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes, models, others,
+                                                 partials[b])
+                    chain = conversions.setdefault((u, have, want, partials[b], penalize, cost), {})
+                    chain.setdefault(key, set()).add((a, b))
     budget = state.options.get("memory_budget")
     if budget is None:
         budget = profile.memory_bytes
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism
     budget = None if math.isinf(budget) else budget * later
     problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared,
+                         conjunctions=_conversion_charges(conversions, edges),
                          names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r})" for m in classes])
     return problem, classes, class_of
