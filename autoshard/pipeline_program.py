@@ -142,32 +142,39 @@ class PipelineProgram(Program):
         stages = split_stages(super().graph(self.inner_rank(rank)), self.config.num_stages)
         return StageGraphs(stages[s] for s in self.stages_of(rank))
 
-    def all_stage_graphs(self, inner_rank: int, stages=None) -> list:
+    def stage_tensors(self, stages) -> set:
+        """FQNs of the parameters and buffers the given stages use (what a rank running them holds).
+
+        >>> sorted(prog.stage_tensors({1}))  # the last stage adds the last bias (the cut falls before it)
+        ['layers.2.bias']
+        """
+        return {n.meta[meta.PATH] for n in self.state.gm.graph.nodes if n.op == "placeholder"
+                and n.meta.get(meta.KIND) in ("param", "buffer") and any(u.meta.get(STAGE) in stages for u in n.users)}
+
+    def all_stage_graphs(self, inner_rank: int, stages=None, local=None) -> list:
         """Every stage of one intra-op rank, sharing one fresh set of parameter shards; with `stages`, only
-        the parameters those stages use get storage (the rest are meta tensors).
+        the parameters those stages use get storage (the rest are meta tensors). `local` ({FQN: block},
+        `rank_tensors`) supplies them instead of the model's own tensors.
 
         >>> first, second = prog.all_stage_graphs(0, stages={1})
         >>> first.gm.layers_0_weight.device, second.gm.layers_2_bias.device
         (device(type='meta'), device(type='cpu'))
         """
-        keep = None
-        if stages is not None:
-            keep = {n.meta[meta.PATH] for n in self.state.gm.graph.nodes if n.op == "placeholder"
-                    and n.meta.get(meta.KIND) in ("param", "buffer")
-                    and any(u.meta.get(STAGE) in stages for u in n.users)}
-        return split_stages(build_rank_module(self.state, inner_rank, keep), self.config.num_stages)
+        keep = None if stages is None else self.stage_tensors(stages)
+        return split_stages(build_rank_module(self.state, inner_rank, keep, local), self.config.num_stages)
 
-    def module(self, rank: int, comm):
+    def module(self, rank: int, comm, weights=None, init_fn=None, seed: int = 0, strict: bool = True):
         """Rank `rank`'s trainable pipeline module (PipelineRankModule: a real rank, it runs a
         torch.distributed.pipelining schedule); `comm` is its communicator on the full mesh, e.g.
-        `autoshard.runtime.launch.communicator_for(prog.mesh)` under torchrun. See
-        autoshard/runtime/pipeline.py for one that runs in this process.
+        `autoshard.runtime.launch.communicator_for(prog.mesh)` under torchrun. `weights` and the rest: as
+        Program.module (only the tensors of this rank's stages are read). See autoshard/runtime/pipeline.py
+        for one that runs in this process.
 
         >>> from autoshard.runtime.launch import communicator_for
         >>> module = prog.module(rank, communicator_for(prog.mesh))  # doctest: +SKIP
         """
         from .runtime.pipeline import PipelineRankModule
-        return PipelineRankModule(self, rank, comm)
+        return PipelineRankModule(self, rank, comm, weights=weights, init_fn=init_fn, seed=seed, strict=strict)
 
     # ---------------------------------------------------------------------------------------- data
     def check_inputs(self, inputs) -> None:
@@ -252,12 +259,13 @@ class InnerRanks:
         self.program = program
         self.mesh = program.inner_mesh
 
-    def module(self, inner_rank, comm):
-        """Intra-op rank `inner_rank`'s SequentialStages: every stage, run in order.
+    def module(self, inner_rank, comm, **weights):
+        """Intra-op rank `inner_rank`'s SequentialStages: every stage, run in order (`weights`, `init_fn`,
+        `seed`, `strict`: as Program.module).
 
         >>> from autoshard.runtime.simulator import run_ranks
         >>> type(run_ranks(InnerRanks(prog), lambda module: module)[0]).__name__
         'SequentialStages'
         """
         from .runtime.pipeline import SequentialStages
-        return SequentialStages(self.program, inner_rank, comm)
+        return SequentialStages(self.program, inner_rank, comm, **weights)

@@ -204,6 +204,23 @@ def shard_index(spec: Spec, dim: int, coord, mesh_shape) -> tuple[int, int]:
     return index, count
 
 
+def shard_slices(shape, spec: Spec, coord, mesh_shape) -> tuple[slice, ...]:
+    """The index of the block of a global tensor of `shape` held by the rank at `coord`: one slice per
+    dim (what a checkpoint reader reads, what a writer writes).
+
+    >>> shard_slices((8, 6), Spec([S(1), S(0)]), (1, 0), (3, 2))   # dim 1 in 3 blocks, dim 0 in 2
+    (slice(0, 4, None), slice(2, 4, None))
+    """
+    out = []
+    for dim, size in enumerate(shape):
+        index, count = shard_index(spec, dim, coord, mesh_shape)
+        if size % count:
+            raise ValueError(f"dim {dim} of size {size} does not split evenly into {count} blocks")
+        block = size // count
+        out.append(slice(index * block, (index + 1) * block))
+    return tuple(out)
+
+
 def shard_tensor(tensor: torch.Tensor, spec: Spec, coord, mesh_shape) -> torch.Tensor:
     """The block of a global tensor held by the rank at `coord` (partial axes: rank 0 holds it).
 
@@ -211,13 +228,7 @@ def shard_tensor(tensor: torch.Tensor, spec: Spec, coord, mesh_shape) -> torch.T
     >>> shard_tensor(torch.arange(8), Spec([S(0)]), (1,), (2,))
     tensor([4, 5, 6, 7])
     """
-    local = tensor
-    for dim in range(tensor.dim()):
-        index, count = shard_index(spec, dim, coord, mesh_shape)
-        if count > 1:
-            if tensor.shape[dim] % count:
-                raise ValueError(f"dim {dim} of size {tensor.shape[dim]} does not split evenly into {count} blocks")
-            local = local.chunk(count, dim)[index]
+    local = tensor[shard_slices(tuple(tensor.shape), spec, coord, mesh_shape)]
     for axis in spec.partial_axes():
         if coord[axis] != 0:
             local = torch.zeros_like(local)

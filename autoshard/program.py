@@ -47,7 +47,7 @@ from .passes.solve import solve
 from .passes.strategies import strategies
 from .passes.zero import AllowPlannedZeroShards
 from .passes.zero import zero as zero_pass
-from .placement import describe_type, unshard_tensors
+from .placement import describe_type, local_shape, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
 
@@ -120,7 +120,7 @@ def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, p
         passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
     debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     traced = trace(model, example_inputs, loss_fn)
-    state = CompileState(traced.gm, mesh, traced, hints, options)
+    state = CompileState(traced.gm, mesh, traced, hints, options, model=model)
     history = run_passes(state, passes, verify=debug, describe=describe_graph)
     return state, history
 
@@ -227,16 +227,56 @@ class Program:
             self._graphs[rank] = build_rank_module(self.state, rank)
         return self._graphs[rank]
 
-    def module(self, rank: int, comm) -> RankModule:
+    def module(self, rank: int, comm, weights=None, init_fn=None, seed: int = 0, strict: bool = True) -> RankModule:
         """A fresh trainable module for `rank` talking through `comm` (its own parameter copies); under
         torchrun `comm` is `autoshard.runtime.launch.communicator_for(prog.mesh)`.
+
+        `weights` fills this rank's shards without the full model ever being on the rank: a
+        `.safetensors` file or a directory (one file, or the transformers layout with
+        `model.safetensors.index.json`; only this rank's slices are read), a `save_checkpoint`
+        directory (DCP, real ranks), a state dict, or "init" (the model's initialisation replayed
+        module by module under `seed`: `init_fn(module)` when given, a transformers model's
+        `_init_weights`, else each module's `reset_parameters`). Without it the shards are cut from the
+        model's own tensors; a model on the meta device needs `weights`. See autoshard/weights/.
 
         >>> from autoshard.runtime.simulator import run_ranks   # one thread per rank, module(r, comm) each
         >>> losses = run_ranks(prog, lambda module: module(*module.local_inputs(*inputs))[0])
         >>> torch.allclose(losses[0] + losses[1], loss)          # batch-sharded: each rank holds a partial sum
         True
         """
-        return RankModule(build_rank_module(self.state, rank), comm, self)
+        from .weights import DcpWeights, open_weights
+        source = open_weights(weights) if weights is not None else None
+        local = self.rank_tensors(rank, source, init_fn=init_fn, seed=seed, strict=strict)
+        module = RankModule(build_rank_module(self.state, rank, local=local), comm, self)
+        if isinstance(source, DcpWeights):  # DCP reads each rank's pieces into the module's shards in place
+            from .checkpoint import load_checkpoint
+            load_checkpoint(source.path, module)
+        return module
+
+    def rank_tensors(self, rank: int, weights, keep=None, init_fn=None, seed: int = 0, strict: bool = True):
+        """{FQN: block} of rank `rank` (intra-op rank, for a pipeline) from `weights` (see `module`; for a DCP
+        directory uninitialised blocks, which `module` fills), or None (cut from the model's own tensors).
+
+        >>> prog.rank_tensors(0, None) is None   # a model with real weights: cut from them
+        True
+        """
+        from .weights import DcpWeights, open_weights, rank_weights
+        if weights is None:
+            meta_tensors = [f for f, t in {**self.traced.params, **self.traced.buffers}.items()
+                            if t.device.type == "meta" and (keep is None or f in keep)]
+            if meta_tensors:
+                raise UserInputError(f"the model was planned on the meta device ({meta_tensors[0]!r} has no values): "
+                                     "pass weights= to prog.module (a safetensors file or directory, a "
+                                     "save_checkpoint directory, a state dict, or 'init')")
+            return None
+        source = open_weights(weights)
+        if isinstance(source, DcpWeights):
+            if keep is not None:
+                raise UserInputError("a save_checkpoint directory cannot be loaded into a pipeline rank yet: load it "
+                                     "into a flat plan and write it with autoshard.save_weights, then pass that")
+            return {fqn: torch.empty(local_shape(t.shape, self.param_spec(fqn), self.state.mesh.shape), dtype=t.dtype)
+                    for fqn, t in {**self.traced.params, **self.traced.buffers}.items()}
+        return rank_weights(self.state, rank, source, keep=keep, init_fn=init_fn, seed=seed, strict=strict)
 
     def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
         """The global tensor from every rank's block (sums partial axes).

@@ -60,9 +60,11 @@ def attr_names(state) -> dict[str, str]:
     return names
 
 
-def build_rank_module(state, rank: int, keep=None) -> fx.GraphModule:
+def build_rank_module(state, rank: int, keep=None, local=None) -> fx.GraphModule:
     """Rank `rank`'s GraphModule; with `keep` (a set of FQNs) only those parameters and buffers get real
     storage, the others meta tensors of the local shape (a pipeline rank holds only its stages' weights).
+    `local` ({FQN: this rank's block}, autoshard.weights.rank_weights) supplies the kept tensors; without
+    it they are cut from the model's own tensors (meta tensors of a meta-device model stay meta).
 
     >>> gm = build_rank_module(prog.state, 1)
     >>> gm.layers_0_weight.shape, gm.layers_1_weight.shape  # rank 1's halves of [128, 32] and [32, 128]
@@ -83,15 +85,18 @@ def build_rank_module(state, rank: int, keep=None) -> fx.GraphModule:
         if node.op == "placeholder" and kind in ("param", "buffer"):
             fqn = node.meta[meta.PATH]
             source = traced.params[fqn] if kind == "param" else traced.buffers[fqn]
-            if keep is None or fqn in keep:
-                local = shard_tensor(source.detach(), node.meta[meta.SPEC], coord, mesh.shape).clone()
+            kept = keep is None or fqn in keep
+            if kept and local is not None:
+                block = local[fqn]
+            elif kept and source.device.type != "meta":
+                block = shard_tensor(source.detach(), node.meta[meta.SPEC], coord, mesh.shape).clone()
             else:
                 shape = local_shape(source.shape, node.meta[meta.SPEC], mesh.shape)
-                local = torch.empty(shape, dtype=source.dtype, device="meta")
+                block = torch.empty(shape, dtype=source.dtype, device="meta")
             if kind == "param":
-                root.register_parameter(names[fqn], torch.nn.Parameter(local, requires_grad=source.requires_grad))
+                root.register_parameter(names[fqn], torch.nn.Parameter(block, requires_grad=source.requires_grad))
             else:
-                root.register_buffer(names[fqn], local)
+                root.register_buffer(names[fqn], block)
             new = graph.get_attr(names[fqn])
         elif node.op == "call_function" and constrain is not None and node.target is constrain.default:
             env[node] = env[node.args[0]]
@@ -100,11 +105,22 @@ def build_rank_module(state, rank: int, keep=None) -> fx.GraphModule:
             new = graph.node_copy(node, lambda n: env[n])
             if node.op == "call_function":
                 _localize_args(new, node, mesh)
+                if local is not None:
+                    _off_meta(new)
         new.meta = dict(node.meta)
         env[node] = new
     gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}")
     gm.meta["autoshard.rank"] = rank
     return wrap_regions(gm)  # activation checkpointing: regions become recomputed submodules
+
+
+def _off_meta(new: fx.Node) -> None:
+    """A model traced on the meta device spells `device="meta"` in ops (`x.to(ids.device)`, `arange(...,
+    device=...)`); with real weights the rank runs on the CPU, so those arguments name it instead."""
+    def retarget(arg):
+        return torch.device("cpu") if isinstance(arg, torch.device) and arg.type == "meta" else arg
+    new.args = fx.node.map_aggregate(new.args, retarget)
+    new.kwargs = fx.node.map_aggregate(new.kwargs, retarget)
 
 
 def _localize_args(new: fx.Node, node: fx.Node, mesh) -> None:

@@ -38,6 +38,7 @@ class CompileState:
     hints: object = None
     options: dict = field(default_factory=dict)
     grad_reduce: dict = field(default_factory=dict)  # param FQN -> axes its gradient is reduced on
+    model: object = None  # the user's nn.Module: weights="init" replays its initialisation, buffers come from it
 
     @property
     def semi_auto(self) -> bool:

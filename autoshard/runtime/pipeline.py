@@ -128,8 +128,9 @@ class SequentialStages(_StagesModule):
     [2]
     """
 
-    def __init__(self, program, inner_rank, comm):
-        super().__init__(program, program.all_stage_graphs(inner_rank), comm)
+    def __init__(self, program, inner_rank, comm, weights=None, **options):
+        local = program.rank_tensors(inner_rank, weights, **options)
+        super().__init__(program, program.all_stage_graphs(inner_rank, local=local), comm)
 
     def run_microbatch(self, local_inputs):
         """(loss, *outputs) of one micro-batch through every stage.
@@ -178,12 +179,13 @@ class PipelineRankModule(_StagesModule):
     >>> dist.destroy_process_group()
     """
 
-    def __init__(self, program, rank, comm: DistCommunicator):
+    def __init__(self, program, rank, comm: DistCommunicator, weights=None, **options):
         inner_rank = program.inner_rank(rank)
         inner = DistCommunicator(program.inner_mesh, inner_rank, {a: comm.groups.get(a) for a in program.inner_mesh.names},
                                  comm.mesh_group, exact=comm.exact, timeout=comm.timeout)
         mine = program.stages_of(rank)
-        stages = program.all_stage_graphs(inner_rank, stages=set(mine))  # other stages' weights stay meta
+        local = program.rank_tensors(inner_rank, weights, keep=program.stage_tensors(set(mine)), **options)
+        stages = program.all_stage_graphs(inner_rank, stages=set(mine), local=local)  # other stages' stay meta
         super().__init__(program, [stages[s] for s in mine], inner)
         self.full_comm = comm
         self.global_rank = rank

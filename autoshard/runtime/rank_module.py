@@ -49,6 +49,15 @@ class RankModule(torch.nn.Module):
         self.zero_optimizer = None  # set by ZeroOptimizer: it owns the ZeRO axis's gradient reduction
         self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
 
+    @property
+    def program(self):
+        """The Program (or PipelineProgram) that planned this module: its plan, specs and names.
+
+        >>> run_ranks(prog, lambda module: module.program is prog)[0]
+        True
+        """
+        return self._program
+
     def forward(self, *local_inputs):
         """(loss, outputs) of this rank on its local inputs; the loss is partial on batch-sharded axes.
 

@@ -20,8 +20,9 @@ from .collectives import use_communicator
 from .communicator import CollectiveTimeout, ThreadCommunicator, ThreadHub
 
 
-def run_ranks(program, fn, timeout_s: float = 60.0) -> dict:
-    """Call `fn(rank_module)` on every rank in its own thread; return {rank: result}.
+def run_ranks(program, fn, timeout_s: float = 60.0, **module_options) -> dict:
+    """Call `fn(rank_module)` on every rank in its own thread; return {rank: result}. `module_options`
+    (e.g. weights="init") go to `program.module(rank, comm, ...)`.
 
     >>> def train_step(module):  # what each rank runs: forward, backward, gradient sync
     ...     loss, _ = module(*module.local_inputs(*inputs))
@@ -34,7 +35,7 @@ def run_ranks(program, fn, timeout_s: float = 60.0) -> dict:
     True
     """
     hub = ThreadHub(program.mesh, timeout_s)
-    modules = {r: program.module(r, ThreadCommunicator(hub, r)) for r in range(program.mesh.size)}
+    modules = {r: program.module(r, ThreadCommunicator(hub, r), **module_options) for r in range(program.mesh.size)}
     return _run_threads(hub, lambda rank: fn(modules[rank]))
 
 

@@ -51,6 +51,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):
+        """The scale back to ones (what weights="init" replays).
+
+        >>> norm = RMSNorm(2); _ = norm.weight.data.zero_(); norm.reset_parameters(); norm.weight.tolist()
+        [1.0, 1.0]
+        """
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
     def forward(self, x):
         """x / rms(x) * weight over the last dim.
 
@@ -180,12 +189,29 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # RoPE tables, [max_seq, head_dim], non-persistent (recomputable, not in state_dict).
-        D = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-        freqs = torch.outer(torch.arange(cfg.max_seq, dtype=torch.float32), inv_freq)
+        cos, sin = self._rope_tables()
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rope_tables(self):
+        D = self.cfg.head_dim
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        freqs = torch.outer(torch.arange(self.cfg.max_seq, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        return emb.cos(), emb.sin()
+
+    def reset_parameters(self):
+        """Recompute the RoPE tables (a model built on the meta device gets them from weights="init" or
+        when loading a checkpoint, which does not hold them).
+
+        >>> model = Llama(LlamaConfig()); cos = model.rope_cos.clone(); _ = model.rope_cos.zero_()
+        >>> model.reset_parameters(); torch.equal(model.rope_cos, cos)
+        True
+        """
+        cos, sin = self._rope_tables()
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(self, ids):
         """ids ``[B, T]`` (T <= max_seq) -> logits ``[B, T, vocab]``.

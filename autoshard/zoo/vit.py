@@ -135,6 +135,17 @@ class ViT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
 
+    def reset_parameters(self):
+        """Draw the class token and position embeddings again, N(0, 0.02) (what weights="init" replays).
+
+        >>> model = ViT(ViTConfig()); _ = model.cls_token.data.zero_(); model.reset_parameters()
+        >>> bool(model.cls_token.abs().sum() > 0)
+        True
+        """
+        with torch.no_grad():
+            self.cls_token.normal_(0.0, 0.02)
+            self.pos_embed.normal_(0.0, 0.02)
+
     def forward(self, images, labels=None):
         """images ``[B, C, H, W]`` -> logits ``[B, num_classes]`` (from the class token).
 
