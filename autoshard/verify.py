@@ -20,6 +20,8 @@ True
 """
 from __future__ import annotations
 
+import os
+
 import copy
 import math
 from dataclasses import dataclass, field
@@ -351,7 +353,7 @@ def case_digest(model, inputs) -> str:
 
 
 def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
-                     offload=False, shared_plan=None, dtype="float64", digest=None):
+                     offload=False, shared_plan=None, dtype="float64", digest=None, weights=None, inputs=None):
     """What each real rank runs for `verify`: plan (or apply the plan the launcher made, as every rank of
     a job can: `parallelize(plan=...)`), check fingerprints, train, return local results. Here on a
     one-rank gloo group in this process:
@@ -378,23 +380,72 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
     comm = communicator_for(mesh, strict_world=False)
     if comm is None:
         return None
-    model, inputs, loss_fn = build_case(factory_spec, dtype)
-    if digest is not None and case_digest(model, inputs) != digest:
+    if weights is not None:  # the model built on the meta device, its weights from `weights`, the launcher's inputs
+        with torch.device("meta"):
+            model, planned_inputs, loss_fn = build_case(factory_spec, dtype)
+        planned_inputs = _on_model_device(model, inputs)
+    else:
+        model, inputs, loss_fn = build_case(factory_spec, dtype)
+        planned_inputs = inputs
+    if digest is not None and case_digest(torch.nn.Module() if weights else model, inputs) != digest:
         from .errors import UserInputError
         raise UserInputError(f"factory {factory_spec} built other weights or example inputs on rank {rank} than in "
                              "the launcher: it is not deterministic, so the ranks cannot be compared with the single "
                              "device. Seed it: call torch.manual_seed(0) at the start of the factory")
-    program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **(options or {}))
+    program = parallelize(model, mesh, planned_inputs, hints=hints, loss_fn=loss_fn, **(options or {}))
     check_fingerprint(comm, program.plan.fingerprint)
-    result = rank_run(program.module(rank, comm), inputs, steps, lr, optimizer, offload)
+    result = rank_run(program.module(rank, comm, weights=weights), inputs, steps, lr, optimizer, offload)
     result["fingerprint"] = program.plan.fingerprint
     return result
 
 
+def _on_model_device(model, inputs) -> tuple:
+    """The example inputs on the device of the model's first parameter (meta, for a factory that honours
+    `torch.device("meta")`; a factory that builds on an explicit device keeps it)."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def _weights_for_ranks(model, weights, simulate: bool):
+    """What the ranks pass as prog.module(..., weights=): a safetensors file of `model` in a temporary
+    directory, or "init" (then `model` itself is re-initialised the same way, as the reference)."""
+    if weights is None:
+        return None
+    if simulate:
+        from .errors import UserInputError
+        raise UserInputError("verify with weights= runs on real ranks (it builds the model on the meta device on "
+                             "each); drop --simulate")
+    if weights == "init":
+        from .weights import default_init_fn, replay_init
+        targets = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+        with torch.no_grad():
+            replay_init(model, lambda fqn, full: targets[fqn].copy_(full), init_fn=default_init_fn(model))
+        return "init"
+    if weights != "safetensors":
+        from .errors import UserInputError
+        raise UserInputError(f"verify weights= is 'safetensors' or 'init', not {weights!r}")
+    import tempfile
+
+    from safetensors.torch import save_file
+    folder = tempfile.mkdtemp(prefix="autoshard-verify-weights-")
+    seen, tensors = set(), {}
+    for fqn, tensor in model.state_dict(keep_vars=False).items():
+        if tensor.data_ptr() not in seen:  # a tied tensor once (safetensors refuses shared storage)
+            seen.add(tensor.data_ptr())
+            tensors[fqn] = tensor.detach().contiguous()
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
                    runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False,
-                   dtype="float64", **options):
+                   dtype="float64", weights=None, **options):
     """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device, in `dtype`.
+
+    `weights` ("safetensors" or "init", real ranks) verifies a model built on the meta device on every
+    rank: "safetensors" loads it from a file the launcher writes from its seeded model; "init" replays
+    the model's initialisation (autoshard/weights/replay.py) on the ranks and on the launcher's model.
 
     >>> checked, _ = verify_factory("autoshard.zoo:mlp", (2,), ("dp",), hints={"input:0": {"dp": "S(0)"}},
     ...                             simulate=True)
@@ -408,16 +459,24 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     dtype = resolve_dtype(dtype)
     with remember_warnings():  # the ranks' copies of these are not shown again
         model, inputs, loss_fn = build_case(factory_spec, dtype)
+        weights_arg = _weights_for_ranks(model, weights, simulate)
         ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype)
-        program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
+        if weights is not None:  # planned as the ranks plan it: on the meta device (its trace can differ)
+            with torch.device("meta"):
+                planned, _, _ = build_case(factory_spec, dtype)
+            program = parallelize(planned, mesh, _on_model_device(planned, inputs), hints=hints, loss_fn=loss_fn,
+                                  **options)
+        else:
+            program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
     if simulate:
         ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
     else:
         # Ranks apply the launcher's plan instead of each solving the ILP again; the fingerprint check still
         # compares every rank's program.
         shared = {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
+        digest = case_digest(torch.nn.Module() if weights else model, inputs)  # a meta model has no weights to hash
         args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
-                optimizer, offload, shared, dtype_name(dtype), case_digest(model, inputs))
+                optimizer, offload, shared, dtype_name(dtype), digest, weights_arg, inputs if weights else None)
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
         ranks = {r: res for r, res in results.items() if res is not None}
     return compare(program, ref, ranks, steps, noise, dtype), program
