@@ -115,7 +115,7 @@ def _match_keys(state, source, entries: dict, strict: bool) -> dict:
     params = [f for f, e in entries.items() if e[3] == "param"]
     missing = [f for f in params if f not in found]
     if missing and len(missing) * 2 > len(params):
-        raise CheckpointError(f"{source.description} is not a checkpoint of this model: {len(missing)} of its "
+        raise CheckpointError(f"{source.description} is not a checkpoint of this model: {len(missing)} of the model's "
                               f"{len(params)} parameters are missing (e.g. {missing[0]!r}; the file holds "
                               f"{_some(unexpected or sorted(source.keys()))}); load the checkpoint of this model")
     if missing:
