@@ -85,6 +85,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
         from .tp_modes import apply_parallel_config
         mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
     mesh = Mesh.of(mesh, axis_names)
+    example_inputs = _traceable_inputs(model, example_inputs)
     unnamed = not mesh.named
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
@@ -101,6 +102,21 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
         return choice
     state, history = compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan)
     return Program(state, history)
+
+
+def _traceable_inputs(model, example_inputs):
+    """Real example inputs of a model on the meta device are traced as meta tensors (only their shapes
+    and dtypes matter), so that a meta model plans with the inputs it will be run with.
+
+    >>> with torch.device("meta"):
+    ...     net = torch.nn.Linear(2, 2)
+    >>> _traceable_inputs(net, (torch.ones(3, 2),))[0].device
+    device(type='meta')
+    """
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    if not params or any(p.device.type != "meta" for p in params) or not isinstance(example_inputs, (tuple, list)):
+        return example_inputs
+    return type(example_inputs)(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
 
 
 def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan=None, pipeline=False):

@@ -280,3 +280,24 @@ def test_init_of_a_module_without_an_initialisation_is_an_error():
                                  hints={"input:0": {"dp": "S(0)"}})
     with pytest.raises(CheckpointError, match="initialisation of 1 \\(Scale\\) does not set '1.gain'.*init_fn="):
         prog.rank_tensors(0, "init")
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["flat", "pipeline"])
+def test_a_meta_model_plans_with_real_example_inputs(pipeline):
+    """Real example inputs of a meta model are traced as meta tensors; the plan then runs on real inputs."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = zoo.mlp(n_layers=4)
+    meta_model, _ = _meta(zoo.mlp, n_layers=4)
+    options = {"pipeline": {"microbatches": 2}, "axis_names": ("pp",)} if pipeline else \
+        {"axis_names": ("dp",), "hints": {"input:0": {"dp": "S(0)"}}}
+    prog = autoshard.parallelize(meta_model, (2,), inputs, loss_fn=loss_fn, **options)
+    expected = loss_fn(model(*inputs), *inputs)
+    if pipeline:
+        from autoshard.pipeline_program import InnerRanks
+        from autoshard.runtime.pipeline import simulated_rank_step
+        loss = run_ranks(InnerRanks(prog), lambda m: simulated_rank_step(m, inputs, train=False)[0],
+                         weights=model.state_dict())[0]
+    else:
+        losses = run_ranks(prog, lambda m: m(*m.local_inputs(*inputs))[0], weights=model.state_dict())
+        loss = losses[0] + losses[1]
+    assert torch.allclose(loss, expected, rtol=1e-6)
