@@ -428,11 +428,13 @@ def test_example_input_with_the_wrong_shape(small):
         plan(small, example_inputs=(torch.randn(8, 5),))
 
 
-def test_meta_model_with_real_inputs():
-    model, _, loss_fn = mlp(batch=4, in_dim=8, hidden=16, out_dim=8, device="meta")
+def test_real_model_with_meta_inputs():
+    """A model on the CPU with example inputs on the meta device (a meta model's real inputs are traced as
+    meta tensors instead: tests/test_weights.py)."""
+    model, _, loss_fn = mlp(batch=4, in_dim=8, hidden=16, out_dim=8)
     with pytest.raises(ExportError, match=r"(?s)same device.*What to do: put the example inputs on the model's "
                                           r"device \(for a model built on the meta device, pass meta inputs"):
-        autoshard.parallelize(model, mesh=(2,), example_inputs=(torch.randn(4, 8),), loss_fn=loss_fn)
+        autoshard.parallelize(model, mesh=(2,), example_inputs=(torch.empty(4, 8, device="meta"),), loss_fn=loss_fn)
 
 
 def test_rank_outside_the_mesh(small):
