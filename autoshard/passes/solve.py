@@ -366,10 +366,18 @@ def _conversion_charges(conversions, edges) -> list:
     """Conjunction charges (autoshard/ilp.py) for the conversions: insert_comm emits one chain per value,
     wanted placement and partial axes, shared by every consumer that asks for it, so its cost is paid
     once when any consumer pair chooses it. Copies of a value in repeated layers whose charges span the
-    same class pairs merge into one charge that costs their sum."""
+    same class pairs merge into one charge that costs their sum. A chain only one input of one consumer
+    can use goes on that edge's matrix instead: there, at most one of its pairs is chosen, so the edge
+    already pays it once, and the ILP stays as small as Alpa's (most values have one consumer)."""
     merged: dict = {}
-    for (_, _, _, _, _, cost), terms in conversions.items():
+    for (_, _, _, _, _, cost), (terms, uses) in conversions.items():
         if cost == 0.0:
+            continue
+        if len(uses) == 1:
+            (key, pairs), = terms.items()
+            for a, b in pairs:
+                if edges[key][a][b] != INF:
+                    edges[key][a][b] += cost
             continue
         if any(edges[key][a][b] == INF for key, pairs in terms.items() for a, b in pairs):
             terms = {key: {(a, b) for a, b in pairs if edges[key][a][b] != INF} for key, pairs in terms.items()}
@@ -482,8 +490,9 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
                         continue
                     cost -= _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes, models, others,
                                                  partials[b])
-                    chain = conversions.setdefault((u, have, want, partials[b], penalize, cost), {})
-                    chain.setdefault(key, set()).add((a, b))
+                    terms, uses = conversions.setdefault((u, have, want, partials[b], penalize, cost), ({}, set()))
+                    terms.setdefault(key, set()).add((a, b))
+                    uses.add((v, pos))
     budget = state.options.get("memory_budget")
     if budget is None:
         budget = profile.memory_bytes
