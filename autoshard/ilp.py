@@ -253,7 +253,11 @@ def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem) -> set:
     the fixed variables."""
     everything = np.arange(n_var, dtype=np.int32)
     h.changeColsIntegrality(n_var, everything, np.array([highspy.HighsVarType.kContinuous] * n_var))
-    _run(h, problem)
+    try:
+        _run(h, problem)
+    except PlanError:  # HiGHS 1.7 can end this LP with status "Unknown": fix nothing (it only saves time)
+        h.changeColsIntegrality(n_choice, everything[:n_choice], np.array([highspy.HighsVarType.kInteger] * n_choice))
+        return set()
     lp_bound = h.getInfo().objective_function_value
     solution = h.getSolution()
     margin = 1e-6 * abs(bound) + 1e-2  # LP round-off must not fix a variable some tied plan uses
