@@ -61,7 +61,7 @@ def save_checkpoint(path, module, optimizer=None) -> None:
     """
     program, comm = _rank_program(module, "save a checkpoint")
     import torch.distributed.checkpoint as dcp
-    specs = _specs(program)
+    specs = tensor_specs(program)
     tensors = dict(_rank_tensors(module, program))
     state = {fqn: _dtensor(t, specs[fqn], program, comm) for fqn, t in tensors.items()}
     if optimizer is not None:
@@ -92,7 +92,7 @@ def load_checkpoint(path, target, optimizer=None) -> None:
     index = read_metadata(path).state_dict_metadata
     if hasattr(target, "named_local_parameters"):
         program, comm = _rank_program(target, "load a checkpoint")
-        specs = _specs(program)
+        specs = tensor_specs(program)
         local = dict(_rank_tensors(target, program))
         params = dict(target.named_local_parameters())
         wanted = {fqn: _dtensor(t.detach(), specs[fqn], program, comm) for fqn, t in local.items()}
@@ -135,7 +135,18 @@ def _rank_program(module, what: str):
     return module._program, comm  # RankModule keeps its Program privately; it is what planned this module
 
 
-def _specs(program) -> dict:
+def tensor_specs(program) -> dict:
+    """{FQN: spec} of every parameter and buffer as the rank modules store it (after ZeRO-3 sharding;
+    for a pipeline, on the mesh without the pp axis). A tied parameter appears under its first name.
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
+    ...                              hints={"layers.0.weight": {"tp": "S(0)"}, "layers.1.bias": {"tp": "R"}})
+    >>> tensor_specs(prog)["layers.0.weight"], tensor_specs(prog)["layers.1.bias"]
+    ([S(0)], [R])
+    """
     from . import meta
     return {n.meta[meta.PATH]: n.meta[meta.SPEC] for n in program.state.gm.graph.nodes
             if n.op == "placeholder" and n.meta.get(meta.KIND) in ("param", "buffer")}

@@ -81,6 +81,8 @@ class Traced:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     input_names: list[str] = field(default_factory=list)
     output_spec: object = None  # pytree spec of the model's outputs
+    # Buffers the model's state_dict leaves out (non-persistent buffers, lifted tensor constants).
+    non_persistent: frozenset = frozenset()
 
 
 # While `reuse_exports()` is active: (model, loss_fn, input shapes) -> the ExportedProgram, kept unmodified.
@@ -194,4 +196,5 @@ def _lift(exported, gm, model, n_inputs) -> Traced:
     gm.graph.lint()
     gm.recompile()
     out_spec = exported.call_spec.out_spec.child(1) if exported.call_spec.out_spec else None
-    return Traced(gm, params, buffers, aliases, input_names, out_spec)
+    non_persistent = frozenset(meta._strip_root(b) for b in sig.non_persistent_buffers) | frozenset(to_const.values())
+    return Traced(gm, params, buffers, aliases, input_names, out_spec, non_persistent)

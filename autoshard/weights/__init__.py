@@ -4,7 +4,8 @@ blocks (`rank_weights`) and `save_weights`.
 """
 from .load import rank_weights
 from .replay import default_init_fn, replay_init
+from .save import save_weights
 from .sources import DcpWeights, InitWeights, SafetensorsWeights, StateDictWeights, open_weights
 
 __all__ = ["DcpWeights", "InitWeights", "SafetensorsWeights", "StateDictWeights", "default_init_fn", "open_weights",
-           "rank_weights", "replay_init"]
+           "rank_weights", "replay_init", "save_weights"]
