@@ -267,8 +267,9 @@ def written_through_views(graph) -> set:
     return frozen
 
 
-def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh, profile) -> float:
-    """Scaled cost of turning placements `have` into `want` on `axes` (one tuple entry per axis)."""
+def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh, profile, nbytes) -> float:
+    """Scaled cost of turning placements `have` into `want` on `axes` (one tuple entry per axis); `nbytes`
+    is node_bytes(u). On several axes it depends on `u` only through `_value_kind(u, ...)` and `nbytes`."""
     if mutated:
         return INF
     if len(axes) == 1:
@@ -276,13 +277,20 @@ def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh
     elif isinstance(u.meta.get("val"), (tuple, list)):
         cost = INF  # multi-output values are never resharded: their getitem follows them
     else:  # several axes at once: price the exact collectives insert_comm will emit
-        cost = redistribution_time(Spec(have), Spec(want), node_bytes(u), mesh.shape, profile,
+        cost = redistribution_time(Spec(have), Spec(want), nbytes, mesh.shape, profile,
                                    models[0].grad.get(u, False))
     is_param = u.op == "placeholder" and u.meta.get(meta.KIND) != "input"
     gathers = any(isinstance(h, Shard) and isinstance(w, Replicate) for h, w in zip(have, want))
     if semi_auto and (is_param or gathers):
         cost *= PROPAGATION_PENALTY
     return cost * _SCALE
+
+
+def _value_kind(u, models) -> tuple:
+    """What _edge_cost and _fused_gather_refund read of a value besides its bytes, on several axes:
+    values alike in these (the copies in repeated layers, most of all) share one priced conversion."""
+    return (u.op == "placeholder", u.meta.get(meta.KIND) != "input", isinstance(u.meta.get("val"), (tuple, list)),
+            bool(models[0].grad.get(u, False)))
 
 
 def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share=1.0) -> list:
@@ -327,7 +335,7 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
     return [(cost, groups) for cost, groups in shared]
 
 
-def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes) -> float:
+def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes, nbytes) -> float:
     """Scaled seconds over-counted when an edge gathers `u` on an axis where `v` splits its work with
     that input replicated: the shared charge prices the gradient's reduction as an all-reduce, but
     fuse_comm turns gather + all-reduce into one all_gather_sum_grad (a reduce-scatter backward).
@@ -340,7 +348,7 @@ def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partia
         return 0.0
     mesh = models[0].mesh
     if len(axes) == mesh.ndim and len(axes) > 1:
-        return fused_gather_saving(Spec(have), Spec(want), partial_axes, node_bytes(u), mesh.shape,
+        return fused_gather_saving(Spec(have), Spec(want), partial_axes, nbytes, mesh.shape,
                                    models[0].profile) * _SCALE
     refund = 0.0
     for i, axis in enumerate(axes):
@@ -463,6 +471,14 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     conversions: dict = {}  # one charge per chain insert_comm emits (see _conversion_charges)
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
     frozen = written_through_views(state.gm.graph)
+    size = {u: node_bytes(u) for u in nodes}
+    # On several axes a conversion's price and refund depend on the value only through its kind and bytes,
+    # so the values of repeated layers share them: priced once per build instead of once per edge.
+    several = len(axes) > 1
+    whole_mesh = several and len(axes) == mesh.ndim  # the refund is exact (per chain) only then
+    kinds = {u: _value_kind(u, models) for u in nodes} if several else {}
+    conversion_prices: dict = {}
+    refunds: dict = {}
     for v in nodes:
         if v.op != "call_function":
             continue
@@ -483,13 +499,25 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
                         continue
                     cost = priced.get((have, want))
                     if cost is None:
-                        cost = priced[(have, want)] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
-                                                                 models, others, penalize, mesh, profile)
+                        shared_key = (have, want, size[u], kinds[u], pos in mutated, penalize) if several else None
+                        cost = conversion_prices.get(shared_key) if several else None
+                        if cost is None:
+                            cost = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes, models, others,
+                                              penalize, mesh, profile, size[u])
+                            if several:
+                                conversion_prices[shared_key] = cost
+                        priced[(have, want)] = cost
                     if cost == INF:
                         matrix[a][b] = INF
                         continue
-                    cost -= _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes, models, others,
-                                                 partials[b])
+                    refund_key = (have, want, partials[b], size[u], kinds[u]) if whole_mesh else None
+                    refund = refunds.get(refund_key) if whole_mesh else None
+                    if refund is None:
+                        refund = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes, models, others,
+                                                      partials[b], size[u])
+                        if whole_mesh:
+                            refunds[refund_key] = refund
+                    cost -= refund
                     terms, uses = conversions.setdefault((u, have, want, partials[b], penalize, cost), ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
