@@ -15,8 +15,9 @@ from .program import Program, parallelize
 from .stages import stage
 from .viz import plot_timeline
 from .weights.save import save_weights
+from .weights.sources import load_weights
 
 __all__ = ["AutoshardError", "ExportError", "HintError", "Mesh", "P", "Partial", "Plan", "PlanError", "Program", "R",
-           "Replicate", "S", "Shard", "Spec", "UserInputError", "constrain", "load_checkpoint", "parallelize",
-           "plot_timeline", "save_checkpoint", "save_weights", "stage"]
+           "Replicate", "S", "Shard", "Spec", "UserInputError", "constrain", "load_checkpoint", "load_weights",
+           "parallelize", "plot_timeline", "save_checkpoint", "save_weights", "stage"]
 __version__ = "0.1.0"

@@ -38,9 +38,10 @@ class SafetensorsWeights:
     ('SafetensorsWeights', ['fc.weight'])
     """
 
-    def __init__(self, files: dict, description: str):
+    def __init__(self, files: dict, description: str, aliases: dict | None = None):
         self.files = files
         self.description = description
+        self.aliases = aliases or {}  # stored name -> the other names of that tied tensor (save_weights' index)
         self._handles: dict = {}
 
     def _open(self, path):
@@ -211,6 +212,28 @@ def open_weights(weights):
                           f"shards, or a save_checkpoint directory ({SIDECAR})")
 
 
+def load_weights(path) -> dict:
+    """The single-device state dict stored at `path` (a `.safetensors` file, a directory holding one, or
+    the transformers layout that `autoshard.save_weights` writes), for `model.load_state_dict(...)` on one
+    device: every stored tensor, and each other name of a tied tensor (the index's `autoshard_aliases`) as
+    that same tensor. transformers' `from_pretrained` reads the same directory and ties weights itself.
+
+    >>> sorted(load_weights(folder))
+    ['fc.weight']
+    """
+    source = open_weights(path)
+    if not isinstance(source, SafetensorsWeights):
+        raise CheckpointError(f"load_weights reads safetensors files; {path!r} is not one (a DCP directory loads with "
+                              "autoshard.load_checkpoint, a state dict needs no loading)")
+    state = {key: source._open(file).get_tensor(key) for key, file in sorted(source.files.items())}
+    for stored, others in source.aliases.items():
+        if stored not in state:
+            raise CheckpointError(f"{source.description}: the index ties {others} to {stored!r}, which it does not "
+                                  "store; the index and the shards come from different saves")
+        state.update({other: state[stored] for other in others})
+    return state
+
+
 def _single_file(path: str) -> SafetensorsWeights:
     source = SafetensorsWeights({}, f"safetensors file {path!r}")
     source.files = {key: path for key in source._open(path).keys()}
@@ -221,8 +244,10 @@ def _indexed(folder: str) -> SafetensorsWeights:
     index_path = os.path.join(folder, INDEX)
     try:
         with open(index_path, encoding="utf-8") as handle:
-            weight_map = json.load(handle)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+            index = json.load(handle)
+        weight_map = index["weight_map"]
+        aliases = dict((index.get("metadata") or {}).get("autoshard_aliases") or {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{index_path!r} is not a safetensors index (JSON with a 'weight_map'): {exc}") from exc
     files = {}
     for key, name in weight_map.items():
@@ -231,7 +256,7 @@ def _indexed(folder: str) -> SafetensorsWeights:
             raise CheckpointError(f"{index_path!r} puts {key!r} in {name!r}, which is not in {folder!r}: the "
                                   "checkpoint is incomplete; copy every shard the index names")
         files[key] = shard
-    source = SafetensorsWeights(files, f"safetensors checkpoint {folder!r}")
+    source = SafetensorsWeights(files, f"safetensors checkpoint {folder!r}", aliases)
     for shard in sorted(set(files.values())):
         stored = set(source._open(shard).keys())
         listed = {k for k, f in files.items() if f == shard}

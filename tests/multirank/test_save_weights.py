@@ -1,6 +1,7 @@
 """save_weights on real gloo ranks: the written transformers-layout files equal the single-device model's
-tensors bit for bit (TP, 2-D sharding, ZeRO-3, a pipeline with a tied embedding, a tied transformers
-Llama loaded by `from_pretrained`). Ranks run through the shared pool; the layout has unit tests too.
+tensors bit for bit (TP, 2-D sharding, ZeRO-3, a pipeline with a tied embedding); a trained tied
+transformers Llama read back by `from_pretrained` is in test_train_then_save.py. Ranks run through the
+shared pool; the layout has unit tests too.
 """
 import json
 import os
@@ -38,28 +39,8 @@ def _square_mean(out, *inputs):
     return out.pow(2).mean()
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    class Llama(LlamaForCausalLM):  # positional (input_ids, labels): parameter names stay transformers'
-        def forward(self, input_ids, labels):
-            return super().forward(input_ids=input_ids, labels=labels)
-
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
-                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = Llama(config)
-    ids = torch.randint(3, 64, (4, 8))
-    return model, (ids, ids.clone()), lambda out, *inputs: out["loss"]
-
-
 def _case(name):
     """(model, inputs, loss_fn, mesh shape, parallelize keywords) of one case; the same on every process."""
-    if name == "llama":
-        from autoshard.zoo.transformers_families import HINTS
-        model, inputs, loss_fn = _llama()
-        return model, inputs, loss_fn, (2, 2), {"axis_names": ("dp", "tp"), "hints": HINTS["llama"]}
     if name == "pipeline":
         torch.manual_seed(0)
         model = TiedLM().double()
@@ -161,21 +142,6 @@ def test_pipeline_with_a_tied_embedding(pool, tmp_path):
     index = _assert_equal_to_model(directory, _case("pipeline")[0], tied={"head.weight"})
     assert index["metadata"]["autoshard_aliases"] == {"embed.weight": ["head.weight"]}
     assert "shift" not in index["weight_map"] and "scale" in index["weight_map"]  # non-persistent: left out
-
-
-def test_tied_llama_loads_with_from_pretrained(pool, tmp_path):
-    from transformers import LlamaForCausalLM
-    directory, _ = _saved(pool, tmp_path, "llama")
-    model = _case("llama")[0]
-    index = _assert_equal_to_model(directory, model, tied={"lm_head.weight"})
-    assert index["metadata"]["autoshard_aliases"] == {"model.embed_tokens.weight": ["lm_head.weight"]}
-    model.config.save_pretrained(directory)
-    loaded = LlamaForCausalLM.from_pretrained(directory)
-    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
-    expected, got = model.state_dict(), loaded.state_dict()
-    assert sorted(got) == sorted(expected)
-    for key, value in expected.items():
-        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
 
 
 def test_the_layout_is_what_safetensors_writes_and_the_index_names_each_file(tmp_path):
