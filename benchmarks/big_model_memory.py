@@ -4,8 +4,8 @@
 
 A transformers `LlamaForCausalLM` whose float32 weights are 2.2 GiB (10 layers, dim 2048, GQA 16/4 heads,
 MLP 5632, vocab 32000, untied head) is saved once as a safetensors file from a seeded model. Then 8 gloo
-ranks on mesh (2, 4) = dp x tp (Megatron hints on tp, ZeRO-3 on dp, so that every parameter is split 8
-ways) each build the model on the meta device, plan it, build their rank module with
+ranks on mesh (2, 4) = dp x tp (Megatron hints on tp with a vocabulary-parallel head, ZeRO-3 on dp, so that
+every parameter is split 8 ways) each build the model on the meta device, plan it, build their rank module with
 `prog.module(rank, comm, weights=file)` and run one training step (forward, backward, gradient sync, SGD).
 
 Measured on every rank, as resident set size (RSS, /proc/self/status VmHWM = the peak, file-backed pages of
@@ -63,9 +63,18 @@ def config(layers: int, dim: int, quick: bool):
                        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def hints() -> dict:
+    """Megatron on tp (the families' hints) with the embedding and the head split on tp too (vocabulary-
+    parallel head), so that with ZeRO-3 on dp every weight is split 8 ways."""
+    from autoshard.zoo.transformers_families import HINTS
+    return {**HINTS["llama"], "model.embed_tokens.weight": {"tp": "S(1)"}, "lm_head.weight": {"tp": "S(0)"}}
+
+
 def build(cfg):
     """transformers' LlamaForCausalLM with a positional (input_ids, labels) forward (names unchanged)."""
+    import transformers
     from transformers import LlamaForCausalLM
+    transformers.logging.set_verbosity_error()
 
     class Positional(LlamaForCausalLM):
         def forward(self, input_ids, labels):
@@ -86,11 +95,10 @@ def example_inputs(cfg, batch: int, seq: int):
 
 def plan(cfg, batch: int, seq: int):
     import autoshard
-    from autoshard.zoo.transformers_families import HINTS
     with torch.device("meta"):
         model = build(cfg)
     return autoshard.parallelize(model, MESH, example_inputs(cfg, batch, seq), loss_fn=loss_of, axis_names=AXES,
-                                 hints=HINTS["llama"], zero={"dp": 3})
+                                 hints=hints(), zero={"dp": 3})
 
 
 def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
@@ -101,7 +109,6 @@ def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
     from autoshard.plan_io import plan_from_json
     from autoshard.runtime.launch import communicator_for
     from autoshard.runtime.zero import ZeroOptimizer
-    from autoshard.zoo.transformers_families import HINTS
     cfg = LlamaConfig.from_dict(cfg_json)
     gc.collect()
     base = rss_bytes()
@@ -111,7 +118,7 @@ def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
         model = build(cfg)
     inputs = example_inputs(cfg, batch, seq)
     prog = autoshard.parallelize(model, MESH, tuple(x.to("meta") for x in inputs), loss_fn=loss_of, axis_names=AXES,
-                                 hints=HINTS["llama"], zero={"dp": 3}, plan=plan_from_json(plan_json, "launcher"))
+                                 plan=plan_from_json(plan_json, "the launcher's plan"))  # its hints and ZeRO stage
     started = time.perf_counter()
     module = prog.module(rank, comm, weights=path)
     load_s = time.perf_counter() - started
@@ -119,17 +126,19 @@ def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
     params = dict(module.named_local_parameters())
     shard_bytes = sum(p.numel() * p.element_size() for p in params.values())
     opt = ZeroOptimizer(module, torch.optim.SGD(list(params.values()), lr=0.01))
-    started = time.perf_counter()
-    loss, _ = module(*module.local_inputs(*inputs))
-    loss.backward()
-    module.sync_grads()
-    opt.step()
+    started, phases = time.perf_counter(), {}
+    for phase, run in (("forward", lambda: module(*module.local_inputs(*inputs))[0]),
+                       ("backward", lambda: loss.backward()), ("sync", module.sync_grads), ("optimizer", opt.step)):
+        reset_peak()
+        result = run()
+        loss = result if phase == "forward" else loss
+        phases[phase] = rss_bytes("VmHWM") - base
     step_s = time.perf_counter() - started
-    return {"base": base, "load_peak": load_peak - base, "step_peak": rss_bytes("VmHWM") - base,
-            "shard_bytes": shard_bytes, "load_s": load_s, "step_s": step_s}
+    return {"base": base, "load_peak": load_peak - base, "step_peak": max(load_peak - base, *phases.values()),
+            "phases": phases, "shard_bytes": shard_bytes, "load_s": load_s, "step_s": step_s}
 
 
-def todays_path(cfg, batch: int, seq: int, path: str, plan_json) -> dict:
+def todays_path(cfg, batch: int, seq: int, path: str, plan_json: dict) -> dict:
     """Rank 0 of the path before weights=: the full model with real weights, then its shards cut out.
     Runs in a fresh process so that its peak is its own."""
     import multiprocessing
@@ -139,13 +148,11 @@ def todays_path(cfg, batch: int, seq: int, path: str, plan_json) -> dict:
 
 
 def _full_model_rank0(cfg_json, batch, seq, path, plan_json):
-    from safetensors.torch import load_file
     from transformers import LlamaConfig
 
     import autoshard
     from autoshard.passes.codegen import build_rank_module
     from autoshard.plan_io import plan_from_json
-    from autoshard.zoo.transformers_families import HINTS
     torch.set_num_threads(1)
     cfg = LlamaConfig.from_dict(cfg_json)
     gc.collect()
@@ -153,17 +160,22 @@ def _full_model_rank0(cfg_json, batch, seq, path, plan_json):
     reset_peak()
     with torch.device("meta"):
         model = build(cfg)
-    model.load_state_dict(load_file(path), assign=True)  # the full model, as a rank held it before weights=
+    # The full model in memory, as a rank held it before weights= (load_weights copies each tensor out of the
+    # file; safetensors' load_file would leave them as views of the mapped file, resident only where touched).
+    model.load_state_dict(autoshard.load_weights(path), assign=True)
     prog = autoshard.parallelize(model, MESH, example_inputs(cfg, batch, seq), loss_fn=loss_of, axis_names=AXES,
-                                 hints=HINTS["llama"], zero={"dp": 3}, plan=plan_from_json(plan_json, "launcher"))
+                                 plan=plan_from_json(plan_json, "the launcher's plan of the real model"))
     rank_module = build_rank_module(prog.state, 0)  # what prog.module(0, comm) holds, without a process group
     shard_bytes = sum(p.numel() * p.element_size() for p in rank_module.parameters())
     return {"load_peak": rss_bytes("VmHWM") - base, "shard_bytes": shard_bytes}
 
 
-def write_checkpoint(cfg, folder: str) -> tuple[str, int, int]:
-    """The seeded single-device model's weights as one safetensors file: (path, model bytes, largest tensor)."""
+def write_checkpoint(cfg, folder: str, batch: int, seq: int) -> tuple[str, int, int, dict]:
+    """The seeded single-device model's weights as one safetensors file: (path, model bytes, largest tensor,
+    the plan of the real model for today's path: its trace can differ from the meta model's)."""
     from safetensors.torch import save_file
+
+    import autoshard
     torch.manual_seed(0)
     model = build(cfg)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -171,9 +183,11 @@ def write_checkpoint(cfg, folder: str) -> tuple[str, int, int]:
     largest = max(t.numel() * t.element_size() for t in tensors.values())
     path = os.path.join(folder, "model.safetensors")
     save_file(tensors, path)
+    real = autoshard.parallelize(model, MESH, example_inputs(cfg, batch, seq), loss_fn=loss_of, axis_names=AXES,
+                                 hints=hints(), zero={"dp": 3}).plan
     del model, tensors
     gc.collect()
-    return path, total, largest
+    return path, total, largest, {**real.to_json(), "fingerprint": real.fingerprint}
 
 
 def main(quick: bool = False, layers: int = 10, dim: int = 2048, batch: int = 2, seq: int = 64) -> list:
@@ -181,12 +195,12 @@ def main(quick: bool = False, layers: int = 10, dim: int = 2048, batch: int = 2,
     cfg = config(layers, dim, quick)
     world = MESH[0] * MESH[1]
     with tempfile.TemporaryDirectory(prefix="autoshard-bigmodel-") as folder:
-        path, model_bytes, largest = write_checkpoint(cfg, folder)
+        path, model_bytes, largest, real_plan = write_checkpoint(cfg, folder, batch, seq)
         program = plan(cfg, batch, seq)
         plan_json = {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
-        activations = program.plan.predicted.get("activation_bytes_per_rank", 0)
+        predicted = program.plan.predicted["memory_bytes_per_rank"]
         ranks = run_distributed(_rank_task, world, cfg.to_dict(), batch, seq, plan_json, path, timeout_s=900)
-        before = todays_path(cfg, batch, seq, path, plan_json)
+        before = todays_path(cfg, batch, seq, path, real_plan)
     share = model_bytes / world
     target = 1.3 * share + largest
     rows = []
@@ -202,14 +216,15 @@ def main(quick: bool = False, layers: int = 10, dim: int = 2048, batch: int = 2,
                "load / target", "load s", "step s"]
     body = (f"transformers LlamaForCausalLM, {cfg.num_hidden_layers} layers, dim {cfg.hidden_size}, vocab "
             f"{cfg.vocab_size}: **{model_bytes / GIB:.2f} GiB** of float32 weights, largest tensor "
-            f"{largest / GIB:.3f} GiB. Mesh (2, 4) dp x tp, Megatron hints on tp, ZeRO-3 on dp; one SGD step on "
+            f"{largest / GIB:.3f} GiB. Mesh (2, 4) dp x tp, Megatron hints on tp (embedding and head too), ZeRO-3 on dp; one SGD step on "
             f"batch {batch} x {seq} tokens. Peaks are RSS above each rank's RSS after `import torch` and the "
             f"process-group start (about {min(r['base'] for r in ranks.values()) / GIB:.2f} GiB).\n\n"
             + table(headers, rows)
             + f"\n\nTarget (issue 14): 1.3 x (model / {world}) + largest tensor = {target / GIB:.3f} GiB. Worst load "
             f"peak {worst_load / GIB:.3f} GiB ({worst_load / target:.2f} x target); worst step peak "
-            f"{worst_step / GIB:.3f} GiB (gradients and activations on top; the plan predicts "
-            f"{activations / GIB:.3f} GiB of activations).\n\n"
+            f"{worst_step / GIB:.3f} GiB (gradients, activations and the step's temporaries on top; the plan "
+            f"predicts {predicted / GIB:.3f} GiB per rank for training with Adam: parameters, gradients, "
+            f"2 x optimizer state, activations).\n\n"
             f"Today's path before weights= (the full model with real weights on the rank, then its shards cut "
             f"out; rank 0, measured in one process): load peak **{before['load_peak'] / GIB:.3f} GiB** = "
             f"{before['load_peak'] / max(worst_load, 1):.1f} x the meta + safetensors path's worst rank.\n")

@@ -65,10 +65,30 @@ def resolve_plan(plan, mesh: Mesh, hints):
         return plan, (plan.hints or None)
     given = Hints.load(hints).to_json()
     if given != plan.hints:
-        raise PlanMismatchError(f"hints= {short(given)} differ from the hints the plan was made with "
-                                f"{short(plan.hints)}; leave hints out when passing plan= (the plan carries its "
-                                "hints), or re-plan without plan= to use the new hints")
+        raise PlanMismatchError(f"hints= differ from the hints the plan was made with: {_hints_difference(given, plan.hints)}"
+                                "; leave hints out when passing plan= (the plan carries its hints), or re-plan "
+                                "without plan= to use the new hints")
     return plan, hints
+
+
+def _hints_difference(given: dict, planned: dict) -> str:
+    """The keys on which two hint dicts differ, the first three of each kind (their shared keys are many).
+
+    >>> print(_hints_difference({"a": {"tp": "R"}, "b": {}}, {"a": {"tp": "S(0)"}, "zero": {"dp": 3}}))
+    'a' is {'tp': 'R'} here but {'tp': 'S(0)'} in the plan; only in hints=: 'b'; only in the plan: 'zero' (...)
+    """
+    def brief(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    planned = planned or {}
+    changed = [f"{k!r} is {brief(given[k])} here but {brief(planned[k])} in the plan"
+               for k in sorted(set(given) & set(planned)) if given[k] != planned[k]]
+    extra, missing = sorted(set(given) - set(planned)), sorted(set(planned) - set(given))
+    parts = changed[:3] + (["only in hints=: " + ", ".join(map(repr, extra[:3]))] if extra else []) \
+        + (["only in the plan: " + ", ".join(map(repr, missing[:3]))] if missing else [])
+    text = "; ".join(parts)
+    return text + (" (parallelize(zero=...) is kept with the plan's hints)" if "zero" in missing else "")
 
 
 @dataclass(frozen=True, eq=False)

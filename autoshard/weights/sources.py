@@ -88,12 +88,19 @@ class SafetensorsWeights:
     def read(self, key, index: tuple) -> torch.Tensor:
         """The block `index` of `key` (only those bytes are read from the file).
 
+        The file is mapped again for each read and unmapped after it: pages of a mapping stay in the
+        process's resident set while it is open, so a rank reading its slices through one long-lived
+        mapping would count every slice twice (mapped and copied) at its peak.
+
         >>> source.read("fc.weight", (slice(1, 2), slice(0, 4)))
         tensor([[4., 5., 6., 7.]])
         """
-        if not index:  # a scalar: the slice object wants no index at all
-            return self._open(self.files[key]).get_tensor(key)
-        return self._slice(key)[index]
+        self._open(self.files[key])  # a clear error for an unreadable file
+        from safetensors import safe_open
+        with safe_open(self.files[key], framework="pt") as handle:
+            if not index:  # a scalar: the slice object wants no index at all
+                return handle.get_tensor(key)
+            return handle.get_slice(key)[index].clone()
 
 
 class StateDictWeights:
@@ -225,7 +232,7 @@ def load_weights(path) -> dict:
     if not isinstance(source, SafetensorsWeights):
         raise CheckpointError(f"load_weights reads safetensors files; {path!r} is not one (a DCP directory loads with "
                               "autoshard.load_checkpoint, a state dict needs no loading)")
-    state = {key: source._open(file).get_tensor(key) for key, file in sorted(source.files.items())}
+    state = {key: source.read(key, tuple(slice(0, n) for n in source.shape(key))) for key in sorted(source.files)}
     for stored, others in source.aliases.items():
         if stored not in state:
             raise CheckpointError(f"{source.description}: the index ties {others} to {stored!r}, which it does not "
