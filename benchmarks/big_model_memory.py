@@ -127,11 +127,12 @@ def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
     shard_bytes = sum(p.numel() * p.element_size() for p in params.values())
     opt = ZeroOptimizer(module, torch.optim.SGD(list(params.values()), lr=0.01))
     started, phases = time.perf_counter(), {}
-    for phase, run in (("forward", lambda: module(*module.local_inputs(*inputs))[0]),
-                       ("backward", lambda: loss.backward()), ("sync", module.sync_grads), ("optimizer", opt.step)):
+    reset_peak()
+    loss, _ = module(*module.local_inputs(*inputs))
+    phases["forward"] = rss_bytes("VmHWM") - base
+    for phase, run in (("backward", loss.backward), ("sync", module.sync_grads), ("optimizer", opt.step)):
         reset_peak()
-        result = run()
-        loss = result if phase == "forward" else loss
+        run()
         phases[phase] = rss_bytes("VmHWM") - base
     step_s = time.perf_counter() - started
     return {"base": base, "load_peak": load_peak - base, "step_peak": max(load_peak - base, *phases.values()),
@@ -142,9 +143,10 @@ def todays_path(cfg, batch: int, seq: int, path: str, plan_json: dict) -> dict:
     """Rank 0 of the path before weights=: the full model with real weights, then its shards cut out.
     Runs in a fresh process so that its peak is its own."""
     import multiprocessing
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        return pool.apply(_full_model_rank0, (cfg.to_dict(), batch, seq, path, plan_json))
+    from concurrent.futures import ProcessPoolExecutor
+    # A worker that dies raises BrokenProcessPool here (a multiprocessing.Pool would wait for it forever).
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_full_model_rank0, cfg.to_dict(), batch, seq, path, plan_json).result(timeout=900)
 
 
 def _full_model_rank0(cfg_json, batch, seq, path, plan_json):
@@ -212,6 +214,8 @@ def main(quick: bool = False, layers: int = 10, dim: int = 2048, batch: int = 2,
                      f"{r['load_s']:.1f}", f"{r['step_s']:.1f}"])
     worst_load = max(r["load_peak"] for r in ranks.values())
     worst_step = max(r["step_peak"] for r in ranks.values())
+    by_phase = ", ".join(f"{phase} {max(r['phases'][phase] for r in ranks.values()) / GIB:.3f}"
+                         for phase in ranks[0]["phases"])
     headers = ["rank", "shards GiB", "load peak GiB", "step peak GiB", "shards + largest GiB", "target GiB",
                "load / target", "load s", "step s"]
     body = (f"transformers LlamaForCausalLM, {cfg.num_hidden_layers} layers, dim {cfg.hidden_size}, vocab "
@@ -224,7 +228,7 @@ def main(quick: bool = False, layers: int = 10, dim: int = 2048, batch: int = 2,
             f"peak {worst_load / GIB:.3f} GiB ({worst_load / target:.2f} x target); worst step peak "
             f"{worst_step / GIB:.3f} GiB (gradients, activations and the step's temporaries on top; the plan "
             f"predicts {predicted / GIB:.3f} GiB per rank for training with Adam: parameters, gradients, "
-            f"2 x optimizer state, activations).\n\n"
+            f"2 x optimizer state, activations). Peak by phase of the step, worst rank (GiB): {by_phase}.\n\n"
             f"Today's path before weights= (the full model with real weights on the rank, then its shards cut "
             f"out; rank 0, measured in one process): load peak **{before['load_peak'] / GIB:.3f} GiB** = "
             f"{before['load_peak'] / max(worst_load, 1):.1f} x the meta + safetensors path's worst rank.\n")
