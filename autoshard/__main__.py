@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--steps", type=int, default=2, help="SGD steps (default 2)")
             p.add_argument("--lr", type=float, default=0.1)
             p.add_argument("--simulate", action="store_true", help="run the ranks in this process instead")
+            p.add_argument("--accumulate", type=int, default=1,
+                           help="forward/backward passes per step over that many slices of the batch (default 1)")
+            p.add_argument("--clip-grad-norm", type=float, default=None,
+                           help="clip gradients by their global norm to this value before each step")
             p.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
                            help="compare in this dtype (default float64, tolerance 1e-6); float32/bfloat16 for "
                                 "models with ops that have no float64 kernel, tolerance from the model's own noise")
@@ -159,7 +163,8 @@ def _run(args) -> int:
         return OK
     from .verify import verify_factory
     report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,
-                               dtype=args.dtype, **options)
+                               dtype=args.dtype, accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
+                               **options)
     print(json.dumps(report.to_json(), indent=1, sort_keys=True) if args.json else report)
     return OK if report.ok else MISMATCH
 

@@ -20,15 +20,15 @@ True
 """
 from __future__ import annotations
 
-import os
-
 import copy
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
 
+from .errors import UserInputError
 from .tolerance import (
     FLOAT64_TOLERANCE,
     RULE,
@@ -71,8 +71,55 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offlo
     return opt
 
 
-def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd") -> dict:
-    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}.
+@dataclass(frozen=True)
+class Training:
+    """How each verified step trains, beyond the optimizer: `accumulate` forward/backward passes over as
+    many equal slices of the batch (dim 0) before one gradient sync and optimizer step, each pass's loss
+    divided by `accumulate` (so the step equals one pass over the whole batch), and clipping by the global
+    gradient norm (`clip_grad_norm`: max_norm) before the step.
+
+    >>> Training(accumulate=2, clip_grad_norm=1.0)
+    Training(accumulate=2, clip_grad_norm=1.0)
+    """
+
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise UserInputError(f"accumulate={self.accumulate!r}: give the number of passes per step, an int >= 1")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise UserInputError(f"clip_grad_norm={self.clip_grad_norm!r}: give the max norm, a number > 0")
+
+    def passes(self, inputs) -> list[tuple]:
+        """The batch as `accumulate` slices of dim 0 (one pass each).
+
+        >>> Training(accumulate=2).passes((torch.arange(4),))
+        [(tensor([0, 1]),), (tensor([2, 3]),)]
+        """
+        k = self.accumulate
+        if k == 1:
+            return [tuple(inputs)]
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise UserInputError(f"accumulate={k}: example input {i} ({shape}) does not split into {k} equal "
+                                     "slices of dim 0; give a batch that is a multiple of the passes")
+        return [tuple(x.chunk(k)[j] for x in inputs) for j in range(k)]
+
+    def to_json(self) -> dict:
+        """What `verify --json` reports under "training".
+
+        >>> Training().to_json()
+        {'accumulate': 1, 'clip_grad_norm': None}
+        """
+        return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm}
+
+
+def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
+                  training: Training = Training()) -> dict:
+    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}
+    (outputs of the first pass of the first step; its gradients after clipping).
 
     >>> double, double_inputs = to_double(model, inputs)
     >>> ref = reference_run(double, double_inputs, loss_fn, steps=2, lr=0.1)
@@ -83,15 +130,23 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str 
     params = dict(model.named_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer)
     losses, outputs, grads = [], None, None
+    passes = training.passes(inputs)
     for step in range(steps):
         model.zero_grad()
-        out = model(*inputs)
-        loss = loss_fn(out, *inputs) if loss_fn is not None else default_loss(out)
-        if loss.requires_grad:  # a model without parameters has nothing to differentiate
-            loss.backward()
-        losses.append(loss.detach().clone())
+        total = None
+        for chunk in passes:
+            out = model(*chunk)
+            loss = loss_fn(out, *chunk) if loss_fn is not None else default_loss(out)
+            loss = loss / training.accumulate if training.accumulate > 1 else loss
+            if loss.requires_grad:  # a model without parameters has nothing to differentiate
+                loss.backward()
+            total = loss.detach().clone() if total is None else total + loss.detach()
+            if step == 0 and outputs is None:
+                outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
+        if training.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), training.clip_grad_norm)
+        losses.append(total)
         if step == 0:
-            outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
             grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
         if opt is not None:
             opt.step()
@@ -100,7 +155,7 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str 
 
 
 def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
-                   dtype=torch.float64) -> tuple[dict, dict | None]:
+                   dtype=torch.float64, training: Training = Training()) -> tuple[dict, dict | None]:
     """(the reference run, the noise run or None) of a model already in `dtype`: below float64, the
     reference is trained again from nudged weights and inputs to measure the model's own rounding noise
     (autoshard/tolerance.py). `model` itself is left untouched. A model that cannot run in float64 gets a
@@ -112,7 +167,7 @@ def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str
     True
     """
     try:
-        ref = reference_run(copy.deepcopy(model), inputs, loss_fn, steps, lr, optimizer)
+        ref = reference_run(copy.deepcopy(model), inputs, loss_fn, steps, lr, optimizer, training)
     except Exception as exc:
         error = float64_unsupported(exc, type(model).__name__) if dtype == torch.float64 else None
         if error is not None:
@@ -121,10 +176,17 @@ def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str
     if dtype == torch.float64:
         return ref, None
     moved, moved_inputs = nudged(model, inputs)
-    return ref, reference_run(moved, moved_inputs, loss_fn, steps, lr, optimizer)
+    return ref, reference_run(moved, moved_inputs, loss_fn, steps, lr, optimizer, training)
 
 
-def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False) -> dict:
+def _check_training(program, training: Training) -> None:
+    if getattr(program, "config", None) is not None and training != Training():  # a PipelineProgram
+        raise UserInputError("verify with accumulate= or clip_grad_norm= does not run pipelines yet; verify the "
+                             "program planned without pipeline=")
+
+
+def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False,
+             training: Training = Training()) -> dict:
     """One rank's training run on its module; returns its local results and collective counts (of the
     first step, optimizer step included: ZeRO all-gathers parameters there).
 
@@ -136,24 +198,34 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
     {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 4096}
     """
     if getattr(module, "pipelined", False):
+        _check_training(module.program, training)
         from .runtime.pipeline import pipeline_rank_run
         return pipeline_rank_run(module, inputs, steps, lr)
-    local_inputs = module.local_inputs(*inputs)
+    passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
     params = dict(module.named_local_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer, module, offload)
     module.comm.log.clear()
     losses, outputs, grads, counts = [], None, None, None
     for step in range(steps):
         module.zero_grad()
-        loss, out = module(*local_inputs)
+        total = None
+        for local_inputs in passes:
+            loss, out = module(*local_inputs)
+            loss = loss / training.accumulate if training.accumulate > 1 else loss
+            module.comm.phase = "bwd"
+            if loss.requires_grad:
+                loss.backward()
+            module.comm.phase = "fwd"
+            total = loss.detach().clone() if total is None else total + loss.detach()
+            if step == 0 and outputs is None:
+                outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
         module.comm.phase = "bwd"
-        if loss.requires_grad:
-            loss.backward()
         module.sync_grads()
+        if training.clip_grad_norm is not None:
+            module.clip_grad_norm_(training.clip_grad_norm)
         module.comm.phase = "fwd"
-        losses.append(loss.detach().clone())
+        losses.append(total)
         if step == 0:
-            outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
             grads = opt.full_grads() if hasattr(opt, "full_grads") else \
                 {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
         if opt is not None:
@@ -184,6 +256,7 @@ class VerifyReport:
     dtype: str = "float64"
     tolerances: dict = field(default_factory=dict)
     noise: dict = field(default_factory=dict)
+    training: Training = Training()
 
     @property
     def ok(self) -> bool:
@@ -199,16 +272,20 @@ class VerifyReport:
 
         >>> sorted(report.to_json())  # doctest: +NORMALIZE_WHITESPACE
         ['collectives_per_step', 'dtype', 'max_rel_diff', 'noise', 'ok', 'predicted', 'steps', 'tolerance',
-         'tolerance_rule', 'tolerances', 'worst']
+         'tolerance_rule', 'tolerances', 'training', 'worst']
         """
-        return {"ok": self.ok, "steps": self.steps, "dtype": self.dtype, "tolerance": self.tolerance,
+        return {"ok": self.ok, "steps": self.steps, "dtype": self.dtype, "training": self.training.to_json(),
+                "tolerance": self.tolerance,
                 "tolerance_rule": "relative 1e-6" if self.tolerance is not None else RULE,
                 "tolerances": self.tolerances, "noise": self.noise, "max_rel_diff": self.max_diff,
                 "worst": self.worst, "collectives_per_step": self.collectives, "predicted": self.predicted}
 
     def __repr__(self) -> str:
         bound = f"tolerance {self.tolerance:g}" if self.tolerance is not None else f"tolerance {RULE}"
-        lines = [f"verify: {'OK' if self.ok else 'MISMATCH'} ({self.steps} steps, {self.dtype}, {bound})"]
+        features = "".join([f", {self.training.accumulate} passes per step" if self.training.accumulate > 1 else "",
+                            f", clipped to norm {self.training.clip_grad_norm:g}"
+                            if self.training.clip_grad_norm is not None else ""])
+        lines = [f"verify: {'OK' if self.ok else 'MISMATCH'} ({self.steps} steps{features}, {self.dtype}, {bound})"]
         for key, value in self.max_diff.items():
             extra = "" if self.tolerance is not None else \
                 f"; tolerance {self.tolerances[key]:.2e} from noise {self.noise[key]:.2e}"
@@ -242,7 +319,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = None,
-            dtype=torch.float64) -> VerifyReport:
+            dtype=torch.float64, training: Training = Training()) -> VerifyReport:
     """The VerifyReport of the ranks' results (assembled into global tensors) against the reference run;
     with `noise` (a second reference run from nudged weights, see reference_runs) each tensor's tolerance
     is derived from its own noise, otherwise it is 1e-6.
@@ -253,7 +330,8 @@ def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = No
     >>> compare(program, ref, ranks, steps=1).ok
     True
     """
-    report = VerifyReport(steps=steps, dtype=dtype_name(dtype), tolerance=None if noise is not None else TOLERANCE)
+    report = VerifyReport(steps=steps, dtype=dtype_name(dtype), tolerance=None if noise is not None else TOLERANCE,
+                          training=training)
     specs = program.output_specs
     nearest: dict[str, float] = {}  # kind -> the largest difference / tolerance so far
 
@@ -288,7 +366,7 @@ def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = No
 
 
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
-                     optimizer: str = "sgd", offload: bool = False, dtype="float64", **kwargs):
+                     optimizer: str = "sgd", offload: bool = False, dtype="float64", training=None, **kwargs):
     """Parallelize in `dtype` (float64, float32 or bfloat16), train in the simulator and on one device;
     return (VerifyReport, program). Tolerances: see the module docstring.
 
@@ -302,10 +380,12 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     from .program import parallelize
     dtype = resolve_dtype(dtype)
     model, inputs = to_dtype(model, inputs, dtype)
-    ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype)
-    program = parallelize(model, mesh, inputs, loss_fn=loss_fn, **kwargs)
-    ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
-    return compare(program, ref, ranks, steps, noise, dtype), program
+    training = Training(**(training or {}))
+    ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
+    program = parallelize(model, mesh, training.passes(inputs)[0], loss_fn=loss_fn, **kwargs)
+    _check_training(program, training)
+    ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload, training))
+    return compare(program, ref, ranks, steps, noise, dtype, training), program
 
 
 def simulate_ranks(program, fn) -> dict:
@@ -353,7 +433,8 @@ def case_digest(model, inputs) -> str:
 
 
 def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
-                     offload=False, shared_plan=None, dtype="float64", digest=None, weights=None, inputs=None):
+                     offload=False, shared_plan=None, dtype="float64", digest=None, weights=None, inputs=None,
+                     training=None):
     """What each real rank runs for `verify`: plan (or apply the plan the launcher made, as every rank of
     a job can: `parallelize(plan=...)`), check fingerprints, train, return local results. Here on a
     one-rank gloo group in this process:
@@ -392,9 +473,11 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
         raise UserInputError(f"factory {factory_spec} built other weights or example inputs on rank {rank} than in "
                              "the launcher: it is not deterministic, so the ranks cannot be compared with the single "
                              "device. Seed it: call torch.manual_seed(0) at the start of the factory")
-    program = parallelize(model, mesh, planned_inputs, hints=hints, loss_fn=loss_fn, **(options or {}))
+    training = Training(**(training or {}))
+    program = parallelize(model, mesh, training.passes(planned_inputs)[0], hints=hints, loss_fn=loss_fn,
+                          **(options or {}))
     check_fingerprint(comm, program.plan.fingerprint)
-    result = rank_run(program.module(rank, comm, weights=weights), inputs, steps, lr, optimizer, offload)
+    result = rank_run(program.module(rank, comm, weights=weights), inputs, steps, lr, optimizer, offload, training)
     result["fingerprint"] = program.plan.fingerprint
     return result
 
@@ -440,12 +523,16 @@ def _weights_for_ranks(model, weights, simulate: bool):
 
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
                    runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False,
-                   dtype="float64", weights=None, **options):
+                   dtype="float64", weights=None, accumulate: int = 1, clip_grad_norm: float | None = None,
+                   **options):
     """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device, in `dtype`.
 
     `weights` ("safetensors" or "init", real ranks) verifies a model built on the meta device on every
     rank: "safetensors" loads it from a file the launcher writes from its seeded model; "init" replays
     the model's initialisation (autoshard/weights/replay.py) on the ranks and on the launcher's model.
+    `accumulate` (k passes over k slices of the batch per step, one gradient sync) and `clip_grad_norm`
+    (clip by the global norm before each step) train both sides that way (`Training`); the program is
+    planned for one pass's slice of the example inputs.
 
     >>> checked, _ = verify_factory("autoshard.zoo:mlp", (2,), ("dp",), hints={"input:0": {"dp": "S(0)"}},
     ...                             simulate=True)
@@ -457,26 +544,31 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     from .runtime.launch import remember_warnings, run_distributed
     mesh = Mesh.of(mesh, axis_names)
     dtype = resolve_dtype(dtype)
+    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm)
     with remember_warnings():  # the ranks' copies of these are not shown again
         model, inputs, loss_fn = build_case(factory_spec, dtype)
         weights_arg = _weights_for_ranks(model, weights, simulate)
-        ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype)
+        ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
+        one_pass = training.passes(inputs)[0]  # the program runs one pass of the step at a time
         if weights is not None:  # planned as the ranks plan it: on the meta device (its trace can differ)
             with torch.device("meta"):
                 planned, _, _ = build_case(factory_spec, dtype)
-            program = parallelize(planned, mesh, _on_model_device(planned, inputs), hints=hints, loss_fn=loss_fn,
+            program = parallelize(planned, mesh, _on_model_device(planned, one_pass), hints=hints, loss_fn=loss_fn,
                                   **options)
         else:
-            program = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
+            program = parallelize(model, mesh, one_pass, hints=hints, loss_fn=loss_fn, **options)
+    _check_training(program, training)
     if simulate:
-        ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload))
+        ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload,
+                                                                training))
     else:
         # Ranks apply the launcher's plan instead of each solving the ILP again; the fingerprint check still
         # compares every rank's program.
         shared = {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
         digest = case_digest(torch.nn.Module() if weights else model, inputs)  # a meta model has no weights to hash
         args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
-                optimizer, offload, shared, dtype_name(dtype), digest, weights_arg, inputs if weights else None)
+                optimizer, offload, shared, dtype_name(dtype), digest, weights_arg, inputs if weights else None,
+                training.to_json())
         results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
         ranks = {r: res for r, res in results.items() if res is not None}
-    return compare(program, ref, ranks, steps, noise, dtype), program
+    return compare(program, ref, ranks, steps, noise, dtype, training), program

@@ -8,6 +8,7 @@ some mesh axes (the duality rule), bucketed per axis set; with ZeRO-2/3 the Zero
 
 The examples run the ranks of a data-parallel MLP as threads (`run_ranks`, the simulator):
 
+>>> import copy
 >>> import torch
 >>> import autoshard
 >>> from autoshard.runtime.simulator import run_ranks
@@ -27,6 +28,7 @@ from ..errors import UserInputError
 from ..placement import shard_tensor
 from .collectives import use_communicator
 from .communicator import Communicator
+from .grad_norm import clip_grad_norm_, global_loss
 from .zero_gather import GatheredMemory, save_shards_for_backward
 
 BUCKET_BYTES = 25 << 20
@@ -47,6 +49,7 @@ class RankModule(torch.nn.Module):
         self.rank = comm.rank
         self._program = program
         self.zero_optimizer = None  # set by ZeroOptimizer: it owns the ZeRO axis's gradient reduction
+        self.grads_synced = True  # False from a forward until sync_grads: gradients may still be partial
         self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
 
     @property
@@ -70,6 +73,7 @@ class RankModule(torch.nn.Module):
             else contextlib.nullcontext()
         with use_communicator(self.comm), regather:
             flat = self.gm(*local_inputs)
+        self.grads_synced = False
         loss, outputs = flat[0], list(flat[1:])
         spec = self._program.output_spec
         return loss, (pytree.tree_unflatten(outputs, spec) if spec is not None else outputs)
@@ -131,6 +135,34 @@ class RankModule(torch.nn.Module):
                     offset += n
         if self.zero_optimizer is not None:
             self.zero_optimizer.reduce_gradients()
+        self.grads_synced = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every gradient by the global norm of the single-device model's gradients (collective; after
+        `sync_grads()`); returns that norm, as `torch.nn.utils.clip_grad_norm_` does on one device. See
+        autoshard/runtime/grad_norm.py.
+
+        >>> def step(module):
+        ...     module(*module.local_inputs(*inputs))[0].backward()
+        ...     module.sync_grads()
+        ...     return module.clip_grad_norm_(1e-3)
+        >>> norms = run_ranks(prog, step)
+        >>> single = copy.deepcopy(model)  # the single device, its gradients clipped the same way
+        >>> loss_fn(single(*inputs), *inputs).backward()
+        >>> torch.allclose(norms[0], torch.nn.utils.clip_grad_norm_(single.parameters(), 1e-3))
+        True
+        """
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The whole batch's loss as the single device reports it, on every rank (one scalar all-reduce per
+        mesh axis the loss is partial on; detached: for logging).
+
+        >>> losses = run_ranks(prog, lambda module: module.global_loss(module(*module.local_inputs(*inputs))[0]))
+        >>> torch.allclose(losses[0], loss_fn(model(*inputs), *inputs)), torch.equal(losses[0], losses[1])
+        (True, True)
+        """
+        return global_loss(self, loss)
 
     def _zero_scattered(self) -> set:
         """Parameters whose gradient the ZeroOptimizer reduce-scatters (ZeRO-2/3 needs one to train)."""

@@ -1,0 +1,118 @@
+"""Training as people train (issue 15 items 2, 3, 5): clipping by the global gradient norm, gradient
+accumulation over several passes with one gradient sync, and the step's global loss -- each equal to the
+single device in float64 (verify's 1e-6): losses, outputs, gradients (after clipping) and parameters after
+2 SGD steps. The simulator is bitwise equal to gloo (test_sim_equals_real.py); one case per feature also
+runs on gloo ranks. Pipelines are not covered yet and say so.
+"""
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import UserInputError
+from autoshard.runtime.simulator import run_ranks
+from autoshard.verify import Training, build_case, reference_run, verify_factory
+from autoshard.zoo.hints import plan_hints
+from autoshard.zoo.transformers_families import HINTS
+
+DP_TP = ((2, 2), ("dp", "tp"))
+CASES = {  # factory, mesh, names, hints, parallelize options
+    "zoo-gpt2-dp2xtp2": ("autoshard.zoo:gpt2", *DP_TP, plan_hints("gpt2", ("dp", "tp"), ("dp",), "tp"), {}),
+    "zoo-llama-dp2xtp2": ("autoshard.zoo:llama", *DP_TP, plan_hints("llama", ("dp", "tp"), ("dp",), "tp"), {}),
+    "transformers-llama-dp2xtp2": ("autoshard.zoo.transformers_families:llama", *DP_TP, HINTS["llama"], {}),
+    "zoo-llama-zero3-dp4": ("autoshard.zoo:llama", (4,), ("dp",), plan_hints("llama", ("dp",), ("dp",)), {"zero": 3}),
+    "zoo-gpt2-zero2-dp2xtp2": ("autoshard.zoo:gpt2", *DP_TP, plan_hints("gpt2", ("dp", "tp"), ("dp",), "tp"),
+                               {"zero": 2}),
+}
+
+
+def _clip_below_the_norm(factory) -> float:
+    """A max_norm a tenth of the first step's gradient norm on one device: clipping is active."""
+    model, inputs, loss_fn = build_case(factory)
+    grads = reference_run(model, Training(accumulate=2).passes(inputs)[0], loss_fn, steps=1, lr=0.1)["grads"]
+    return float(torch.nn.utils.get_total_norm(list(grads.values()))) / 10
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_clipping_and_accumulation_equal_the_single_device(case):
+    factory, mesh, names, hints, options = CASES[case]
+    clip = _clip_below_the_norm(factory)
+    report, _ = verify_factory(factory, mesh, names, hints=hints, simulate=True, accumulate=2, clip_grad_norm=clip,
+                               **options)
+    assert report.ok, f"{case}:\n{report}"
+    assert report.training == Training(accumulate=2, clip_grad_norm=clip)
+    assert "2 passes per step, clipped to norm" in str(report)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, float("inf")])
+def test_other_norms(norm_type):
+    model, inputs, loss_fn = build_case("autoshard.zoo:gpt2")
+    prog = autoshard.parallelize(model, DP_TP[0], inputs, loss_fn=loss_fn, axis_names=DP_TP[1],
+                                 hints=CASES["zoo-gpt2-dp2xtp2"][3])
+
+    def norm(module):
+        module(*module.local_inputs(*inputs))[0].backward()
+        module.sync_grads()
+        return module.clip_grad_norm_(1e-3, norm_type)
+
+    norms = run_ranks(prog, norm)
+    model.zero_grad()
+    loss_fn(model(*inputs), *inputs).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3, norm_type)
+    assert all(torch.allclose(n, expected, rtol=1e-9, atol=0) for n in norms.values()), (norms, expected)
+
+
+def test_accumulation_syncs_gradients_once_per_step():
+    factory, mesh, names, hints, _ = CASES["zoo-gpt2-dp2xtp2"]
+    once, _ = verify_factory(factory, mesh, names, hints=hints, simulate=True, steps=1)
+    twice, _ = verify_factory(factory, mesh, names, hints=hints, simulate=True, steps=1, accumulate=2)
+    assert once.ok and twice.ok
+    sync = {axis: sum(c["sync"] for c in kinds.values()) for axis, kinds in once.collectives.items()}
+    assert sync["dp"] >= 1
+    assert sync == {axis: sum(c["sync"] for c in kinds.values()) for axis, kinds in twice.collectives.items()}
+    fwd = lambda report: sum(c["fwd"] for kinds in report.collectives.values() for c in kinds.values())
+    assert fwd(twice) == 2 * fwd(once)  # the passes' own collectives run per pass
+
+
+def test_global_loss_is_the_single_device_loss_on_every_rank():
+    factory, mesh, names, hints, _ = CASES["zoo-llama-dp2xtp2"]
+    model, inputs, loss_fn = build_case(factory)
+    prog = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, axis_names=names, hints=hints)
+    assert prog.output_specs[0].partial_axes()  # each rank's loss is a partial sum
+    losses = run_ranks(prog, lambda module: module.global_loss(module(*module.local_inputs(*inputs))[0]))
+    expected = loss_fn(model(*inputs), *inputs)
+    assert all(torch.allclose(v, expected, rtol=1e-12, atol=0) for v in losses.values())
+
+
+def test_gloo_ranks_clip_and_accumulate_like_the_single_device(pool_runner):
+    for case in ("transformers-llama-dp2xtp2", "zoo-llama-zero3-dp4"):
+        factory, mesh, names, hints, options = CASES[case]
+        report, _ = verify_factory(factory, mesh, names, hints=hints, runner=pool_runner, accumulate=2,
+                                   clip_grad_norm=_clip_below_the_norm(factory), **options)
+        assert report.ok, f"{case}:\n{report}"
+
+
+def test_clipping_before_the_gradient_sync_is_an_error():
+    model, inputs, loss_fn = build_case("autoshard.zoo:mlp")
+    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+                                 hints={"input:0": {"dp": "S(0)"}})
+
+    def clip_unsynced(module):
+        module(*module.local_inputs(*inputs))[0].backward()
+        with pytest.raises(UserInputError, match=r"before module.sync_grads\(\)"):
+            module.clip_grad_norm_(1.0)
+        module.sync_grads()
+        return module.clip_grad_norm_(1.0)
+
+    assert all(torch.isfinite(n) for n in run_ranks(prog, clip_unsynced).values())
+
+
+def test_bad_training_options_are_errors():
+    with pytest.raises(UserInputError, match="does not split into 3 equal slices"):
+        verify_factory("autoshard.zoo:mlp", (2,), ("dp",), simulate=True, accumulate=3)
+    with pytest.raises(UserInputError, match="accumulate=0"):
+        Training(accumulate=0)
+    with pytest.raises(UserInputError, match="clip_grad_norm=-1"):
+        Training(clip_grad_norm=-1.0)
+    with pytest.raises(UserInputError, match="does not run pipelines yet"):
+        verify_factory("autoshard.zoo:mlp", (2,), ("pp",), simulate=True, clip_grad_norm=1.0,
+                       pipeline={"microbatches": 2})
