@@ -2,6 +2,7 @@
 (only each rank's slices) or replayed from the model's initialisation, train on real gloo ranks exactly
 like the single device loaded from the same file (float64, verify's 1e-6): losses, gradients and
 parameters after 2 steps. The launcher writes the file from its seeded model (verify_factory(weights=)).
+The zoo's GPT-2 read from safetensors trains on gloo in test_train_then_save.py.
 """
 import pytest
 
@@ -16,8 +17,6 @@ CASES = {
     "transformers-llama-zero3-dp4": (LLAMA, (4,), ("dp",), DP_ONLY, {"zero": 3}),
     "transformers-llama-pp2xdp2xtp2": (LLAMA, (2, 2, 2), ("pp", "dp", "tp"), HINTS["llama"],
                                        {"pipeline": {"microbatches": 2}}),
-    "zoo-gpt2-dp2xtp2": ("autoshard.zoo:gpt2", (2, 2), ("dp", "tp"), plan_hints("gpt2", ("dp", "tp"), ("dp",), "tp"),
-                         {}),
 }
 
 
