@@ -41,12 +41,9 @@ def main():
         loss, _ = module(*local_inputs)
         loss.backward()
         module.sync_grads()
+        module.clip_grad_norm_(1.0)  # by the single device's global norm
         opt.step()
-        # The loss is a partial sum over batch-sharded axes: add it up for logging (not part of training).
-        total = loss.detach().clone()
-        for axis, placement in zip(prog.mesh.names, prog.output_specs[0]):
-            if repr(placement) == "P":
-                total = comm.all_reduce(total, axis)
+        total = module.global_loss(loss)  # this rank's loss is a partial sum: the whole batch's, for logging
         if dist.get_rank() == 0:
             print(f"step {step}: loss {total.item():.6f}", flush=True)
     dist.destroy_process_group()
