@@ -366,7 +366,8 @@ def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = No
 
 
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
-                     optimizer: str = "sgd", offload: bool = False, dtype="float64", training=None, **kwargs):
+                     optimizer: str = "sgd", offload: bool = False, dtype="float64", accumulate: int = 1,
+                     clip_grad_norm: float | None = None, **kwargs):
     """Parallelize in `dtype` (float64, float32 or bfloat16), train in the simulator and on one device;
     return (VerifyReport, program). Tolerances: see the module docstring.
 
@@ -380,7 +381,7 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     from .program import parallelize
     dtype = resolve_dtype(dtype)
     model, inputs = to_dtype(model, inputs, dtype)
-    training = Training(**(training or {}))
+    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm)
     ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
     program = parallelize(model, mesh, training.passes(inputs)[0], loss_fn=loss_fn, **kwargs)
     _check_training(program, training)
