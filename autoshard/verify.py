@@ -180,9 +180,10 @@ def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str
 
 
 def _check_training(program, training: Training) -> None:
-    if getattr(program, "config", None) is not None and training != Training():  # a PipelineProgram
-        raise UserInputError("verify with accumulate= or clip_grad_norm= does not run pipelines yet; verify the "
-                             "program planned without pipeline=")
+    if getattr(program, "config", None) is not None and training.accumulate > 1:  # a PipelineProgram
+        raise UserInputError("verify with accumulate= does not run pipelines yet (their micro-batches already "
+                             "accumulate within a step); raise pipeline microbatches instead, or verify the program "
+                             "planned without pipeline=")
 
 
 def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False,
@@ -200,7 +201,7 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
     if getattr(module, "pipelined", False):
         _check_training(module.program, training)
         from .runtime.pipeline import pipeline_rank_run
-        return pipeline_rank_run(module, inputs, steps, lr)
+        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm)
     passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
     params = dict(module.named_local_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer, module, offload)

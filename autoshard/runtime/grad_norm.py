@@ -7,7 +7,8 @@ device's: each local gradient piece contributes |g|^p divided by the number of r
 piece (the mesh axes it is replicated on, after `sync_grads` has reduced the partial ones), one all-
 reduce per mesh axis sums the contributions (a max for the inf-norm), and every piece is scaled by
 `min(1, max_norm / (norm + 1e-6))`, torch's factor. With ZeRO-2/3 the pieces are the optimizer's
-gradient shards.
+gradient shards; a pipeline rank also sums over the pipeline axis (a weight tied across stages on two
+pp ranks is held by both).
 
 The examples run a data-parallel MLP's ranks as threads (the simulator):
 
@@ -38,8 +39,17 @@ from ..placement import Shard
 
 def _intra_op_only(module, what: str) -> None:
     if getattr(module, "pipelined", False):
-        raise UserInputError(f"{what} on a pipeline rank module is not supported yet (its stages' gradients live on "
-                             "different pipeline ranks); clip inside a program planned without pipeline=")
+        raise UserInputError(f"{what} on a pipeline rank module is not supported yet (the loss exists on the last "
+                             "stage's ranks only); log the loss train_step returns there")
+
+
+def _pipeline_holders(module, fqn: str) -> int:
+    """How many pipeline ranks hold parameter `fqn` (a weight tied across stages on different ranks is held,
+    with the same summed gradient, by each); 1 outside a pipeline and in the simulator (one thread holds every
+    stage of its column)."""
+    program = module.program
+    stages = getattr(program, "tied_params", {}).get(fqn) if hasattr(module, "full_comm") else None
+    return len({program.config.stage_rank(s) for s in stages}) if stages else 1
 
 
 def grad_pieces(module) -> list[tuple[torch.Tensor, int]]:
@@ -65,7 +75,7 @@ def grad_pieces(module) -> list[tuple[torch.Tensor, int]]:
         else:
             grad = param.grad
         if grad is not None:
-            pieces.append((grad, math.prod(mesh.shape[a] for a in replicated)))
+            pieces.append((grad, math.prod(mesh.shape[a] for a in replicated) * _pipeline_holders(module, fqn)))
     return pieces
 
 
@@ -82,25 +92,32 @@ def global_grad_norm(module, norm_type: float = 2.0) -> torch.Tensor:
     >>> torch.allclose(norms[0], expected) and all(torch.equal(norms[0], n) for n in norms.values())
     True
     """
-    _intra_op_only(module, "the global gradient norm")
     p = float(norm_type)
     pieces = grad_pieces(module)
     dtype = pieces[0][0].dtype if pieces else torch.float32
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    comm = module.comm
     if math.isinf(p):
         local = max((g.detach().abs().max().to(acc) for g, _ in pieces if g.numel()), default=torch.zeros((), dtype=acc))
         total = local.reshape(1)
-        for axis in comm.mesh.names:
-            total = comm.all_gather(total, axis, 0).max().reshape(1)
+        for group, axis in _reduction_axes(module):
+            total = group.all_gather(total, axis, 0).max().reshape(1)
         return total[0]
     local = torch.zeros((), dtype=acc)
     for g, copies in pieces:
         local = local + torch.linalg.vector_norm(g.detach().to(acc), p) ** p / copies
     total = local.reshape(1)
-    for axis in comm.mesh.names:
-        total = comm.all_reduce(total, axis)
+    for group, axis in _reduction_axes(module):
+        total = group.all_reduce(total, axis)
     return total[0] ** (1.0 / p)
+
+
+def _reduction_axes(module) -> list:
+    """(communicator, axis) for every mesh axis the norm is summed over: the module's mesh, and a pipeline
+    rank's pipeline axis (its stages hold other parameters than the other pp ranks')."""
+    axes = [(module.comm, axis) for axis in module.comm.mesh.names]
+    if hasattr(module, "full_comm"):
+        axes.append((module.full_comm, module.program.config.axis))
+    return axes
 
 
 def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

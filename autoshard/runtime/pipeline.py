@@ -359,8 +359,9 @@ def _is_transport_failure(exc: BaseException) -> bool:
     return any(k in text for k in ("Connection closed", "Connection reset", "Timed out", "timed out", "timeout"))
 
 
-def pipeline_rank_run(module, inputs, steps: int, lr: float) -> dict:
-    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps.
+def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: float | None = None) -> dict:
+    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps (clipping the
+    gradients by their global norm first when `clip_grad_norm` is given).
 
     >>> result = run_ranks(InnerRanks(prog), lambda module: pipeline_rank_run(module, inputs, steps=2, lr=0.1))[0]
     >>> len(result["loss"]), bool(result["loss"][1] < result["loss"][0]), sorted(result["grads"])[:2]
@@ -377,6 +378,8 @@ def pipeline_rank_run(module, inputs, steps: int, lr: float) -> dict:
             loss, *outs = simulated_rank_step(module, inputs)
         else:
             loss, outs = module.train_step(*inputs)
+        if clip_grad_norm is not None:
+            module.clip_grad_norm_(clip_grad_norm)
         losses.append(loss)
         if step == 0:
             outputs = list(outs) if outs is not None else [None] * n_outputs
