@@ -95,20 +95,20 @@ def global_grad_norm(module, norm_type: float = 2.0) -> torch.Tensor:
     p = float(norm_type)
     pieces = grad_pieces(module)
     dtype = pieces[0][0].dtype if pieces else torch.float32
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = torch.float64  # on every rank, also one holding no gradient: the collectives must agree on it
     if math.isinf(p):
         local = max((g.detach().abs().max().to(acc) for g, _ in pieces if g.numel()), default=torch.zeros((), dtype=acc))
         total = local.reshape(1)
         for group, axis in _reduction_axes(module):
             total = group.all_gather(total, axis, 0).max().reshape(1)
-        return total[0]
+        return total[0].to(dtype)
     local = torch.zeros((), dtype=acc)
     for g, copies in pieces:
         local = local + torch.linalg.vector_norm(g.detach().to(acc), p) ** p / copies
     total = local.reshape(1)
     for group, axis in _reduction_axes(module):
         total = group.all_reduce(total, axis)
-    return total[0] ** (1.0 / p)
+    return (total[0] ** (1.0 / p)).to(dtype)
 
 
 def _reduction_axes(module) -> list:
