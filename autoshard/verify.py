@@ -39,6 +39,7 @@ from .tolerance import (
     to_dtype,
     tolerance_for,
 )
+from .training import PLAIN, Training
 
 TOLERANCE = FLOAT64_TOLERANCE  # relative, in float64; below it tolerances are derived per tensor
 
@@ -71,53 +72,8 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offlo
     return opt
 
 
-@dataclass(frozen=True)
-class Training:
-    """How each verified step trains, beyond the optimizer: `accumulate` forward/backward passes over as
-    many equal slices of the batch (dim 0) before one gradient sync and optimizer step, each pass's loss
-    divided by `accumulate` (so the step equals one pass over the whole batch), and clipping by the global
-    gradient norm (`clip_grad_norm`: max_norm) before the step.
-
-    >>> Training(accumulate=2, clip_grad_norm=1.0)
-    Training(accumulate=2, clip_grad_norm=1.0)
-    """
-
-    accumulate: int = 1
-    clip_grad_norm: float | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.accumulate, int) or self.accumulate < 1:
-            raise UserInputError(f"accumulate={self.accumulate!r}: give the number of passes per step, an int >= 1")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise UserInputError(f"clip_grad_norm={self.clip_grad_norm!r}: give the max norm, a number > 0")
-
-    def passes(self, inputs) -> list[tuple]:
-        """The batch as `accumulate` slices of dim 0 (one pass each).
-
-        >>> Training(accumulate=2).passes((torch.arange(4),))
-        [(tensor([0, 1]),), (tensor([2, 3]),)]
-        """
-        k = self.accumulate
-        if k == 1:
-            return [tuple(inputs)]
-        for i, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
-                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise UserInputError(f"accumulate={k}: example input {i} ({shape}) does not split into {k} equal "
-                                     "slices of dim 0; give a batch that is a multiple of the passes")
-        return [tuple(x.chunk(k)[j] for x in inputs) for j in range(k)]
-
-    def to_json(self) -> dict:
-        """What `verify --json` reports under "training".
-
-        >>> Training().to_json()
-        {'accumulate': 1, 'clip_grad_norm': None}
-        """
-        return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm}
-
-
 def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
-                  training: Training = Training()) -> dict:
+                  training: Training = PLAIN) -> dict:
     """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}
     (outputs of the first pass of the first step; its gradients after clipping).
 
@@ -155,7 +111,7 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str 
 
 
 def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
-                   dtype=torch.float64, training: Training = Training()) -> tuple[dict, dict | None]:
+                   dtype=torch.float64, training: Training = PLAIN) -> tuple[dict, dict | None]:
     """(the reference run, the noise run or None) of a model already in `dtype`: below float64, the
     reference is trained again from nudged weights and inputs to measure the model's own rounding noise
     (autoshard/tolerance.py). `model` itself is left untouched. A model that cannot run in float64 gets a
@@ -187,7 +143,7 @@ def _check_training(program, training: Training) -> None:
 
 
 def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False,
-             training: Training = Training()) -> dict:
+             training: Training = PLAIN) -> dict:
     """One rank's training run on its module; returns its local results and collective counts (of the
     first step, optimizer step included: ZeRO all-gathers parameters there).
 
@@ -257,7 +213,7 @@ class VerifyReport:
     dtype: str = "float64"
     tolerances: dict = field(default_factory=dict)
     noise: dict = field(default_factory=dict)
-    training: Training = Training()
+    training: Training = PLAIN
 
     @property
     def ok(self) -> bool:
@@ -320,7 +276,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = None,
-            dtype=torch.float64, training: Training = Training()) -> VerifyReport:
+            dtype=torch.float64, training: Training = PLAIN) -> VerifyReport:
     """The VerifyReport of the ranks' results (assembled into global tensors) against the reference run;
     with `noise` (a second reference run from nudged weights, see reference_runs) each tensor's tolerance
     is derived from its own noise, otherwise it is 1e-6.
@@ -471,7 +427,6 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
         model, inputs, loss_fn = build_case(factory_spec, dtype)
         planned_inputs = inputs
     if digest is not None and case_digest(torch.nn.Module() if weights else model, inputs) != digest:
-        from .errors import UserInputError
         raise UserInputError(f"factory {factory_spec} built other weights or example inputs on rank {rank} than in "
                              "the launcher: it is not deterministic, so the ranks cannot be compared with the single "
                              "device. Seed it: call torch.manual_seed(0) at the start of the factory")
@@ -497,7 +452,6 @@ def _weights_for_ranks(model, weights, simulate: bool):
     if weights is None:
         return None
     if simulate:
-        from .errors import UserInputError
         raise UserInputError("verify with weights= runs on real ranks (it builds the model on the meta device on "
                              "each); drop --simulate")
     if weights == "init":
@@ -508,18 +462,12 @@ def _weights_for_ranks(model, weights, simulate: bool):
             replay_init(model, lambda fqn, full: targets[fqn].copy_(full), init_fn=default_init_fn(model))
         return "init"
     if weights != "safetensors":
-        from .errors import UserInputError
         raise UserInputError(f"verify weights= is 'safetensors' or 'init', not {weights!r}")
     import tempfile
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save_model
     folder = tempfile.mkdtemp(prefix="autoshard-verify-weights-")
-    seen, tensors = set(), {}
-    for fqn, tensor in model.state_dict(keep_vars=False).items():
-        if tensor.data_ptr() not in seen:  # a tied tensor once (safetensors refuses shared storage)
-            seen.add(tensor.data_ptr())
-            tensors[fqn] = tensor.detach().contiguous()
-    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    save_model(model, os.path.join(folder, "model.safetensors"))  # a tied tensor once, under one of its names
     return folder
 
 

@@ -472,12 +472,11 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
     frozen = written_through_views(state.gm.graph)
     size = {u: node_bytes(u) for u in nodes}
-    # On several axes a conversion's price and refund depend on the value only through its kind and bytes,
-    # so the values of repeated layers share them: priced once per build instead of once per edge.
-    several = len(axes) > 1
-    whole_mesh = several and len(axes) == mesh.ndim  # the refund is exact (per chain) only then
-    kinds = {u: _value_kind(u, models) for u in nodes} if several else {}
-    conversion_prices: dict = {}
+    # A conversion's price depends on the value itself on one axis, but only on its kind and bytes on several:
+    # there the values of repeated layers share one price per build (and one refund, where it is exact).
+    several, whole_mesh = len(axes) > 1, len(axes) > 1 and len(axes) == mesh.ndim
+    priced_as = {u: (size[u], _value_kind(u, models)) if several else u for u in nodes}
+    prices: dict = {}
     refunds: dict = {}
     for v in nodes:
         if v.op != "call_function":
@@ -490,33 +489,25 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
             matrix = edges.setdefault(key, [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])])
             wants = [tuple(cv[a].inputs[pos] for a in axes) for cv in combos[v]]
             partials = [_partial_axes(u, pos, {**dict(enumerate(choices[v])), **cv}, models) for cv in combos[v]]
-            priced: dict = {}  # (have, want) -> cost: many candidate pairs share one conversion
             # A conversion into an input placement the user asked for (`<module>:input`) is not penalized.
             penalize = semi_auto and not any(pos in wanted for wanted in v.meta.get(INPUT_HINT, {}).values())
             for a, have in enumerate(outs[u]):
                 for b, want in enumerate(wants):
                     if have == want or matrix[a][b] == INF:
                         continue
-                    cost = priced.get((have, want))
+                    price_key = (priced_as[u], have, want, pos in mutated, penalize)
+                    cost = prices.get(price_key)
                     if cost is None:
-                        shared_key = (have, want, size[u], kinds[u], pos in mutated, penalize) if several else None
-                        cost = conversion_prices.get(shared_key) if several else None
-                        if cost is None:
-                            cost = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes, models, others,
-                                              penalize, mesh, profile, size[u])
-                            if several:
-                                conversion_prices[shared_key] = cost
-                        priced[(have, want)] = cost
+                        cost = prices[price_key] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
+                                                              models, others, penalize, mesh, profile, size[u])
                     if cost == INF:
                         matrix[a][b] = INF
                         continue
-                    refund_key = (have, want, partials[b], size[u], kinds[u]) if whole_mesh else None
-                    refund = refunds.get(refund_key) if whole_mesh else None
+                    refund_key = (priced_as[u], have, want, partials[b]) if whole_mesh else (v, pos, a, b)
+                    refund = refunds.get(refund_key)
                     if refund is None:
-                        refund = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes, models, others,
-                                                      partials[b], size[u])
-                        if whole_mesh:
-                            refunds[refund_key] = refund
+                        refund = refunds[refund_key] = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes,
+                                                                            models, others, partials[b], size[u])
                     cost -= refund
                     terms, uses = conversions.setdefault((u, have, want, partials[b], penalize, cost), ({}, set()))
                     terms.setdefault(key, set()).add((a, b))

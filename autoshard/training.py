@@ -1,0 +1,62 @@
+"""How each verified training step trains beyond the optimizer: gradient accumulation over several passes
+and clipping by the global gradient norm (`verify --accumulate K --clip-grad-norm X`); the rank modules'
+side is `RankModule.clip_grad_norm_` (autoshard/runtime/grad_norm.py).
+
+>>> Training(clip_grad_norm=0.5).to_json()
+{'accumulate': 1, 'clip_grad_norm': 0.5}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UserInputError
+
+
+@dataclass(frozen=True)
+class Training:
+    """How each verified step trains, beyond the optimizer: `accumulate` forward/backward passes over as
+    many equal slices of the batch (dim 0) before one gradient sync and optimizer step, each pass's loss
+    divided by `accumulate` (so the step equals one pass over the whole batch), and clipping by the global
+    gradient norm (`clip_grad_norm`: max_norm) before the step.
+
+    >>> Training(accumulate=2, clip_grad_norm=1.0)
+    Training(accumulate=2, clip_grad_norm=1.0)
+    """
+
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise UserInputError(f"accumulate={self.accumulate!r}: give the number of passes per step, an int >= 1")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise UserInputError(f"clip_grad_norm={self.clip_grad_norm!r}: give the max norm, a number > 0")
+
+    def passes(self, inputs) -> list[tuple]:
+        """The batch as `accumulate` slices of dim 0 (one pass each).
+
+        >>> Training(accumulate=2).passes((torch.arange(4),))
+        [(tensor([0, 1]),), (tensor([2, 3]),)]
+        """
+        k = self.accumulate
+        if k == 1:
+            return [tuple(inputs)]
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % k:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise UserInputError(f"accumulate={k}: example input {i} ({shape}) does not split into {k} equal "
+                                     "slices of dim 0; give a batch that is a multiple of the passes")
+        return [tuple(x.chunk(k)[j] for x in inputs) for j in range(k)]
+
+    def to_json(self) -> dict:
+        """What `verify --json` reports under "training".
+
+        >>> Training().to_json()
+        {'accumulate': 1, 'clip_grad_norm': None}
+        """
+        return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm}
+
+
+PLAIN = Training()  # one pass per step, no clipping: the default everywhere
