@@ -1,7 +1,8 @@
 """Tier 3: every zoo model trains on real gloo ranks exactly like the single device (float64).
 
 DP-only, Megatron-TP and mixed hints on meshes (4,), (2,2) and (2,2,2) (three sharding axes: two nested
-batch axes and tp); `AUTOSHARD_FULL_MATRIX=1` adds (2,). Also checks Megatron's collective count per transformer layer (gpt2 and
+batch axes and tp). The (4,) cases run in the simulator (bitwise equal to gloo: test_sim_equals_real.py);
+`AUTOSHARD_FULL_MATRIX=1` runs them on gloo and adds (2,). Also checks Megatron's collective count per transformer layer (gpt2 and
 llama with tp on (4,) and (2, 2)).
 """
 import os
@@ -30,8 +31,9 @@ for model in FACTORIES:
                               for c in CASES])
 def test_zoo_model_matches_single_device(pool_runner, model, mesh, names, batch_axes, tp_axis):
     hints = plan_hints(model, names, batch_axes, tp_axis)
+    simulate = not FULL and len(mesh) == 1  # the multi-axis cases carry the gloo tier
     report, program = verify_factory(f"autoshard.zoo:{model}", mesh, names, hints=hints, steps=2,
-                                     runner=pool_runner)
+                                     runner=pool_runner, simulate=simulate)
     assert report.ok, f"{model} on {mesh}:\n{report}"
     # Predicted bytes per axis equal the counted ones.
     for axis, kinds in report.collectives.items():
