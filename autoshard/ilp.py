@@ -27,6 +27,7 @@ the other. The cheapest consistent choice is candidate 1 for both:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -366,6 +367,11 @@ def quiet_highs():
         os.dup2(saved, 1)
         os.close(saved)
     _banner_shown = True
+    # HiGHS's worker threads live in a static scheduler; a process that exits with them running aborts
+    # ("terminate called without an active exception", seen under torchrun): stop them first.
+    stop = getattr(highspy.Highs, "resetGlobalScheduler", None)  # highspy >= 1.8
+    if stop is not None:
+        atexit.register(stop, True)
     return h
 
 
