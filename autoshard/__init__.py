@@ -12,6 +12,7 @@ from .mesh import Mesh
 from .placement import P, Partial, R, Replicate, S, Shard, Spec
 from .plan import Plan
 from .program import Program, parallelize
+from .runtime.rng import manual_seed
 from .stages import stage
 from .viz import plot_timeline
 from .weights.save import save_weights
@@ -19,5 +20,5 @@ from .weights.sources import load_weights
 
 __all__ = ["AutoshardError", "ExportError", "HintError", "Mesh", "P", "Partial", "Plan", "PlanError", "Program", "R",
            "Replicate", "S", "Shard", "Spec", "UserInputError", "constrain", "load_checkpoint", "load_weights",
-           "parallelize", "plot_timeline", "save_checkpoint", "save_weights", "stage"]
+           "manual_seed", "parallelize", "plot_timeline", "save_checkpoint", "save_weights", "stage"]
 __version__ = "0.1.0"

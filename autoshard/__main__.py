@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="forward/backward passes per step over that many slices of the batch (default 1)")
             p.add_argument("--clip-grad-norm", type=float, default=None,
                            help="clip gradients by their global norm to this value before each step")
+            p.add_argument("--rng", choices=("exact", "placement"), default="exact",
+                           help="dropout masks: each rank's block of the single device's (exact, default) or "
+                                "drawn per placement as in training (placement: compares only without dropout)")
+            p.add_argument("--seed", type=int, default=0, help="seed of the random ops on both sides (default 0)")
             p.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
                            help="compare in this dtype (default float64, tolerance 1e-6); float32/bfloat16 for "
                                 "models with ops that have no float64 kernel, tolerance from the model's own noise")
@@ -164,7 +168,7 @@ def _run(args) -> int:
     from .verify import verify_factory
     report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,
                                dtype=args.dtype, accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
-                               **options)
+                               rng=args.rng, seed=args.seed, **options)
     print(json.dumps(report.to_json(), indent=1, sort_keys=True) if args.json else report)
     return OK if report.ok else MISMATCH
 

@@ -10,6 +10,7 @@
   in_specs     [Spec] required of each tensor input position (solve)
   grad_partial [tuple of axes] per tensor input position where the gradient comes back partial (solve)
   comm         for inserted collectives: {"op", "axis", ...} (insert_comm)
+  rng_index    a random op's number in the single device's order of draws (normalize)
 
 (The axes on which a parameter's gradient is reduced after backward are `state.grad_reduce`, by FQN.)
 
@@ -32,6 +33,7 @@ SPEC = "autoshard.spec"
 IN_SPECS = "autoshard.in_specs"
 GRAD_PARTIAL = "autoshard.grad_partial"
 COMM = "autoshard.comm"
+RNG_INDEX = "autoshard.rng_index"
 
 
 def module_path(node) -> str:

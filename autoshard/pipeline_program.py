@@ -59,6 +59,15 @@ class PipelineProgram(Program):
         self.pp_axis = mesh.axis(config.axis)
         self.tied_params = self._tied_params()
 
+    @property
+    def microbatch_count(self) -> int:
+        """Micro-batches per step: rng="exact" draws each mask over the whole batch, block m per micro-batch.
+
+        >>> prog.microbatch_count
+        2
+        """
+        return self.config.microbatches
+
     @functools.cached_property
     def plan(self):
         """The intra-op plan of one micro-batch, with each row's stage and the `pipeline` record (stage

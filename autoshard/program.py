@@ -43,6 +43,7 @@ from .passes.manager import CompileState, History, run_passes
 from .passes.manager import pass_name as pass_name_of
 from .passes.normalize import normalize
 from .passes.predict import predict
+from .passes.random_ops import describe_random_ops
 from .passes.solve import solve
 from .passes.strategies import strategies
 from .passes.zero import AllowPlannedZeroShards
@@ -50,6 +51,7 @@ from .passes.zero import zero as zero_pass
 from .placement import describe_type, local_shape, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
+from .runtime.rng import RankRng
 
 PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, checkpoint_pass, predict, check_hints,
           codegen]
@@ -57,7 +59,7 @@ PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_c
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
-                zero=None, checkpoint=None, parallel=None) -> Program:
+                zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None) -> Program:
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -77,6 +79,9 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
     axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
     mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
+    Random ops (dropout) draw from `seed` (default: `autoshard.manual_seed`'s, 0) in `rng` mode:
+    "placement" (copies of a tensor draw the same mask, shards independent ones) or "exact" (each rank
+    its block of the single device's masks under `torch.manual_seed(seed)`; autoshard/runtime/rng.py).
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]
@@ -89,8 +94,11 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     unnamed = not mesh.named
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
     options = {"profile": load_profile(profile), "memory_budget": memory_budget,
-               "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint}
+               "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint,
+               "rng": rng, "seed": seed}
     if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
         options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
     from .frontend import reuse_exports
@@ -217,6 +225,28 @@ class Program:
 
     def __repr__(self) -> str:
         return f"Program({self.mesh!r}, fingerprint={self.plan.fingerprint})\n{self.plan.summary()}"
+
+    @functools.cached_property
+    def random_ops(self) -> list:
+        """The random ops (dropout, ...) in the single device's order of draws, with their placements.
+
+        >>> prog.random_ops  # the MLP draws nothing
+        []
+        """
+        return describe_random_ops(self.state)
+
+    microbatch_count = 1  # micro-batches per step (a pipeline's draw its masks over the whole batch)
+
+    def rank_rng(self, coord, needed=None) -> RankRng:
+        """The random stream of the rank at (intra-op) mesh `coord`, drawing the ops numbered in `needed`
+        (default: all); the mode and seed are parallelize's `rng=` and `seed=` (autoshard/runtime/rng.py).
+
+        >>> prog.rank_rng((1,)).mode
+        'placement'
+        """
+        options = self.state.options
+        return RankRng(self.random_ops, options.get("rng", "placement"), options.get("seed"), coord,
+                       self.state.mesh.shape, microbatches=self.microbatch_count, needed=needed)
 
     def draw(self, collapse=(), color_by: str = "auto"):
         """The sharded graph as a picture, like `prog.plan.draw(...)`: SVG in notebooks, text in terminals.

@@ -1,9 +1,10 @@
-"""How each verified training step trains beyond the optimizer: gradient accumulation over several passes
-and clipping by the global gradient norm (`verify --accumulate K --clip-grad-norm X`); the rank modules'
-side is `RankModule.clip_grad_norm_` (autoshard/runtime/grad_norm.py).
+"""How each verified training step trains beyond the optimizer: gradient accumulation over several passes,
+clipping by the global gradient norm (`verify --accumulate K --clip-grad-norm X`; the rank modules' side
+is `RankModule.clip_grad_norm_`, autoshard/runtime/grad_norm.py) and the random-number mode and seed of
+dropout (`verify --rng placement --seed S`; autoshard/runtime/rng.py).
 
 >>> Training(clip_grad_norm=0.5).to_json()
-{'accumulate': 1, 'clip_grad_norm': 0.5}
+{'accumulate': 1, 'clip_grad_norm': 0.5, 'rng': 'exact', 'seed': 0}
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserInputError
+from .runtime.rng import MODES
 
 
 @dataclass(frozen=True)
@@ -19,20 +21,34 @@ class Training:
     """How each verified step trains, beyond the optimizer: `accumulate` forward/backward passes over as
     many equal slices of the batch (dim 0) before one gradient sync and optimizer step, each pass's loss
     divided by `accumulate` (so the step equals one pass over the whole batch), and clipping by the global
-    gradient norm (`clip_grad_norm`: max_norm) before the step.
+    gradient norm (`clip_grad_norm`: max_norm) before the step. Random ops draw in `rng` mode from `seed`
+    (the single device from `torch.manual_seed(seed)`); verify's default, "exact", gives every rank its
+    block of the single device's dropout masks, so that the two can be compared.
 
     >>> Training(accumulate=2, clip_grad_norm=1.0)
-    Training(accumulate=2, clip_grad_norm=1.0)
+    Training(accumulate=2, clip_grad_norm=1.0, rng='exact', seed=0)
     """
 
     accumulate: int = 1
     clip_grad_norm: float | None = None
+    rng: str = "exact"
+    seed: int = 0
 
     def __post_init__(self):
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise UserInputError(f"accumulate={self.accumulate!r}: give the number of passes per step, an int >= 1")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise UserInputError(f"clip_grad_norm={self.clip_grad_norm!r}: give the max norm, a number > 0")
+        if self.rng not in MODES:
+            raise UserInputError(f"rng={self.rng!r}: use one of {MODES}")
+
+    def program_options(self) -> dict:
+        """The parallelize options this training needs (the random-number mode and seed).
+
+        >>> Training().program_options()
+        {'rng': 'exact', 'seed': 0}
+        """
+        return {"rng": self.rng, "seed": self.seed}
 
     def passes(self, inputs) -> list[tuple]:
         """The batch as `accumulate` slices of dim 0 (one pass each).
@@ -54,9 +70,10 @@ class Training:
         """What `verify --json` reports under "training".
 
         >>> Training().to_json()
-        {'accumulate': 1, 'clip_grad_norm': None}
+        {'accumulate': 1, 'clip_grad_norm': None, 'rng': 'exact', 'seed': 0}
         """
-        return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm}
+        return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm, "rng": self.rng,
+                "seed": self.seed}
 
 
 PLAIN = Training()  # one pass per step, no clipping: the default everywhere

@@ -82,6 +82,12 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str 
     >>> len(ref["loss"]), bool(ref["loss"][1] < ref["loss"][0]), ref["grads"]["layers.0.weight"].shape
     (2, True, torch.Size([128, 32]))
     """
+    with torch.random.fork_rng(devices=[]):  # dropout draws from the training's seed, as the ranks' streams do
+        torch.manual_seed(training.seed)
+        return _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training)
+
+
+def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> dict:
     from .frontend import default_loss
     params = dict(model.named_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer)
@@ -214,6 +220,7 @@ class VerifyReport:
     tolerances: dict = field(default_factory=dict)
     noise: dict = field(default_factory=dict)
     training: Training = PLAIN
+    random_ops: int = 0  # dropout and other random ops the program draws (in `training.rng` mode)
 
     @property
     def ok(self) -> bool:
@@ -228,10 +235,11 @@ class VerifyReport:
         """What `verify --json` prints.
 
         >>> sorted(report.to_json())  # doctest: +NORMALIZE_WHITESPACE
-        ['collectives_per_step', 'dtype', 'max_rel_diff', 'noise', 'ok', 'predicted', 'steps', 'tolerance',
-         'tolerance_rule', 'tolerances', 'training', 'worst']
+        ['collectives_per_step', 'dtype', 'max_rel_diff', 'noise', 'ok', 'predicted', 'random_ops', 'steps',
+         'tolerance', 'tolerance_rule', 'tolerances', 'training', 'worst']
         """
         return {"ok": self.ok, "steps": self.steps, "dtype": self.dtype, "training": self.training.to_json(),
+                "random_ops": self.random_ops,
                 "tolerance": self.tolerance,
                 "tolerance_rule": "relative 1e-6" if self.tolerance is not None else RULE,
                 "tolerances": self.tolerances, "noise": self.noise, "max_rel_diff": self.max_diff,
@@ -239,9 +247,11 @@ class VerifyReport:
 
     def __repr__(self) -> str:
         bound = f"tolerance {self.tolerance:g}" if self.tolerance is not None else f"tolerance {RULE}"
-        features = "".join([f", {self.training.accumulate} passes per step" if self.training.accumulate > 1 else "",
-                            f", clipped to norm {self.training.clip_grad_norm:g}"
-                            if self.training.clip_grad_norm is not None else ""])
+        training = self.training
+        features = "".join([f", {training.accumulate} passes per step" if training.accumulate > 1 else "",
+                            f", clipped to norm {training.clip_grad_norm:g}" if training.clip_grad_norm is not None
+                            else "", f", {self.random_ops} random ops drawn rng={training.rng} (seed {training.seed})"
+                            if self.random_ops else ""])
         lines = [f"verify: {'OK' if self.ok else 'MISMATCH'} ({self.steps} steps{features}, {self.dtype}, {bound})"]
         for key, value in self.max_diff.items():
             extra = "" if self.tolerance is not None else \
@@ -319,12 +329,13 @@ def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = No
             track(kind, fqn, got, expected, fqn)
     report.collectives = ranks[0]["counts"]
     report.predicted = program.plan.predicted
+    report.random_ops = len(program.random_ops)
     return report
 
 
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
                      optimizer: str = "sgd", offload: bool = False, dtype="float64", accumulate: int = 1,
-                     clip_grad_norm: float | None = None, **kwargs):
+                     clip_grad_norm: float | None = None, rng: str = "exact", seed: int = 0, **kwargs):
     """Parallelize in `dtype` (float64, float32 or bfloat16), train in the simulator and on one device;
     return (VerifyReport, program). Tolerances: see the module docstring.
 
@@ -338,9 +349,10 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     from .program import parallelize
     dtype = resolve_dtype(dtype)
     model, inputs = to_dtype(model, inputs, dtype)
-    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm)
+    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed)
     ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
-    program = parallelize(model, mesh, training.passes(inputs)[0], loss_fn=loss_fn, **kwargs)
+    program = parallelize(model, mesh, training.passes(inputs)[0], loss_fn=loss_fn, **training.program_options(),
+                          **kwargs)
     _check_training(program, training)
     ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload, training))
     return compare(program, ref, ranks, steps, noise, dtype, training), program
@@ -474,7 +486,7 @@ def _weights_for_ranks(model, weights, simulate: bool):
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
                    runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False,
                    dtype="float64", weights=None, accumulate: int = 1, clip_grad_norm: float | None = None,
-                   **options):
+                   rng: str = "exact", seed: int = 0, **options):
     """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device, in `dtype`.
 
     `weights` ("safetensors" or "init", real ranks) verifies a model built on the meta device on every
@@ -494,7 +506,8 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     from .runtime.launch import remember_warnings, run_distributed
     mesh = Mesh.of(mesh, axis_names)
     dtype = resolve_dtype(dtype)
-    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm)
+    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed)
+    options = {**options, **training.program_options()}
     with remember_warnings():  # the ranks' copies of these are not shown again
         model, inputs, loss_fn = build_case(factory_spec, dtype)
         weights_arg = _weights_for_ranks(model, weights, simulate)

@@ -34,6 +34,7 @@ from torch import fx
 from .. import meta
 from ..errors import PlanError, UserInputError
 from ..runtime.collectives import current, use_communicator
+from ..runtime.rng import at_position, current_position
 
 CHECKPOINT = "autoshard.checkpoint"
 _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
@@ -210,13 +211,16 @@ class Recomputed(torch.nn.Module):
         True
         """
         comm = current()  # the recompute runs in backward, outside the rank module's forward
+        position = current_position()  # and draws the forward's random masks again
 
         def run(*args):
-            with use_communicator(comm):
+            with use_communicator(comm), at_position(position):
                 return self.body(*args)
         # The whole region re-runs (no early stop), so every rank repeats every collective in it.
+        # Random ops draw from the rank's stream at the captured position, not from torch's generator, so
+        # its state need not be kept (restoring it would race with simulated ranks' seeded draws).
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False)
 
     def extra_repr(self) -> str:
         """The region's module path, in the module's repr.

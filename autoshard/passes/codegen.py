@@ -4,7 +4,8 @@ Reads the graph after insert_comm (`autoshard.spec` everywhere, collectives as c
 model's tensors. Writes nothing into the shared graph: `build_rank_module(state, rank)` returns a new
 GraphModule where parameters and buffers are `get_attr`s of local shards (copied from the model's
 weights), shape arguments of view/expand-like ops are the local shapes, `autoshard.constrain` calls
-are dropped, and collectives stay visible call nodes naming their mesh axis.
+are dropped, collectives stay visible call nodes naming their mesh axis, and random ops become
+`random_op(index, op, ...)` calls drawn from the rank's stream.
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
@@ -21,6 +22,7 @@ from torch import fx
 from .. import meta
 from ..errors import PlanError
 from ..placement import local_shape, shard_tensor
+from ..runtime.rng import random_op
 from ..strategies.base import REGISTRY
 from .checkpoint import wrap_regions
 
@@ -107,6 +109,9 @@ def build_rank_module(state, rank: int, keep=None, local=None) -> fx.GraphModule
                 _localize_args(new, node, mesh)
                 if local is not None:
                     _off_meta(new)
+                if meta.RNG_INDEX in node.meta:  # drawn from the rank's stream (autoshard/runtime/rng.py)
+                    new.target = random_op
+                    new.args = (node.meta[meta.RNG_INDEX], node.target, *new.args)
         new.meta = dict(node.meta)
         env[node] = new
     gm = fx.GraphModule(root, graph, class_name=f"Rank{rank}")

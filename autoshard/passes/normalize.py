@@ -9,7 +9,9 @@ Reads the traced graph; writes a graph where
 - `x @ W.T` (matmul of a transposed 2-D W) is `linear(x, W)`; addmm/baddbmm's alpha and beta are muls;
 - in-place ops whose operand nothing else aliases (not a placeholder, not a view) are out-of-place
   (`x.div_(y)` -> `div(x, y)`), so they shard like any op;
-- higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off).
+- higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off);
+- random ops (dropout, attention with dropout, rand_like, ...) are numbered in graph order, the single
+  device's order of draws (`autoshard.rng_index`; autoshard/passes/random_ops.py).
 Rewrites run in graph order and may read nodes earlier rewrites made (their `val`s are filled in first).
 Invariant: the graph computes the same values; every node has a FakeTensor `val`.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 
 import torch
 from torch import fx
@@ -25,6 +26,7 @@ from torch._guards import detect_fake_mode
 
 from .. import meta
 from .graph_utils import new_node, refresh_vals, val_of
+from .random_ops import number_random_ops
 
 aten = torch.ops.aten
 
@@ -46,7 +48,6 @@ def normalize(state) -> None:
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        _warn_random(node)
         rewrite = _REWRITES.get(node.target) or (_out_of_place if _in_place(node.target) else None)
         if rewrite is None:
             continue
@@ -56,6 +57,7 @@ def normalize(state) -> None:
     if changed:
         gm.graph.lint()
         refresh_vals(gm)
+    number_random_ops(gm.graph, state.options.get("rng", "placement"))
 
 
 normalize.name = "normalize"
@@ -70,23 +72,6 @@ def _fill_input_vals(node: fx.Node, mode) -> None:
         args, kwargs = fx.node.map_arg((arg.args, arg.kwargs), lambda n: n.meta["val"])
         with mode:
             arg.meta["val"] = arg.target(*args, **kwargs)
-
-
-_RANDOM_OPS = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.p, aten.rand_like.default,
-               aten.randn_like.default}
-
-
-def _warn_random(node: fx.Node) -> None:
-    """Random ops draw per rank: a sharded program cannot reproduce the single device's samples."""
-    if node.target not in _RANDOM_OPS:
-        return
-    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-    if node.target in (aten.dropout.default, aten.native_dropout.default) and (not p or not training):
-        return
-    warnings.warn(f"autoshard: {node.target} at {node.meta.get(meta.PATH) or node.name} draws random numbers per "
-                  "rank; the parallel program matches the single device only in distribution (set dropout "
-                  "to 0 or eval mode to compare exactly, e.g. with verify)", stacklevel=3)
 
 
 def _replace(node: fx.Node, new: fx.Node) -> bool:

@@ -132,7 +132,7 @@ class SequentialStages(_StagesModule):
         local = program.rank_tensors(inner_rank, weights, **options)
         super().__init__(program, program.all_stage_graphs(inner_rank, local=local), comm)
 
-    def run_microbatch(self, local_inputs):
+    def run_microbatch(self, local_inputs, microbatch: int = 0):
         """(loss, *outputs) of one micro-batch through every stage.
 
         >>> micro = prog.microbatches(inputs)[0]
@@ -141,7 +141,7 @@ class SequentialStages(_StagesModule):
         True
         """
         values = tuple(local_inputs)
-        with use_communicator(self.comm):
+        with use_communicator(self.comm), self.rng.drawing(microbatch):
             for stage in self.stage_graphs:
                 values = tuple(stage.gm(*values))
         return values  # (loss, *outputs)
@@ -155,9 +155,10 @@ def simulated_rank_step(module: SequentialStages, inputs, train: bool = True) ->
     (True, [(4, 32), (4, 32)])
     """
     losses, outputs = [], []
-    for local in module.local_microbatches(*inputs):
+    module.rng.new_step()
+    for m, local in enumerate(module.local_microbatches(*inputs)):
         module.comm.phase = "fwd"
-        loss, *outs = module.run_microbatch(local)
+        loss, *outs = module.run_microbatch(local, m)
         if train and loss.requires_grad:
             module.comm.phase = "bwd"
             with use_communicator(module.comm):
@@ -246,7 +247,7 @@ class PipelineRankModule(_StagesModule):
                 start = time.perf_counter()
                 try:
                     if _kind == "F":
-                        with self.saved.track():
+                        with self.saved.track(), self.rng.drawing(chunk):
                             return _original(chunk, *args, **kwargs)
                     return _original(chunk, *args, **kwargs)
                 finally:
@@ -276,6 +277,7 @@ class PipelineRankModule(_StagesModule):
         args = tuple(torch.cat([mb[i] for mb in local]) for i in range(len(local[0]))) if first else ()
         target = torch.zeros(config.microbatches)
         self.step_start = time.perf_counter()
+        self.rng.new_step()
         try:
             with use_communicator(self.comm):
                 self._schedule.step(*args, target=target, losses=losses, return_outputs=False)

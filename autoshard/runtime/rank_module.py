@@ -29,6 +29,7 @@ from ..placement import shard_tensor
 from .collectives import use_communicator
 from .communicator import Communicator
 from .grad_norm import clip_grad_norm_, global_loss
+from .rng import drawn_ops
 from .zero_gather import GatheredMemory, save_shards_for_backward
 
 BUCKET_BYTES = 25 << 20
@@ -51,6 +52,7 @@ class RankModule(torch.nn.Module):
         self.zero_optimizer = None  # set by ZeroOptimizer: it owns the ZeRO axis's gradient reduction
         self.grads_synced = True  # False from a forward until sync_grads: gradients may still be partial
         self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
+        self.rng = program.rank_rng(comm.coord, needed=drawn_ops(gm))  # dropout masks (autoshard/runtime/rng.py)
 
     @property
     def program(self):
@@ -71,7 +73,8 @@ class RankModule(torch.nn.Module):
         zero = getattr(self._program, "zero", None)
         regather = save_shards_for_backward(self.gathered_memory) if zero is not None and zero.stage == 3 \
             else contextlib.nullcontext()
-        with use_communicator(self.comm), regather:
+        self.rng.new_step()
+        with use_communicator(self.comm), regather, self.rng.drawing():
             flat = self.gm(*local_inputs)
         self.grads_synced = False
         loss, outputs = flat[0], list(flat[1:])

@@ -33,4 +33,24 @@ bert = bert.bert
 resnet = resnet.resnet
 vit = vit.vit
 
-__all__ = ["FACTORIES", "bert", "gpt2", "llama", "mlp", "resnet", "vit"]
+
+
+def gpt2_dropout():
+    """The zoo GPT-2 at GPT-2's dropout, 0.1 (`verify autoshard.zoo:gpt2_dropout` compares it with rng="exact").
+
+    >>> gpt2_dropout()[0].cfg.dropout
+    0.1
+    """
+    return gpt2(dropout=0.1)
+
+
+def llama_dropout():
+    """The zoo LLaMA with dropout 0.1 on the attention weights and residual branches.
+
+    >>> llama_dropout()[0].cfg.dropout
+    0.1
+    """
+    return llama(dropout=0.1)
+
+
+__all__ = ["FACTORIES", "bert", "gpt2", "gpt2_dropout", "llama", "llama_dropout", "mlp", "resnet", "vit"]

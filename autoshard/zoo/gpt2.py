@@ -58,7 +58,8 @@ class Attention(nn.Module):
         q = self.q(x).view(B, T, H, D).transpose(1, 2)
         k = self.k(x).view(B, T, H, D).transpose(1, 2)
         v = self.v(x).view(B, T, H, D).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        drop = {"dropout_p": self.resid_drop.p} if self.training and self.resid_drop.p else {}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **drop)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -154,15 +155,16 @@ def gpt2_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
 
 
-def gpt2(batch=8, seq=16, dim=32, n_heads=4, n_layers=2, vocab_size=64, device="cpu"):
-    """Build a tiny GPT-2; returns ``(model, (ids,), loss_fn)``.
+def gpt2(batch=8, seq=16, dim=32, n_heads=4, n_layers=2, vocab_size=64, device="cpu", dropout=0.0):
+    """Build a tiny GPT-2; returns ``(model, (ids,), loss_fn)``. `dropout` applies to the embeddings, the
+    attention weights and both residual branches (GPT-2 trains with 0.1).
 
     >>> model, inputs, loss_fn = gpt2()
     >>> model(*inputs).shape
     torch.Size([8, 16, 64])
     """
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=vocab_size, max_seq=seq, dim=dim, n_heads=n_heads, n_layers=n_layers)
+    cfg = GPT2Config(vocab_size=vocab_size, max_seq=seq, dim=dim, n_heads=n_heads, n_layers=n_layers, dropout=dropout)
     with torch.device(device):  # build directly on device (keeps weight tying on meta)
         model = GPT2(cfg)
     ids = torch.randint(0, vocab_size, (batch, seq), device=device)

@@ -27,6 +27,7 @@ class LlamaConfig:
     ffn_dim: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    dropout: float = 0.0  # on the attention weights and both residual branches (0: no dropout ops at all)
 
     @property
     def head_dim(self):
@@ -104,6 +105,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin):
         """x ``[B, T, dim]``, RoPE tables cos/sin ``[T, head_dim]`` -> ``[B, T, dim]``.
@@ -123,7 +125,8 @@ class Attention(nn.Module):
         # Grouped-query attention: repeat each kv head n_rep times.
         k = k[:, :, None].expand(B, KV, n_rep, T, D).reshape(B, KV * n_rep, T, D)
         v = v[:, :, None].expand(B, KV, n_rep, T, D).reshape(B, KV * n_rep, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        drop = {"dropout_p": self.dropout} if self.training and self.dropout else {}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **drop)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -162,6 +165,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
+        self.dropout = cfg.dropout
+
+    def _drop(self, x):
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
     def forward(self, x, cos, sin):
         """x ``[B, T, dim]`` and the RoPE tables -> ``[B, T, dim]``.
@@ -170,8 +177,8 @@ class Block(nn.Module):
         >>> Block(LlamaConfig())(torch.randn(2, 8, 32), model.rope_cos[:8], model.rope_sin[:8]).shape
         torch.Size([2, 8, 32])
         """
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.ffn_norm(x))
+        x = x + self._drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self._drop(self.mlp(self.ffn_norm(x)))
 
 
 class Llama(nn.Module):
@@ -239,8 +246,9 @@ def llama_loss(logits, ids):
 
 
 def llama(batch=8, seq=16, dim=32, n_heads=8, n_kv_heads=4, n_layers=2, ffn_dim=64,
-          vocab_size=64, device="cpu"):
-    """Build a tiny LLaMA; returns ``(model, (ids,), loss_fn)``.
+          vocab_size=64, device="cpu", dropout=0.0):
+    """Build a tiny LLaMA; returns ``(model, (ids,), loss_fn)``; `dropout` on the attention weights and
+    both residual branches.
 
     >>> model, inputs, loss_fn = llama()
     >>> model(*inputs).shape
@@ -248,7 +256,7 @@ def llama(batch=8, seq=16, dim=32, n_heads=8, n_kv_heads=4, n_layers=2, ffn_dim=
     """
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab_size, max_seq=seq, dim=dim, n_heads=n_heads,
-                      n_kv_heads=n_kv_heads, n_layers=n_layers, ffn_dim=ffn_dim)
+                      n_kv_heads=n_kv_heads, n_layers=n_layers, ffn_dim=ffn_dim, dropout=dropout)
     with torch.device(device):
         model = Llama(cfg)
     ids = torch.randint(0, vocab_size, (batch, seq), device=device)

@@ -227,6 +227,19 @@ def gpt2():
                       attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
 
 
+def gpt2_dropout():
+    """GPT2LMHeadModel at GPT-2's default dropout (0.1 on embeddings, residuals and attention weights, the
+    last inside scaled_dot_product_attention): verify compares it with rng="exact".
+
+    >>> model, inputs, loss_fn = gpt2_dropout()
+    >>> model.config.resid_pdrop, model.config.attn_pdrop, model.training
+    (0.1, 0.1, True)
+    """
+    return _causal_lm("GPT2LMHeadModel", "GPT2Config", attn_implementation="sdpa", vocab_size=VOCAB, n_embd=HIDDEN,
+                      n_layer=LAYERS, n_head=HEADS, n_inner=FFN, n_positions=2 * SEQ, resid_pdrop=0.1,
+                      embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=1, eos_token_id=2)
+
+
 def _seq2seq(model_class: str, config_class: str, **config):
     model = _build(model_class, config_class, names=("input_ids", "labels"), **config)
     return model, (_tokens(), _tokens()), model_loss  # the model builds decoder inputs from the labels

@@ -1,9 +1,9 @@
-"""Training as people train (issue 15 items 2, 3, 5): clipping by the global gradient norm, gradient
-accumulation over several passes with one gradient sync, and the step's global loss -- each equal to the
-single device in float64 (verify's 1e-6): losses, outputs, gradients (after clipping) and parameters after
-2 SGD steps. The simulator is bitwise equal to gloo (test_sim_equals_real.py); clipping in a pipeline
-whose tied weight lives on two pipeline ranks runs on gloo (the one case the simulator cannot show).
-Accumulation and the global loss in pipelines are not covered yet and say so.
+"""Training as people train (issue 15 items 2-5): clipping by the global gradient norm, gradient accumulation
+over several passes with one gradient sync, dropout (p=0.1) with rng="exact", and the step's global loss --
+each equal to the single device in float64 (verify's 1e-6): losses, outputs, gradients (after clipping) and
+parameters after 2 SGD steps. The simulator is bitwise equal to gloo (test_sim_equals_real.py); one dropout
+case and clipping in a pipeline whose tied weight lives on two pipeline ranks (the one case the simulator
+cannot show) run on gloo. Accumulation and the global loss in pipelines are not covered yet and say so.
 """
 import pytest
 import torch
@@ -13,15 +13,24 @@ from autoshard.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify import Training, build_case, reference_run, verify_factory
 from autoshard.zoo.hints import plan_hints
-from autoshard.zoo.transformers_families import HINTS
+from autoshard.zoo.transformers_families import DATA_PARALLEL, HINTS
 
 DP_TP = ((2, 2), ("dp", "tp"))
-CASES = {  # factory, mesh, names, hints, parallelize options
-    "zoo-gpt2-dp2xtp2": ("autoshard.zoo:gpt2", *DP_TP, plan_hints("gpt2", ("dp", "tp"), ("dp",), "tp"), {}),
+GPT2_DP_TP = plan_hints("gpt2", ("dp", "tp"), ("dp",), "tp")
+LLAMA_DP_TP = plan_hints("llama", ("dp", "tp"), ("dp",), "tp")
+CASES = {  # factory (the zoo's at dropout 0.1), mesh, names, hints, parallelize options
+    "zoo-gpt2-dp2xtp2": ("autoshard.zoo:gpt2_dropout", *DP_TP, GPT2_DP_TP, {}),
+    "zoo-llama-dp2xtp2": ("autoshard.zoo:llama_dropout", *DP_TP, LLAMA_DP_TP, {}),
+    "transformers-gpt2-dp2xtp2": ("autoshard.zoo.transformers_families:gpt2_dropout", *DP_TP, HINTS["gpt2"], {}),
     "transformers-llama-dp2xtp2": ("autoshard.zoo.transformers_families:llama", *DP_TP, HINTS["llama"], {}),
-    "zoo-llama-zero3-dp4": ("autoshard.zoo:llama", (4,), ("dp",), plan_hints("llama", ("dp",), ("dp",)), {"zero": 3}),
-    "zoo-gpt2-zero2-dp2xtp2": ("autoshard.zoo:gpt2", *DP_TP, plan_hints("gpt2", ("dp", "tp"), ("dp",), "tp"),
-                               {"zero": 2}),
+    "zoo-llama-zero3-dp4": ("autoshard.zoo:llama_dropout", (4,), ("dp",), plan_hints("llama", ("dp",), ("dp",)),
+                            {"zero": 3}),
+    "zoo-gpt2-zero3-dp4": ("autoshard.zoo:gpt2_dropout", (4,), ("dp",), plan_hints("gpt2", ("dp",), ("dp",)),
+                           {"zero": 3}),
+    # (the family's batch of 4 is one row per rank: one pass per step)
+    "transformers-gpt2-zero3-dp4": ("autoshard.zoo.transformers_families:gpt2_dropout", (4,), ("dp",), DATA_PARALLEL,
+                                    {"zero": 3, "accumulate": 1}),
+    "zoo-gpt2-zero2-dp2xtp2": ("autoshard.zoo:gpt2_dropout", *DP_TP, GPT2_DP_TP, {"zero": 2}),
 }
 
 
@@ -36,11 +45,14 @@ def _clip_below_the_norm(factory) -> float:
 def test_clipping_and_accumulation_equal_the_single_device(case):
     factory, mesh, names, hints, options = CASES[case]
     clip = _clip_below_the_norm(factory)
-    report, _ = verify_factory(factory, mesh, names, hints=hints, simulate=True, accumulate=2, clip_grad_norm=clip,
-                               **options)
+    options = {"accumulate": 2, **options}
+    report, program = verify_factory(factory, mesh, names, hints=hints, simulate=True, clip_grad_norm=clip, **options)
     assert report.ok, f"{case}:\n{report}"
-    assert report.training == Training(accumulate=2, clip_grad_norm=clip)
-    assert "2 passes per step, clipped to norm" in str(report)
+    assert report.training == Training(accumulate=options["accumulate"], clip_grad_norm=clip, rng="exact")
+    assert len(program.random_ops) >= (6 if "dropout" in factory else 0)
+    assert "clipped to norm" in str(report)
+    assert not program.random_ops or f"{len(program.random_ops)} random ops drawn rng=exact" in str(report)
+    assert options["accumulate"] == 1 or "2 passes per step" in str(report)
 
 
 @pytest.mark.parametrize("norm_type", [1.0, float("inf")])
@@ -74,8 +86,8 @@ def test_accumulation_syncs_gradients_once_per_step():
 
 
 def test_global_loss_is_the_single_device_loss_on_every_rank():
-    factory, mesh, names, hints, _ = CASES["zoo-gpt2-dp2xtp2"]
-    model, inputs, loss_fn = build_case(factory)
+    _, mesh, names, hints, _ = CASES["zoo-gpt2-dp2xtp2"]
+    model, inputs, loss_fn = build_case("autoshard.zoo:gpt2")
     prog = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, axis_names=names, hints=hints)
     assert prog.output_specs[0].partial_axes()  # each rank's loss is a partial sum
     losses = run_ranks(prog, lambda module: module.global_loss(module(*module.local_inputs(*inputs))[0]))
@@ -86,11 +98,23 @@ def test_global_loss_is_the_single_device_loss_on_every_rank():
 PIPELINE = {"pipeline": {"microbatches": 2}}
 
 
-def test_pipelines_clip_like_the_single_device():
-    hints = plan_hints("llama", ("dp", "tp"), ("dp",), "tp")
-    factory = "autoshard.zoo:llama"
-    report, _ = verify_factory(factory, (2, 2, 2), ("pp", "dp", "tp"), hints=hints, simulate=True,
-                               clip_grad_norm=_clip_below_the_norm(factory), **PIPELINE)
+@pytest.mark.parametrize("factory,hints", [("autoshard.zoo:llama_dropout", LLAMA_DP_TP),
+                                           ("autoshard.zoo:gpt2_dropout", GPT2_DP_TP),
+                                           ("autoshard.zoo.transformers_families:gpt2_dropout", HINTS["gpt2"])],
+                         ids=["zoo-llama", "zoo-gpt2", "transformers-gpt2"])
+def test_pipelines_clip_and_drop_out_like_the_single_device(factory, hints):
+    """pp x dp x tp: each micro-batch's masks are its rows of the whole batch's (rng="exact")."""
+    report, program = verify_factory(factory, (2, 2, 2), ("pp", "dp", "tp"), hints=hints, simulate=True,
+                                     clip_grad_norm=_clip_below_the_norm(factory), **PIPELINE)
+    assert report.ok, str(report)
+    assert program.random_ops and report.training.rng == "exact"
+
+
+def test_gloo_dropout_clipping_and_accumulation_equal_the_single_device(pool_runner):
+    """The transformers GPT-2 at its dropout 0.1 on real gloo ranks, dp x tp with Megatron hints."""
+    factory = "autoshard.zoo.transformers_families:gpt2_dropout"
+    report, _ = verify_factory(factory, *DP_TP, hints=HINTS["gpt2"], runner=pool_runner, accumulate=2,
+                               clip_grad_norm=_clip_below_the_norm(factory))
     assert report.ok, str(report)
 
 

@@ -155,9 +155,3 @@ def test_simulate_equals_the_model():
     expected = model(x)
     assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
     assert torch.allclose(loss, expected.mean(), rtol=1e-12)
-
-
-def test_random_ops_warn_that_ranks_draw_their_own_samples():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
-    with pytest.warns(UserWarning, match=r"dropout.* draws random numbers per rank"):
-        autoshard.parallelize(model, (2,), (torch.randn(4, 4),))
