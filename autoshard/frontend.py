@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from . import meta
+from .mixed_precision import policy_call
 from .errors import AutoshardError, ExportError, UserInputError
 from .factory import check_inputs, check_loss_fn, check_loss_value, check_model, loss_name
 
@@ -27,13 +28,14 @@ from .factory import check_inputs, check_loss_fn, check_loss_value, check_model,
 class _TrainStep(torch.nn.Module):
     """Wraps the user's model so the loss is part of the traced (and sharded) program."""
 
-    def __init__(self, model, loss_fn):
+    def __init__(self, model, loss_fn, policy=None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.policy = policy  # mixed precision: parameters and inputs cast for compute (autoshard/mixed_precision.py)
 
     def forward(self, *inputs):
-        outputs = self.model(*inputs)
+        outputs = self.model(*inputs) if self.policy is None else policy_call(self.model, inputs, self.policy)
         if self.loss_fn is None:
             return default_loss(outputs), outputs
         loss = self.loss_fn(outputs, *inputs)
@@ -109,9 +111,10 @@ def reuse_exports():
         _EXPORTS = outer
 
 
-def trace(model, example_inputs, loss_fn=None) -> Traced:
+def trace(model, example_inputs, loss_fn=None, policy=None) -> Traced:
     """Export `loss_fn(model(*inputs), *inputs)` (or the default loss) at ATen level; every placeholder
-    gets `autoshard.kind` and `autoshard.path`, every op its module path.
+    gets `autoshard.kind` and `autoshard.path`, every op its module path. With a mixed-precision `policy`
+    the forward casts parameters and inputs to its compute dtype (the placeholders keep theirs).
 
     >>> for node in list(traced.gm.graph.nodes)[3:7]:
     ...     print(node.name, node.meta["autoshard.kind"], repr(node.meta["autoshard.path"]))
@@ -127,10 +130,10 @@ def trace(model, example_inputs, loss_fn=None) -> Traced:
     check_model(model)
     example_inputs = check_inputs(example_inputs)
     check_loss_fn(loss_fn, len(example_inputs))
-    key = (id(model), id(loss_fn), tuple((tuple(v.shape), v.dtype, str(v.device)) for v in example_inputs))
+    key = (id(model), id(loss_fn), policy, tuple((tuple(v.shape), v.dtype, str(v.device)) for v in example_inputs))
     exported = _EXPORTS.get(key) if _EXPORTS is not None else None
     if exported is None:
-        step = _TrainStep(model, loss_fn)
+        step = _TrainStep(model, loss_fn, policy)
         try:
             exported = torch.export.export(step, tuple(example_inputs), strict=False)
         except AutoshardError:  # a check inside the traced code (e.g. the loss's value) already says what to do

@@ -31,6 +31,7 @@ from .errors import UserInputError
 from .frontend import trace
 from .hints import Hints
 from .mesh import Mesh
+from .mixed_precision import resolve_policy
 from .passes.annotate import annotate
 from .passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
 from .passes.checkpoint import checkpoint as checkpoint_pass
@@ -59,7 +60,8 @@ PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_c
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
-                zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None) -> Program:
+                zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
+                mixed_precision=None) -> Program:
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -82,6 +84,8 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     Random ops (dropout) draw from `seed` (default: `autoshard.manual_seed`'s, 0) in `rng` mode:
     "placement" (copies of a tensor draw the same mask, shards independent ones) or "exact" (each rank
     its block of the single device's masks under `torch.manual_seed(seed)`; autoshard/runtime/rng.py).
+    `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
+    in float32 (FSDP2's policy; autoshard/mixed_precision.py).
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]
@@ -98,7 +102,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
         raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
     options = {"profile": load_profile(profile), "memory_budget": memory_budget,
                "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint,
-               "rng": rng, "seed": seed}
+               "rng": rng, "seed": seed, "mixed_precision": resolve_policy(mixed_precision)}
     if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
         options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
     from .frontend import reuse_exports
@@ -143,7 +147,7 @@ def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, p
     if pipeline:
         passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
     debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
-    traced = trace(model, example_inputs, loss_fn)
+    traced = trace(model, example_inputs, loss_fn, options.get("mixed_precision"))
     state = CompileState(traced.gm, mesh, traced, hints, options, model=model)
     history = run_passes(state, passes, verify=debug, describe=describe_graph)
     return state, history
@@ -162,9 +166,10 @@ def state_before(pass_name: str, model, mesh, example_inputs, hints=None, loss_f
     names = [pass_name_of(p) for p in PASSES]
     if pass_name not in names:
         raise UserInputError(f"no pass named {pass_name!r}; the passes are {names}")
-    traced = trace(model, example_inputs, loss_fn)
+    policy = resolve_policy(options.get("mixed_precision"))
+    traced = trace(model, example_inputs, loss_fn, policy)
     state = CompileState(traced.gm, Mesh.of(mesh, axis_names), traced, hints,
-                         {**options, "profile": load_profile(options.get("profile"))})
+                         {**options, "profile": load_profile(options.get("profile")), "mixed_precision": policy})
     for pass_ in PASSES[:names.index(pass_name)]:
         pass_(state)
     return state

@@ -32,6 +32,7 @@ import copy
 import re
 
 import torch
+import torch.utils._pytree as pytree
 
 from .errors import UserInputError
 
@@ -82,9 +83,10 @@ def to_dtype(model, inputs, dtype=torch.float64):
     return model, inputs
 
 
-def nudged(model, inputs, seed: int = 0):
+def nudged(model, inputs, seed: int = 0, unit=None):
     """Copies of `model` (parameters) and `inputs` (floating ones) each multiplied by 1 + eps or 1 - eps of
-    their dtype, the sign drawn per element: the same math, rounded differently.
+    their dtype (of `unit`, a dtype, where given: mixed precision nudges by the compute dtype's eps, which
+    its casts would otherwise round away), the sign drawn per element: the same math, rounded differently.
 
     >>> from autoshard.zoo import mlp
     >>> model, inputs, _ = mlp(n_layers=2)
@@ -96,7 +98,7 @@ def nudged(model, inputs, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
 
     def nudge(t):
-        eps = torch.finfo(t.dtype).eps
+        eps = torch.finfo(unit or t.dtype).eps
         sign = torch.randint(0, 2, t.shape, generator=generator).to(torch.float64) * 2 - 1
         return (t.double() * (1 + eps * sign)).to(t.dtype)  # exact in float64, then one rounding
 
@@ -106,6 +108,25 @@ def nudged(model, inputs, seed: int = 0):
             if p.is_floating_point():
                 p.copy_(nudge(p))
     return model, tuple(nudge(x) if x.is_floating_point() else x for x in inputs)
+
+
+def coarsest_dtype(graph, dtype: torch.dtype) -> torch.dtype:
+    """The least precise float dtype the program computes in (`dtype`, or lower inside autocast regions
+    and under mixed precision): the noise run nudges by its eps and tolerances are measured in it.
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> prog = autoshard.parallelize(model, (1,), inputs, loss_fn=loss_fn, mixed_precision="bf16")
+    >>> coarsest_dtype(prog.state.gm.graph, torch.float32)
+    torch.bfloat16
+    """
+    found = [dtype]
+    for node in graph.nodes:
+        for val in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                found.append(val.dtype)
+    return max(found, key=lambda d: torch.finfo(d).eps)
 
 
 def tolerance_for(noise: float, dtype: torch.dtype) -> float:

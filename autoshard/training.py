@@ -4,7 +4,7 @@ is `RankModule.clip_grad_norm_`, autoshard/runtime/grad_norm.py) and the random-
 dropout (`verify --rng placement --seed S`; autoshard/runtime/rng.py).
 
 >>> Training(clip_grad_norm=0.5).to_json()
-{'accumulate': 1, 'clip_grad_norm': 0.5, 'rng': 'exact', 'seed': 0}
+{'accumulate': 1, 'clip_grad_norm': 0.5, 'rng': 'exact', 'seed': 0, 'mixed_precision': None}
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserInputError
+from .mixed_precision import policy_call, resolve_policy
 from .runtime.rng import MODES
 
 
@@ -23,16 +24,18 @@ class Training:
     divided by `accumulate` (so the step equals one pass over the whole batch), and clipping by the global
     gradient norm (`clip_grad_norm`: max_norm) before the step. Random ops draw in `rng` mode from `seed`
     (the single device from `torch.manual_seed(seed)`); verify's default, "exact", gives every rank its
-    block of the single device's dropout masks, so that the two can be compared.
+    block of the single device's dropout masks, so that the two can be compared. `mixed_precision`
+    ("bf16") trains both sides under that policy (autoshard/mixed_precision.py).
 
     >>> Training(accumulate=2, clip_grad_norm=1.0)
-    Training(accumulate=2, clip_grad_norm=1.0, rng='exact', seed=0)
+    Training(accumulate=2, clip_grad_norm=1.0, rng='exact', seed=0, mixed_precision=None)
     """
 
     accumulate: int = 1
     clip_grad_norm: float | None = None
     rng: str = "exact"
     seed: int = 0
+    mixed_precision: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
@@ -41,14 +44,24 @@ class Training:
             raise UserInputError(f"clip_grad_norm={self.clip_grad_norm!r}: give the max norm, a number > 0")
         if self.rng not in MODES:
             raise UserInputError(f"rng={self.rng!r}: use one of {MODES}")
+        resolve_policy(self.mixed_precision)  # an unknown policy is an error here already
 
     def program_options(self) -> dict:
         """The parallelize options this training needs (the random-number mode and seed).
 
         >>> Training().program_options()
-        {'rng': 'exact', 'seed': 0}
+        {'rng': 'exact', 'seed': 0, 'mixed_precision': None}
         """
-        return {"rng": self.rng, "seed": self.seed}
+        return {"rng": self.rng, "seed": self.seed, "mixed_precision": self.mixed_precision}
+
+    def forward(self, model, inputs):
+        """The single device's forward under this training's mixed-precision policy.
+
+        >>> Training().forward(torch.nn.Linear(2, 1), (torch.ones(1, 2),)).shape
+        torch.Size([1, 1])
+        """
+        policy = resolve_policy(self.mixed_precision)
+        return model(*inputs) if policy is None else policy_call(model, inputs, policy)
 
     def passes(self, inputs) -> list[tuple]:
         """The batch as `accumulate` slices of dim 0 (one pass each).
@@ -70,10 +83,10 @@ class Training:
         """What `verify --json` reports under "training".
 
         >>> Training().to_json()
-        {'accumulate': 1, 'clip_grad_norm': None, 'rng': 'exact', 'seed': 0}
+        {'accumulate': 1, 'clip_grad_norm': None, 'rng': 'exact', 'seed': 0, 'mixed_precision': None}
         """
         return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm, "rng": self.rng,
-                "seed": self.seed}
+                "seed": self.seed, "mixed_precision": self.mixed_precision}
 
 
 PLAIN = Training()  # one pass per step, no clipping: the default everywhere

@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from .errors import UserInputError
 from .tolerance import (
     FLOAT64_TOLERANCE,
+    coarsest_dtype,
     RULE,
     dtype_name,
     float64_unsupported,
@@ -97,7 +98,7 @@ def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> 
         model.zero_grad()
         total = None
         for chunk in passes:
-            out = model(*chunk)
+            out = training.forward(model, chunk)
             loss = loss_fn(out, *chunk) if loss_fn is not None else default_loss(out)
             loss = loss / training.accumulate if training.accumulate > 1 else loss
             if loss.requires_grad:  # a model without parameters has nothing to differentiate
@@ -117,11 +118,12 @@ def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> 
 
 
 def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
-                   dtype=torch.float64, training: Training = PLAIN) -> tuple[dict, dict | None]:
+                   dtype=torch.float64, training: Training = PLAIN, unit=None) -> tuple[dict, dict | None]:
     """(the reference run, the noise run or None) of a model already in `dtype`: below float64, the
     reference is trained again from nudged weights and inputs to measure the model's own rounding noise
     (autoshard/tolerance.py). `model` itself is left untouched. A model that cannot run in float64 gets a
-    UserInputError saying to pass a lower dtype.
+    UserInputError saying to pass a lower dtype. `unit`: the coarsest dtype the program computes in (its
+    eps sizes the nudges; tolerance.coarsest_dtype), default `dtype`.
 
     >>> low, low_inputs = to_dtype(model, inputs, torch.float32)
     >>> ref, noise = reference_runs(low, low_inputs, loss_fn, steps=1, lr=0.1, dtype=torch.float32)
@@ -135,10 +137,24 @@ def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str
         if error is not None:
             raise error from exc
         raise
-    if dtype == torch.float64:
+    if (unit or dtype) == torch.float64:
         return ref, None
-    moved, moved_inputs = nudged(model, inputs)
-    return ref, reference_run(moved, moved_inputs, loss_fn, steps, lr, optimizer, training)
+    return ref, noise_run(model, inputs, loss_fn, steps, lr, optimizer, training, unit)
+
+
+def noise_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd", training: Training = PLAIN,
+              unit=None) -> dict:
+    """The reference trained again from weights and inputs nudged by one ulp of `unit` (default: their
+    dtype): how far the model's own rounding moves each tensor (autoshard/tolerance.py).
+
+    >>> single, single_inputs = to_dtype(model, inputs, torch.float32)
+    >>> moved = noise_run(single, single_inputs, loss_fn, steps=1, lr=0.1)
+    >>> exact = reference_run(copy.deepcopy(single), single_inputs, loss_fn, steps=1, lr=0.1)
+    >>> 0 < rel_diff(moved["loss"][0], exact["loss"][0]) < 1e-5
+    True
+    """
+    moved, moved_inputs = nudged(model, inputs, unit=unit)
+    return reference_run(moved, moved_inputs, loss_fn, steps, lr, optimizer, training)
 
 
 def _check_training(program, training: Training) -> None:
@@ -251,7 +267,8 @@ class VerifyReport:
         features = "".join([f", {training.accumulate} passes per step" if training.accumulate > 1 else "",
                             f", clipped to norm {training.clip_grad_norm:g}" if training.clip_grad_norm is not None
                             else "", f", {self.random_ops} random ops drawn rng={training.rng} (seed {training.seed})"
-                            if self.random_ops else ""])
+                            if self.random_ops else "", f", {training.mixed_precision} mixed precision"
+                            if training.mixed_precision else ""])
         lines = [f"verify: {'OK' if self.ok else 'MISMATCH'} ({self.steps} steps{features}, {self.dtype}, {bound})"]
         for key, value in self.max_diff.items():
             extra = "" if self.tolerance is not None else \
@@ -308,7 +325,7 @@ def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = No
             own_noise, tolerance = None, TOLERANCE
         else:  # the same tensor of the nudged reference
             own_noise = rel_diff(noise[key][index], expected)
-            tolerance = tolerance_for(own_noise, dtype)
+            tolerance = tolerance_for(own_noise, coarsest_dtype(program.state.gm.graph, dtype))
         if value / tolerance >= nearest.get(key, -1.0):
             nearest[key] = value / tolerance
             report.max_diff[key], report.worst[key], report.tolerances[key] = value, name, tolerance
@@ -333,9 +350,16 @@ def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = No
     return report
 
 
+def _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training) -> dict | None:
+    """The noise run where the program computes below float64 (its dtype, autocast regions, mixed precision)."""
+    unit = coarsest_dtype(program.state.gm.graph, dtype)
+    return None if unit == torch.float64 else noise_run(model, inputs, loss_fn, steps, lr, optimizer, training, unit)
+
+
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
                      optimizer: str = "sgd", offload: bool = False, dtype="float64", accumulate: int = 1,
-                     clip_grad_norm: float | None = None, rng: str = "exact", seed: int = 0, **kwargs):
+                     clip_grad_norm: float | None = None, rng: str = "exact", seed: int = 0, mixed_precision=None,
+                     **kwargs):
     """Parallelize in `dtype` (float64, float32 or bfloat16), train in the simulator and on one device;
     return (VerifyReport, program). Tolerances: see the module docstring.
 
@@ -349,10 +373,12 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     from .program import parallelize
     dtype = resolve_dtype(dtype)
     model, inputs = to_dtype(model, inputs, dtype)
-    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed)
-    ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
+    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed,
+                        mixed_precision=mixed_precision)
+    ref, _ = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training, unit=torch.float64)
     program = parallelize(model, mesh, training.passes(inputs)[0], loss_fn=loss_fn, **training.program_options(),
                           **kwargs)
+    noise = _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
     _check_training(program, training)
     ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload, training))
     return compare(program, ref, ranks, steps, noise, dtype, training), program
@@ -486,7 +512,7 @@ def _weights_for_ranks(model, weights, simulate: bool):
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
                    runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False,
                    dtype="float64", weights=None, accumulate: int = 1, clip_grad_norm: float | None = None,
-                   rng: str = "exact", seed: int = 0, **options):
+                   rng: str = "exact", seed: int = 0, mixed_precision=None, **options):
     """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device, in `dtype`.
 
     `weights` ("safetensors" or "init", real ranks) verifies a model built on the meta device on every
@@ -506,12 +532,13 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     from .runtime.launch import remember_warnings, run_distributed
     mesh = Mesh.of(mesh, axis_names)
     dtype = resolve_dtype(dtype)
-    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed)
+    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed,
+                        mixed_precision=mixed_precision)
     options = {**options, **training.program_options()}
     with remember_warnings():  # the ranks' copies of these are not shown again
         model, inputs, loss_fn = build_case(factory_spec, dtype)
         weights_arg = _weights_for_ranks(model, weights, simulate)
-        ref, noise = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
+        ref, _ = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training, unit=torch.float64)
         one_pass = training.passes(inputs)[0]  # the program runs one pass of the step at a time
         if weights is not None:  # planned as the ranks plan it: on the meta device (its trace can differ)
             with torch.device("meta"):
@@ -520,6 +547,7 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
                                   **options)
         else:
             program = parallelize(model, mesh, one_pass, hints=hints, loss_fn=loss_fn, **options)
+        noise = _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
     _check_training(program, training)
     if simulate:
         ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload,

@@ -22,9 +22,11 @@ gradient arrives in its dual placement.
 """
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from .. import meta
+from ..mixed_precision import cast_parameter
 from ..placement import Shard, Spec
 from ..redistribute import plan_redistribute
 from ..runtime.collectives import COLLECTIVES
@@ -53,11 +55,13 @@ def insert_comm(state) -> None:
             uses.setdefault(producer, []).append((node, pos, want, partial))
     cache: dict = {}
     state.grad_reduce = {}
+    deferred_of = _deferred_by_parameter(uses)
     for producer, producer_uses in uses.items():
         src = producer.meta[meta.SPEC]
-        deferred = _deferred_axes(producer, src, producer_uses)
+        param = cast_parameter(producer) or producer
+        deferred = deferred_of.get(param, ())
         if deferred:
-            state.grad_reduce[producer.meta[meta.PATH]] = tuple(names[a] for a in deferred)
+            state.grad_reduce[param.meta[meta.PATH]] = tuple(names[a] for a in deferred)
         zero_axis = _zero_gather_axis(state, producer, src)
         for node, pos, want, partial in producer_uses:
             in_graph_partial = tuple(a for a in partial if a not in deferred)
@@ -72,12 +76,34 @@ def insert_comm(state) -> None:
 insert_comm.name = "insert_comm"
 
 
-def _deferred_axes(producer, src, producer_uses) -> tuple[int, ...]:
+_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)  # export's dtype checks: no values flow out
+
+
+def _deferred_by_parameter(uses) -> dict:
+    """Parameter -> axes its gradient is reduced on after backward: the axes every use of it defers, its
+    per-use casts' uses included (a cast passes a partial gradient through to the float32 master)."""
+    found: dict = {}
+    for producer, producer_uses in uses.items():
+        param = cast_parameter(producer) or producer
+        if param is not producer and all(u is producer or cast_parameter(u) is param or u.target in _CHECKS
+                                         for u in param.users):
+            axes = set(_deferred_axes(producer, producer.meta[meta.SPEC], producer_uses, through_cast=True))
+        elif param is not producer:
+            axes = set()  # the parameter has other uses: its cast's gradient is reduced in the graph
+        else:
+            axes = None if all(cast_parameter(u) is param for u, *_ in producer_uses) else \
+                set(_deferred_axes(producer, producer.meta[meta.SPEC], producer_uses))
+        if axes is not None:
+            found[param] = axes if param not in found else found[param] & axes
+    return {param: tuple(sorted(axes)) for param, axes in found.items()}
+
+
+def _deferred_axes(producer, src, producer_uses, through_cast: bool = False) -> tuple[int, ...]:
     """Axes where a parameter's gradient is reduced after backward: partial there in every use, and no
     use converts the parameter on that axis. A use that gathers it on other axes (2-D/2.5-D/3-D weights)
     still defers: the reduction commutes with the gathers' backward, and after it the gradient has the
     parameter's own (smaller) shape -- Tesseract's depth all-reduce of the weight block, not of the panel."""
-    if producer.op != "placeholder" or producer.meta.get(meta.KIND) != "param":
+    if not through_cast and (producer.op != "placeholder" or producer.meta.get(meta.KIND) != "param"):
         return ()
     axes = set(producer_uses[0][3])
     for _, _, want, partial in producer_uses:

@@ -9,7 +9,8 @@ Reads the traced graph; writes a graph where
 - `x @ W.T` (matmul of a transposed 2-D W) is `linear(x, W)`; addmm/baddbmm's alpha and beta are muls;
 - in-place ops whose operand nothing else aliases (not a placeholder, not a view) are out-of-place
   (`x.div_(y)` -> `div(x, y)`), so they shard like any op;
-- higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off);
+- higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off), and
+  `torch.autocast` regions (`wrap_with_autocast`) with their casts spelled out as `_to_copy` ops;
 - random ops (dropout, attention with dropout, rand_like, ...) are numbered in graph order, the single
   device's order of draws (`autoshard.rng_index`; autoshard/passes/random_ops.py).
 Rewrites run in graph order and may read nodes earlier rewrites made (their `val`s are filled in first).
@@ -23,6 +24,7 @@ import operator
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import meta
 from .graph_utils import new_node, refresh_vals, val_of
@@ -284,14 +286,23 @@ def _unflatten(graph, node):
 
 
 def _inline_grad_regions(gm: fx.GraphModule) -> bool:
-    """Inline `wrap_with_set_grad_enabled(flag, submod, *args)`; detach results made without grad."""
-    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    """Inline `wrap_with_set_grad_enabled(flag, submod, *args)` (detach results made without grad) and
+    `wrap_with_autocast(device, dtype, enabled, cache, submod, *args)` (`torch.autocast` in forward): the
+    autocast region is traced again under autocast, which spells its casts out as `_to_copy` ops."""
+    grad_hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    autocast_hop = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or hop is None or node.target is not hop:
+        if node.op != "call_function" or node.target not in (grad_hop, autocast_hop) or node.target is None:
             continue
-        enabled, sub_node, *args = node.args
-        sub = getattr(gm, sub_node.target)
+        if node.target is grad_hop:
+            enabled, sub_node, *args = node.args
+            sub = getattr(gm, sub_node.target)
+        else:
+            device, dtype, cast, cache, sub_node, *args = node.args
+            with torch.autocast(device, dtype=dtype, enabled=cast, cache_enabled=cache):
+                sub = make_fx(getattr(gm, sub_node.target), pre_dispatch=False)(*[a.meta["val"] for a in args])
+            enabled = True
         env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], args))
         results = None
         with gm.graph.inserting_before(node):

@@ -53,6 +53,7 @@ from ..errors import HintError
 from ..flops import node_bytes
 from ..ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from ..layers import decision_classes
+from ..mixed_precision import cast_parameter
 from ..placement import Replicate, Shard, Spec
 from ..strategies import tensor_inputs
 from ..strategies.base import RuleContext, feasible, output_shapes
@@ -309,8 +310,11 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
         for pos, u in enumerate(tensor_inputs(v)):
             if u not in combos or not models[0].grad.get(u, False):
                 continue
+            # A parameter's per-use cast (mixed precision) is synced as its float32 master after backward.
+            master = cast_parameter(u)
+            synced = u.op == "placeholder" or master is not None
             for axis in axes:
-                if axis in free_sync and u.op == "placeholder":
+                if axis in free_sync and synced:
                     continue
                 model = models[axis]
                 for t, cv in enumerate(combos[v]):
@@ -318,6 +322,8 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
                     if not (strategy.splits_work and isinstance(strategy.inputs[pos], Replicate)):
                         continue
                     nbytes = model.input_bytes(u, pos, others(v, cv, axis))
+                    if master is not None:
+                        nbytes = nbytes * master.meta["val"].element_size() // u.meta["val"].element_size()
                     key = (u, axis, nbytes)
                     groups = charges.setdefault(key, {})
                     groups.setdefault(v, set()).add((class_of[v], t))
@@ -326,7 +332,7 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
         # Copies of u in repeated layers are tied: their identical charges merge into one, paid per copy.
         signature = (class_of[u], axis, nbytes, tuple(sorted(tuple(sorted(g)) for g in groups.values())))
         cost = all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
-        cost *= sync_share if u.op == "placeholder" else 1.0
+        cost *= sync_share if u.op == "placeholder" or cast_parameter(u) is not None else 1.0
         if signature in seen:
             shared[seen[signature]][0] += cost
             continue

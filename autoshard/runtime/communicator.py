@@ -71,17 +71,21 @@ class CommLog:
 
     counts: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(int))
+    dtypes: dict = field(default_factory=lambda: defaultdict(int))  # (phase, dtype) -> count, where given
 
-    def record(self, axis: str, kind: str, nbytes: int, phase: str):
-        """Count one collective of `kind` on `axis` moving `nbytes` in `phase` ("fwd", "bwd" or "sync").
+    def record(self, axis: str, kind: str, nbytes: int, phase: str, dtype=None):
+        """Count one collective of `kind` on `axis` moving `nbytes` in `phase` ("fwd", "bwd" or "sync"), and
+        its element `dtype` where the caller gives it (the gradient reductions do).
 
         >>> log = CommLog()
-        >>> log.record("dp", "all_gather", 64, "sync")
-        >>> dict(log.bytes)
-        {('dp', 'all_gather', 'sync'): 64}
+        >>> log.record("dp", "all_gather", 64, "sync", torch.float32)
+        >>> dict(log.bytes), dict(log.dtypes)
+        ({('dp', 'all_gather', 'sync'): 64}, {('sync', 'float32'): 1})
         """
         self.counts[(axis, kind, phase)] += 1
         self.bytes[(axis, kind, phase)] += int(nbytes)
+        if dtype is not None:
+            self.dtypes[(phase, str(dtype).removeprefix("torch."))] += 1
 
     def clear(self):
         """Forget everything recorded (e.g. after a warm-up step).
@@ -94,6 +98,7 @@ class CommLog:
         """
         self.counts.clear()
         self.bytes.clear()
+        self.dtypes.clear()
 
     def summary(self) -> dict:
         """{axis: {kind: {"fwd": n, "bwd": n, "sync": n, "bytes": b}}}: counts per phase, bytes in total.

@@ -129,7 +129,7 @@ class RankModule(torch.nn.Module):
             for bucket in buckets(params, lambda p: p.grad):
                 flat = torch.cat([p.grad.reshape(-1) for p in bucket])
                 for axis in axes:
-                    self.comm.log.record(axis, "all_reduce", flat.numel() * flat.element_size(), "sync")
+                    self.comm.log.record(axis, "all_reduce", flat.numel() * flat.element_size(), "sync", flat.dtype)
                     flat = self.comm.all_reduce(flat, axis)
                 offset = 0
                 for p in bucket:

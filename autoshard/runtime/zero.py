@@ -181,7 +181,7 @@ class ZeroOptimizer:
         flat = [e for e in self._flat_entries() if e.param.grad is not None]
         for bucket in buckets([e for e in flat if e.reduce], lambda e: e.param.grad):
             rows = torch.cat([_padded_rows(e.param.grad, self.k, e.chunk) for e in bucket], dim=1)
-            self.comm.log.record(self.axis, "reduce_scatter", rows.numel() * rows.element_size(), "sync")
+            self.comm.log.record(self.axis, "reduce_scatter", rows.numel() * rows.element_size(), "sync", rows.dtype)
             mine = compact(self.comm.reduce_scatter(rows, self.axis, 0)).reshape(-1)
             for e, piece in zip(bucket, mine.split([e.chunk for e in bucket])):
                 e.grad_shard = piece

@@ -81,12 +81,15 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x: [B, H, T, D]; cos/sin: [T, D] (broadcast over B and H).
+    """x: [B, H, T, D]; cos/sin: [T, D] (broadcast over B and H), in x's dtype (bf16 compute keeps the
+    float32 tables, as transformers' Llama does).
 
     >>> x = torch.randn(1, 1, 3, 4)
     >>> torch.allclose(apply_rope(x, torch.ones(3, 4), torch.zeros(3, 4)), x)  # angle 0: unchanged
     True
     """
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
