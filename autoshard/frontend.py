@@ -20,9 +20,9 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from . import meta
-from .mixed_precision import policy_call
 from .errors import AutoshardError, ExportError, UserInputError
 from .factory import check_inputs, check_loss_fn, check_loss_value, check_model, loss_name
+from .mixed_precision import policy_call
 
 
 class _TrainStep(torch.nn.Module):
