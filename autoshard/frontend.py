@@ -21,7 +21,13 @@ from torch import fx
 
 from . import meta
 from .errors import AutoshardError, ExportError, UserInputError
-from .factory import check_inputs, check_loss_fn, check_loss_value, check_model, loss_name
+from .factory import (
+    check_inputs,
+    check_loss_fn,
+    check_loss_value,
+    check_model,
+    loss_name,
+)
 from .mixed_precision import policy_call
 
 

@@ -31,8 +31,8 @@ import torch.utils._pytree as pytree
 from .errors import UserInputError
 from .tolerance import (
     FLOAT64_TOLERANCE,
-    coarsest_dtype,
     RULE,
+    coarsest_dtype,
     dtype_name,
     float64_unsupported,
     nudged,
