@@ -124,6 +124,26 @@ class PipelineProgram(Program):
         del coord[self.pp_axis]
         return self.inner_mesh.rank(tuple(coord))
 
+    def intra_rank(self, rank: int) -> int:
+        """A pipeline rank shards tensors as its rank on the mesh without pp (`inner_rank`).
+
+        >>> prog.intra_rank(3)
+        1
+        """
+        return self.inner_rank(rank)
+
+    def local_batch(self, rank: int, global_batch: int):
+        """Not for pipelines yet: each micro-batch is split on the batch axes, so a rank's rows are one block
+        per micro-batch, not one slice.
+
+        >>> prog.local_batch(0, 16)
+        Traceback (most recent call last):
+        ...
+        autoshard.errors.UserInputError: local_batch does not run pipelines yet ...
+        """
+        raise UserInputError("local_batch does not run pipelines yet (a rank's rows are one block per micro-batch); "
+                             "load the whole batch and call module.train_step(*batch)")
+
     def pp_coord(self, rank: int) -> int:
         """Rank `rank`'s coordinate on the pp axis.
 

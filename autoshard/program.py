@@ -49,7 +49,7 @@ from .passes.solve import solve
 from .passes.strategies import strategies
 from .passes.zero import AllowPlannedZeroShards
 from .passes.zero import zero as zero_pass
-from .placement import describe_type, local_shape, unshard_tensors
+from .placement import R, Shard, Spec, describe_type, local_shape, shard_slices, unshard_tensors
 from .plan import Plan
 from .runtime.rank_module import RankModule
 from .runtime.rng import RankRng
@@ -367,6 +367,33 @@ class Program:
             if node.op == "placeholder" and node.meta.get(meta.PATH) == fqn:
                 return node.meta[meta.SPEC]
         raise KeyError(fqn)
+
+    def local_batch(self, rank: int, global_batch: int) -> slice:
+        """The rows of a global batch of `global_batch` samples that `rank` loads (dim 0 of every input),
+        so that each data-parallel coordinate reads only its own slice of each batch; feed them to
+        `module.local_inputs_of_rows`. Ranks that differ only on axes the batch is not split on load the
+        same rows.
+
+        >>> [prog.local_batch(r, 64) for r in range(2)]  # the batch is split in two on dp
+        [slice(0, 32, None), slice(32, 64, None)]
+        """
+        specs = {tuple(int(isinstance(p, Shard) and p.dim == 0) for p in spec) for spec in self.input_specs
+                 if len(spec)}
+        if len(specs) > 1:
+            raise UserInputError(f"the inputs split their batch (dim 0) on different mesh axes ({self.input_specs}); "
+                                 "load whole batches and call module.local_inputs(*batch)")
+        spec = self.input_specs[0]
+        rows = shard_slices((global_batch,), Spec([p if isinstance(p, Shard) and p.dim == 0 else R for p in spec]),
+                            self.state.mesh.coord(self.intra_rank(rank)), self.state.mesh.shape)
+        return rows[0]
+
+    def intra_rank(self, rank: int) -> int:
+        """The rank on the mesh that shards tensors (a pipeline's mesh without its pp axis).
+
+        >>> prog.intra_rank(1)
+        1
+        """
+        return rank
 
     def check_inputs(self, inputs) -> None:
         """Global inputs must match the example inputs the program was traced with (count, shape, dtype).

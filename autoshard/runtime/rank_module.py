@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import UserInputError
-from ..placement import shard_tensor
+from ..placement import R, Shard, Spec, shard_tensor
 from .collectives import use_communicator
 from .communicator import Communicator
 from .grad_norm import clip_grad_norm_, global_loss
@@ -92,6 +92,22 @@ class RankModule(torch.nn.Module):
         self._program.check_inputs(global_inputs)
         return tuple(shard_tensor(x, spec, self.comm.coord, self.comm.mesh.shape)
                      for x, spec in zip(global_inputs, specs))
+
+    def local_inputs_of_rows(self, *rows):
+        """This rank's blocks of the inputs from only its rows of the batch (`prog.local_batch(rank, n)`):
+        the other dims are split as the plan says.
+
+        >>> x = inputs[0]
+        >>> blocks = run_ranks(prog, lambda m: m.local_inputs_of_rows(x[prog.local_batch(m.rank, 8)])[0])
+        >>> torch.equal(blocks[1], run_ranks(prog, lambda m: m.local_inputs(x)[0])[1])
+        True
+        """
+        specs = self._program.input_specs
+        if len(rows) != len(specs):
+            raise UserInputError(f"local_inputs_of_rows takes {len(specs)} inputs (the program's), got {len(rows)}")
+        coord, shape = self.comm.coord, self.comm.mesh.shape
+        return tuple(shard_tensor(x, Spec([R if isinstance(p, Shard) and p.dim == 0 else p for p in spec]), coord,
+                                  shape) for x, spec in zip(rows, specs))
 
     def named_local_parameters(self):
         """(model FQN, local shard) of every parameter this rank holds.

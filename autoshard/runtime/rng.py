@@ -173,6 +173,30 @@ class RankRng:
         self._next = 0  # exact: position in `ops` of the next op to draw this step
         self._blocks: dict = {}  # exact: (op index, micro-batch) -> this rank's block of the step's mask
 
+    def state_dict(self) -> dict:
+        """What a training checkpoint keeps of the stream, so that a resumed run draws the masks the
+        uninterrupted one would: the seed, the step, and (exact mode) the stream's generator states.
+
+        >>> sorted(stream.state_dict())
+        ['exact', 'seed', 'step']
+        """
+        if self.mode == "exact" and self.step >= 0:
+            self._advance(len(self.ops))  # the rest of this step's draws (other stages' ops) first
+        return {"seed": self.base_seed, "step": self.step,
+                "exact": {str(device): state.clone() for device, state in self._state.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()` (at a step boundary: the next `new_step` draws the next step's masks).
+
+        >>> again = RankRng(ops, "placement", seed=None, coord=(0,), mesh_shape=(2,))
+        >>> again.load_state_dict(stream.state_dict()); (again.base_seed, again.step) == (stream.base_seed, stream.step)
+        True
+        """
+        self.seed(state["seed"])
+        self.step = state["step"]
+        self._state = {torch.device(device): value.clone() for device, value in state.get("exact", {}).items()}
+        self._next = len(self.ops)  # the saved step was drawn to its end
+
     def new_step(self) -> None:
         """Start the next step; in exact mode first draw what the single device still draws this step
         (ops of other pipeline stages), so that the streams stay in step.
