@@ -49,7 +49,15 @@ from .passes.solve import solve
 from .passes.strategies import strategies
 from .passes.zero import AllowPlannedZeroShards
 from .passes.zero import zero as zero_pass
-from .placement import R, Shard, Spec, describe_type, local_shape, shard_slices, unshard_tensors
+from .placement import (
+    R,
+    Shard,
+    Spec,
+    describe_type,
+    local_shape,
+    shard_slices,
+    unshard_tensors,
+)
 from .plan import Plan
 from .runtime.rank_module import RankModule
 from .runtime.rng import RankRng

@@ -23,7 +23,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import autoshard
-from autoshard.runtime.launch import check_fingerprint, communicator_for, init_distributed
+from autoshard.runtime.launch import (
+    check_fingerprint,
+    communicator_for,
+    init_distributed,
+)
 from autoshard.zoo.transformers_families import HINTS
 
 
