@@ -157,13 +157,6 @@ def noise_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "s
     return reference_run(moved, moved_inputs, loss_fn, steps, lr, optimizer, training)
 
 
-def _check_training(program, training: Training) -> None:
-    if getattr(program, "config", None) is not None and training.accumulate > 1:  # a PipelineProgram
-        raise UserInputError("verify with accumulate= does not run pipelines yet (their micro-batches already "
-                             "accumulate within a step); raise pipeline microbatches instead, or verify the program "
-                             "planned without pipeline=")
-
-
 def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False,
              training: Training = PLAIN) -> dict:
     """One rank's training run on its module; returns its local results and collective counts (of the
@@ -177,9 +170,8 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
     {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 4096}
     """
     if getattr(module, "pipelined", False):
-        _check_training(module.program, training)
         from .runtime.pipeline import pipeline_rank_run
-        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm)
+        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm, training.accumulate)
     passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
     params = dict(module.named_local_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer, module, offload)
@@ -379,7 +371,6 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     program = parallelize(model, mesh, training.passes(inputs)[0], loss_fn=loss_fn, **training.program_options(),
                           **kwargs)
     noise = _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
-    _check_training(program, training)
     ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload, training))
     return compare(program, ref, ranks, steps, noise, dtype, training), program
 
@@ -548,7 +539,6 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
         else:
             program = parallelize(model, mesh, one_pass, hints=hints, loss_fn=loss_fn, **options)
         noise = _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
-    _check_training(program, training)
     if simulate:
         ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload,
                                                                 training))

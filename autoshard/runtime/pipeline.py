@@ -114,8 +114,9 @@ class _StagesModule(RankModule):
         return [tuple(shard_tensor(x, spec, coord, shape) for x, spec in zip(mb, self._program.input_specs))
                 for mb in self._program.microbatches(global_inputs)]
 
-    def scale_grads(self) -> None:
-        m = self._program.config.microbatches
+    def scale_grads(self, passes: int = 1) -> None:
+        """Divide the summed micro-batch gradients by the micro-batches (times the accumulated passes)."""
+        m = self._program.config.microbatches * passes
         for _, param in self.named_local_parameters():
             if param.grad is not None:
                 param.grad.div_(m)
@@ -147,7 +148,7 @@ class SequentialStages(_StagesModule):
         return values  # (loss, *outputs)
 
 
-def simulated_rank_step(module: SequentialStages, inputs, train: bool = True) -> list:
+def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sync: bool = True) -> list:
     """One step over all micro-batches: [loss (mean), then per output its list of micro-batch blocks].
 
     >>> loss, outputs = run_ranks(InnerRanks(prog), lambda module: simulated_rank_step(module, inputs))[0]
@@ -166,8 +167,11 @@ def simulated_rank_step(module: SequentialStages, inputs, train: bool = True) ->
         losses.append(loss.detach())
         outputs.append([o.detach() for o in outs])
     if train:
-        module.sync_grads()
-        module.scale_grads()
+        module.unsynced_passes = getattr(module, "unsynced_passes", 0) + 1
+        if sync:
+            module.sync_grads()
+            module.scale_grads(module.unsynced_passes)
+            module.unsynced_passes = 0
     return [torch.stack(losses).mean(), *[list(blocks) for blocks in zip(*outputs)]]
 
 
@@ -255,9 +259,11 @@ class PipelineRankModule(_StagesModule):
             setattr(stage, method, timed)
 
     # ------------------------------------------------------------------------- one step
-    def train_step(self, *global_inputs):
+    def train_step(self, *global_inputs, sync: bool = True):
         """One training step over all micro-batches: (loss or None, outputs or None) on this rank; the
-        loss and outputs exist on the rank holding the last stage. Gradients are ready afterwards.
+        loss and outputs exist on the rank holding the last stage. Gradients are ready afterwards. With
+        `sync=False` the gradients stay local and unscaled: gradient accumulation runs several such passes
+        and syncs on the last (its gradients are then the mean over every pass's micro-batches).
 
         >>> module = rank_module()
         >>> loss, outputs = module.train_step(*inputs)
@@ -286,10 +292,13 @@ class PipelineRankModule(_StagesModule):
                 raise
             raise CollectiveTimeout(self._p2p_failure(exc)) from exc
         self.step_end = time.perf_counter()
-        self.comm.phase = "sync"
-        self.sync_grads()
-        self.sync_tied_grads()
-        self.scale_grads()
+        self.unsynced_passes = getattr(self, "unsynced_passes", 0) + 1
+        if sync:
+            self.comm.phase = "sync"
+            self.sync_grads()
+            self.sync_tied_grads()
+            self.scale_grads(self.unsynced_passes)
+            self.unsynced_passes = 0
         self.comm.phase = "fwd"
         if not losses:
             return None, None
@@ -361,9 +370,11 @@ def _is_transport_failure(exc: BaseException) -> bool:
     return any(k in text for k in ("Connection closed", "Connection reset", "Timed out", "timed out", "timeout"))
 
 
-def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: float | None = None) -> dict:
-    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps (clipping the
-    gradients by their global norm first when `clip_grad_norm` is given).
+def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: float | None = None,
+                      accumulate: int = 1) -> dict:
+    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps of
+    `accumulate` passes each over as many slices of the batch (one gradient sync per step), clipping the
+    gradients by their global norm first when `clip_grad_norm` is given.
 
     >>> result = run_ranks(InnerRanks(prog), lambda module: pipeline_rank_run(module, inputs, steps=2, lr=0.1))[0]
     >>> len(result["loss"]), bool(result["loss"][1] < result["loss"][0]), sorted(result["grads"])[:2]
@@ -374,12 +385,20 @@ def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: flo
     module.comm.log.clear()
     n_outputs = len(module._program.output_specs) - 1
     losses, outputs, grads, counts = [], None, None, None
+    passes = [tuple(x.chunk(accumulate)[j] for x in inputs) for j in range(accumulate)]
     for step in range(steps):
         module.zero_grad()
-        if isinstance(module, SequentialStages):
-            loss, *outs = simulated_rank_step(module, inputs)
-        else:
-            loss, outs = module.train_step(*inputs)
+        pass_losses, pass_outputs = [], []
+        for j, chunk in enumerate(passes):
+            last = j == accumulate - 1
+            if isinstance(module, SequentialStages):
+                loss, *pass_outs = simulated_rank_step(module, chunk, sync=last)
+            else:
+                loss, pass_outs = module.train_step(*chunk, sync=last)
+            pass_losses.append(loss)
+            pass_outputs.append(pass_outs)
+        outs = pass_outputs[0]  # verify compares the first pass's outputs
+        loss = None if pass_losses[0] is None else torch.stack(pass_losses).mean()
         if clip_grad_norm is not None:
             module.clip_grad_norm_(clip_grad_norm)
         losses.append(loss)

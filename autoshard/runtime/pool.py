@@ -12,6 +12,7 @@ runs every multi-rank test through one); `task` is any importable function `task
 """
 from __future__ import annotations
 
+import os
 import queue as queue_mod
 import time
 import traceback
@@ -38,7 +39,9 @@ def _worker(rank, world, port, inbox, outbox, timeout_s):
             outbox.put((rank, job_id, ("ok", _to_bytes(task(rank, world, *args)))))
         except BaseException:  # noqa: BLE001  (reported to the parent)
             outbox.put((rank, job_id, ("error", traceback.format_exc())))
-    dist.destroy_process_group()
+    # The parent has every result: end at once. An orderly teardown of the group and of an interpreter
+    # holding torch took ~0.7 s per worker (5.9 s for 8 on 2 cores), all of it waiting.
+    os._exit(0)
 
 
 class WorkerPool:

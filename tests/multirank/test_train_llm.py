@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _train(out, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "train_llm.py"), "--mesh", "2", "--axis-names", "dp", "--steps", "5",
+           str(ROOT / "examples" / "train_llm.py"), "--mesh", "2", "--axis-names", "dp", "--steps", "4", "--layers", "1",
            "--out", str(out), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -20,10 +20,10 @@ def _train(out, *extra):
 
 def test_resumed_run_logs_the_uninterrupted_losses(tmp_path):
     first = _train(tmp_path, "--save-at", "2")
-    assert "step 4: loss" in first.stdout and "tokens/s" in first.stdout
+    assert "step 3: loss" in first.stdout and "tokens/s" in first.stdout
     _train(tmp_path, "--resume")
     whole = json.loads((tmp_path / "losses.json").read_text())
     resumed = json.loads((tmp_path / "losses_resumed.json").read_text())
-    assert sorted(resumed) == ["2", "3", "4"]
+    assert sorted(resumed) == ["2", "3"]
     assert all(resumed[k] == whole[k] for k in resumed), (whole, resumed)
-    assert whole["4"] < whole["0"]
+    assert whole["3"] < whole["0"]
