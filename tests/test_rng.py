@@ -85,9 +85,10 @@ def test_transformers_gpt2_with_its_dropout_verifies_exactly(mesh, names, hints)
     report, program = verify_simulated(model, inputs, loss_fn, mesh=mesh, axis_names=names, hints=hints)
     assert report.ok, str(report)
     assert report.training.rng == "exact" and len(program.random_ops) == 7
-    drawn_differently, _ = verify_simulated(model, inputs, loss_fn, mesh=mesh, axis_names=names, hints=hints,
-                                            rng="placement")
-    assert not drawn_differently.ok
+    if len(mesh) == 2:  # (one mesh is enough to see it)
+        drawn_differently, _ = verify_simulated(model, inputs, loss_fn, mesh=mesh, axis_names=names, hints=hints,
+                                                rng="placement")
+        assert not drawn_differently.ok
 
 
 def test_recomputed_regions_replay_their_masks():
