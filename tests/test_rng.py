@@ -141,3 +141,25 @@ def test_a_rank_graph_called_by_itself_names_the_random_op():
     with use_communicator(comm), pytest.raises(RuntimeError, match=r"drew random op 0 \(aten.dropout.default\) "
                                                                    "outside its rank"):
         prog.graph(0)(x)  # collectives could run, draws cannot
+
+
+class NoisyTwoStages(nn.Module):
+    """Dropout on activations (batched) and one noise vector drawn per forward (not batched)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = F.dropout(self.first(x), 0.2, True) + 0.1 * torch.rand(8, dtype=x.dtype)
+        return self.second(h)
+
+
+def test_pipeline_micro_batches_take_rows_of_batched_draws_and_share_the_others():
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    report, program = verify_simulated(NoisyTwoStages(), (x,), mesh=(2,), axis_names=("pp",),
+                                       pipeline={"split_points": ["second"], "microbatches": 2})
+    assert report.ok, str(report)
+    assert [op.batched for op in program.random_ops] == [True, False]

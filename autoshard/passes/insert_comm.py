@@ -91,7 +91,7 @@ def _deferred_by_parameter(uses) -> dict:
         elif param is not producer:
             axes = set()  # the parameter has other uses: its cast's gradient is reduced in the graph
         else:
-            axes = None if all(cast_parameter(u) is param for u, *_ in producer_uses) else \
+            axes = None if all(cast_parameter(u) is param or u.target in _CHECKS for u, *_ in producer_uses) else \
                 set(_deferred_axes(producer, producer.meta[meta.SPEC], producer_uses))
         if axes is not None:
             found[param] = axes if param not in found else found[param] & axes

@@ -58,6 +58,7 @@ def describe_random_ops(state) -> list[RandomOp]:
     '1'
     """
     ops = []
+    batched = _downstream_of_inputs(state.gm.graph)
     for node in state.gm.graph.nodes:
         if meta.RNG_INDEX not in node.meta:
             continue
@@ -75,5 +76,14 @@ def describe_random_ops(state) -> list[RandomOp]:
         args = tuple(None if isinstance(a, fx.Node) else a for a in node.args)
         kwargs = {k: v for k, v in node.kwargs.items() if not isinstance(v, fx.Node)}
         ops.append(RandomOp(node.meta[meta.RNG_INDEX], node.target, shape, dtype, spec,
-                            node.meta.get(meta.PATH) or node.name, args, kwargs))
+                            node.meta.get(meta.PATH) or node.name, args, kwargs, node in batched))
     return ops
+
+
+def _downstream_of_inputs(graph: fx.Graph) -> set:
+    """The nodes whose value depends on a model input (their dim 0 is taken to be the batch)."""
+    found = set()
+    for node in graph.nodes:
+        if node.meta.get(meta.KIND) == "input" or any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found

@@ -126,6 +126,7 @@ class RandomOp:
     path: str
     args: tuple = ()  # the op's arguments with tensors as None (exact mode draws ops it does not run)
     kwargs: dict = field(default_factory=dict)
+    batched: bool = True  # its draw depends on the inputs' batch (a pipeline draws it over the whole batch)
 
     def sharded_axes(self) -> tuple[int, ...]:
         """Mesh axes on which the draw is split: ranks that differ there draw different masks.
@@ -262,7 +263,8 @@ class RankRng:
             spec = Spec([R if not isinstance(p, Shard) else p for p in op.spec])
             for m in range(self.microbatches):
                 blocks = full if isinstance(full, tuple) else (full,)
-                blocks = tuple(_microbatch(b, m, self.microbatches) for b in blocks)
+                if op.batched:  # else every micro-batch uses the one draw, as the single device does
+                    blocks = tuple(_microbatch(b, m, self.microbatches) for b in blocks)
                 blocks = tuple(shard_tensor(b, spec, self.coord, self.mesh_shape) if b.dim() else b for b in blocks)
                 self._blocks[(op.index, m)] = blocks if isinstance(full, tuple) else blocks[0]
 
@@ -355,7 +357,7 @@ def _seeded(device: torch.device, seed_or_state, fn):
 
 def _full_shape(op: RandomOp, microbatches: int) -> tuple:
     shape = list(op.shape)
-    if microbatches > 1 and shape:
+    if microbatches > 1 and shape and op.batched:
         shape[0] *= microbatches
     return tuple(shape)
 
