@@ -55,16 +55,23 @@ def insert_comm(state) -> None:
             uses.setdefault(producer, []).append((node, pos, want, partial))
     cache: dict = {}
     state.grad_reduce = {}
-    deferred_of = _deferred_by_parameter(uses)
+    param_of = {p: cast_parameter(p) or p for p in uses}  # before the chains below re-wire the casts' inputs
+    deferred_of = _deferred_by_parameter(uses, param_of)
     for producer, producer_uses in uses.items():
         src = producer.meta[meta.SPEC]
-        param = cast_parameter(producer) or producer
+        param = param_of[producer]
         deferred = deferred_of.get(param, ())
-        if deferred:
-            state.grad_reduce[param.meta[meta.PATH]] = tuple(names[a] for a in deferred)
+        # A ZeRO-3 parameter's gradient on its ZeRO axis is reduce-scattered by its own gather's backward
+        # (float32, before its cast), not synced after backward.
+        owned_axis = _zero_gather_axis(state, param, param.meta[meta.SPEC])
+        synced = tuple(a for a in deferred if a != owned_axis)
+        if synced:
+            state.grad_reduce[param.meta[meta.PATH]] = tuple(names[a] for a in synced)
         zero_axis = _zero_gather_axis(state, producer, src)
         for node, pos, want, partial in producer_uses:
-            in_graph_partial = tuple(a for a in partial if a not in deferred)
+            if zero_axis is not None and zero_axis in deferred and param_of.get(node) is producer:
+                partial = tuple(sorted({*partial, zero_axis}))  # its cast's uses were partial there
+            in_graph_partial = tuple(a for a in partial if a not in deferred or a == zero_axis)
             key = (producer, want, in_graph_partial) + ((node,) if zero_axis is not None else ())
             if key not in cache:
                 cache[key] = _build_chain(graph, producer, src, want, in_graph_partial, names, node, zero_axis)
@@ -79,19 +86,19 @@ insert_comm.name = "insert_comm"
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)  # export's dtype checks: no values flow out
 
 
-def _deferred_by_parameter(uses) -> dict:
+def _deferred_by_parameter(uses, param_of) -> dict:
     """Parameter -> axes its gradient is reduced on after backward: the axes every use of it defers, its
     per-use casts' uses included (a cast passes a partial gradient through to the float32 master)."""
     found: dict = {}
     for producer, producer_uses in uses.items():
-        param = cast_parameter(producer) or producer
-        if param is not producer and all(u is producer or cast_parameter(u) is param or u.target in _CHECKS
+        param = param_of[producer]
+        if param is not producer and all(u is producer or param_of.get(u) is param or u.target in _CHECKS
                                          for u in param.users):
             axes = set(_deferred_axes(producer, producer.meta[meta.SPEC], producer_uses, through_cast=True))
         elif param is not producer:
             axes = set()  # the parameter has other uses: its cast's gradient is reduced in the graph
         else:
-            axes = None if all(cast_parameter(u) is param or u.target in _CHECKS for u, *_ in producer_uses) else \
+            axes = None if all(param_of.get(u) is param or u.target in _CHECKS for u, *_ in producer_uses) else \
                 set(_deferred_axes(producer, producer.meta[meta.SPEC], producer_uses))
         if axes is not None:
             found[param] = axes if param not in found else found[param] & axes

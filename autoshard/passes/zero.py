@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .. import meta
 from ..axis_cost import needs_grad
-from ..errors import HintError, UserInputError
+from ..errors import HintError
 from ..hints import ZERO_STAGES, Hints, parse_zero
 from ..placement import Replicate, Shard
 from ..strategies import AxisStrategy
@@ -114,10 +114,6 @@ def resolve_zero(state) -> ZeroConfig | None:
         axis = axes[0]
     if axis not in state.mesh.names:
         raise HintError(f"ZeRO names mesh axis {axis!r}, but the mesh has axes {list(state.mesh.names)}")
-    if stage == 3 and state.options.get("mixed_precision") is not None:
-        raise UserInputError("zero=3 with mixed_precision is not supported yet (the per-use casts of the float32 "
-                             "masters would be gathered and their gradients reduce-scattered in the graph, not in "
-                             "float32); use zero=1 or zero=2 with mixed precision, or zero=3 without it")
     if axis not in axes:
         raise HintError(f"ZeRO-{stage} on axis {axis!r}: the batch is not split on {axis!r} (it is on {axes}); ZeRO "
                         f"shards what data parallelism replicates, so shard the batch there (hint \"input:0\": "
@@ -171,8 +167,6 @@ def solve_with_zero(state, solve_once) -> bool:
         return False
     from ..ilp import MemoryBudgetError
     for stage in ZERO_STAGES:
-        if stage == 3 and state.options.get("mixed_precision") is not None:
-            continue  # not with mixed precision yet (resolve_zero says why)
         state.zero_for_memory = ZeroConfig(axes[0], stage, "memory budget")
         try:
             solve_once(state)
