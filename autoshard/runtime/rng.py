@@ -152,6 +152,7 @@ class RankRng:
             raise UserInputError(f"rng={mode!r} is not a random-number mode: use one of {MODES}")
         self.ops = sorted(ops, key=lambda op: op.index)
         self.by_index = {op.index: op for op in self.ops}
+        self.order = {op.index: i for i, op in enumerate(self.ops)}  # op -> its place in the draws
         self.mode = mode
         self.coord = tuple(coord)
         self.mesh_shape = tuple(mesh_shape)
@@ -245,7 +246,7 @@ class RankRng:
         if step != self.step:
             raise RuntimeError(f"autoshard: rng='exact' recomputed {op.path} (random op {index}) after the next "
                                "step began; run each step's backward before the next step's forward")
-        self._advance(self.ops.index(op) + 1, _device(args))
+        self._advance(self.order[index] + 1, _device(args))
         return _apply(op, self._blocks[(index, microbatch)], args, kwargs)
 
     def _advance(self, end: int, device=None) -> None:
