@@ -98,12 +98,24 @@ def cast_parameter(node):
     >>> [cast_parameter(n).name for n in prog.state.gm.graph.nodes if cast_parameter(n) is not None]
     ['p_model_weight', 'p_model_bias']
     """
+    if downcast_dtype(node) is None:
+        return None
+    source = node.args[0]
+    return source if source.op == "placeholder" and source.meta.get(meta.KIND) == "param" else None
+
+
+def downcast_dtype(node):
+    """The dtype `node` casts its input to when it is a cast to a lower-precision float, else None.
+
+    >>> import autoshard
+    >>> prog = autoshard.parallelize(model, (1,), (torch.ones(4, 4),), mixed_precision="bf16")
+    >>> {downcast_dtype(n) for n in prog.state.gm.graph.nodes} - {None}
+    {torch.bfloat16}
+    """
     if getattr(node, "op", None) != "call_function" or node.target not in _CASTS or not node.args:
         return None
     source = node.args[0]
-    if getattr(source, "op", None) != "placeholder" or source.meta.get(meta.KIND) != "param":
-        return None
-    src, out = source.meta.get("val"), node.meta.get("val")
+    src, out = getattr(source, "meta", {}).get("val"), node.meta.get("val")
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or not out.is_floating_point():
         return None
-    return source if out.element_size() < src.element_size() else None
+    return out.dtype if out.element_size() < src.element_size() else None

@@ -121,13 +121,16 @@ def memory_breakdown(state) -> dict:
 
 def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes of a `param_all_gather`: the gathered parameter forward; backward its
-    reduce-scattered gradient (when partial) and its re-gather (when a consumer saved it).
+    reduce-scattered gradient (when partial; in the master's dtype) and its re-gather (when a consumer
+    saved it).
 
     >>> gather_bytes(gathers[0], dst_bytes=16384)  # a weight: reduce-scatter and re-gather in backward
     (16384, 32768)
     """
     reduce_grad = node.meta[meta.COMM]["args"][1]
-    return dst_bytes, dst_bytes * (int(bool(reduce_grad)) + int(regathered(node)))
+    # mixed precision gathers the cast shard but reduce-scatters the gradient in the master's dtype
+    master = dst_bytes * node.args[0].meta["val"].element_size() // node.meta["val"].element_size()
+    return dst_bytes, master * int(bool(reduce_grad)) + dst_bytes * int(regathered(node))
 
 
 def apply_zero(state) -> None:

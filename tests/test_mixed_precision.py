@@ -13,6 +13,7 @@ import torch
 import autoshard
 from autoshard.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
+from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.verify import verify_factory
 from autoshard.zoo import llama
 from autoshard.zoo.hints import plan_hints
@@ -102,3 +103,25 @@ def test_autocast_regions_in_forward_train_like_the_single_device(mesh, names, h
     assert report.ok, str(report)
     dtypes = {n.meta["val"].dtype for n in program.state.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
     assert torch.bfloat16 in dtypes and torch.float32 in dtypes
+
+
+def test_zero3_gathers_bf16_and_reduce_scatters_float32():
+    """FSDP2's param_dtype / reduce_dtype: each float32 master shard is cast before its all-gather (half the
+    bytes of gathering the master) and its gradient cast back before the reduce-scatter; the cost model
+    prices the same."""
+    model, inputs, loss_fn = llama()
+    hints = plan_hints("llama", ("dp",), ("dp",))
+    plans = {mp: autoshard.parallelize(model, (4,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints, zero=3,
+                                       mixed_precision=mp) for mp in (None, "bf16")}
+
+    def step(module):
+        ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        module(*module.local_inputs(*inputs))[0].backward()
+        module.sync_grads()
+        return dict(module.comm.log.dtypes), {p.grad.dtype for _, p in module.named_local_parameters()}
+    for dtypes, grads in run_ranks(plans["bf16"], step).values():
+        assert grads == {torch.float32}
+        assert dtypes[("fwd", "bfloat16")] > 0 and dtypes[("bwd", "float32")] > 0, dtypes
+        assert ("fwd", "float32") not in dtypes and ("bwd", "bfloat16") not in dtypes, dtypes
+    mixed, full = (plans[mp].plan.predicted["comm_bytes_per_step"]["dp"] for mp in ("bf16", None))
+    assert 2 * mixed["fwd"] == full["fwd"]

@@ -8,6 +8,9 @@ and of 2-D/3-D tensor parallelism: gathering the input of an op that splits its 
 reduce-scatter in backward, not an all-reduce plus a free chunk (twice the bytes).
 Why it is exact: the gradient's all-reduce on a commutes with the collectives on other axes between
 the two nodes, and all-reduce followed by this rank's chunk is a reduce-scatter.
+Also, with mixed precision and ZeRO-3, a parameter's `param_all_gather` followed by the policy's cast
+to bfloat16 becomes one gather of the cast shard (its backward casts the gradient back to float32
+before the reduce-scatter): FSDP2's param_dtype / reduce_dtype, half the gather bytes.
 Invariant: the values and gradients every rank computes are unchanged; specs are unchanged.
 
 >>> import torch
@@ -23,6 +26,7 @@ Invariant: the values and gradients every rank computes are unchanged; specs are
 from __future__ import annotations
 
 from .. import meta
+from ..mixed_precision import downcast_dtype
 from ..runtime.collectives import COLLECTIVES
 
 
@@ -45,6 +49,8 @@ def fuse_comm(state) -> None:
         gather.meta[meta.COMM] = {**gather.meta[meta.COMM], "op": "all_gather_sum_grad"}
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
+    for node in list(graph.nodes):
+        _gather_in_compute_dtype(graph, node)
     graph.lint()
     state.gm.recompile()
 
@@ -60,3 +66,19 @@ def _gather_on_axis(value, axis):
             return value if info["op"] == "all_gather" else None
         value = value.args[0]
     return None
+
+
+def _gather_in_compute_dtype(graph, cast) -> None:
+    """Mixed precision with ZeRO-3: a parameter's gather followed by the policy's cast gathers the cast
+    shard instead (FSDP2's param_dtype: half the bytes and the gathered memory of bf16); its backward casts
+    the gradient back before the reduce-scatter (reduce_dtype float32). The cast node goes."""
+    dtype = downcast_dtype(cast)
+    gather = cast.args[0] if dtype is not None else None
+    info = getattr(gather, "meta", {}).get(meta.COMM)
+    if not info or info["op"] != "param_all_gather" or len(gather.users) != 1 or len(gather.args) != 4:
+        return
+    gather.args = (*gather.args, dtype)
+    gather.meta[meta.COMM] = {**info, "args": [*info["args"], dtype]}
+    gather.meta["val"] = cast.meta["val"]
+    cast.replace_all_uses_with(gather)
+    graph.erase_node(cast)

@@ -250,16 +250,18 @@ COLLECTIVES = {"all_reduce": all_reduce, "grad_all_reduce": grad_all_reduce, "al
                "all_gather_sum_grad": all_gather_sum_grad}
 
 
-def param_all_gather(x: torch.Tensor, axis: str, dim: int, reduce_grad: bool) -> torch.Tensor:
+def param_all_gather(x: torch.Tensor, axis: str, dim: int, reduce_grad: bool, dtype=None) -> torch.Tensor:
     """ZeRO-3: a parameter shard S(dim) -> R on `axis` right before its use (backward: reduce_scatter of
     the partial gradient when `reduce_grad`, else this rank's chunk); backward re-gathers the parameter
-    instead of keeping the gathered copy (autoshard/runtime/zero_gather.py).
+    instead of keeping the gathered copy (autoshard/runtime/zero_gather.py). With `dtype` (mixed
+    precision) the shard is cast before the gather and the gradient back to the shard's dtype before the
+    reduce-scatter.
 
     >>> run_on_mesh(mesh, lambda comm: param_all_gather(torch.tensor([comm.rank + 0.0]), "tp", 0, reduce_grad=True))
     {0: tensor([0., 1.]), 1: tensor([0., 1.])}
     """
     from .zero_gather import ParamAllGather
-    return ParamAllGather.apply(x, current(), axis, dim, reduce_grad)
+    return ParamAllGather.apply(x, current(), axis, dim, reduce_grad, dtype)
 
 
 COLLECTIVES["param_all_gather"] = param_all_gather

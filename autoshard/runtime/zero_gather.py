@@ -124,28 +124,32 @@ class ParamAllGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, comm, axis, dim, reduce_grad):
-        """All-gather the shard `x` on `axis` (dim `dim`); keep a handle that can re-gather it.
+    def forward(ctx, x, comm, axis, dim, reduce_grad, dtype=None):
+        """All-gather the shard `x` on `axis` (dim `dim`), first cast to `dtype` when given (mixed
+        precision: FSDP2's param_dtype); keep a handle that can re-gather it.
 
         >>> run_on_mesh(mesh, lambda comm: ParamAllGather.apply(torch.ones(1) * comm.rank, comm, "dp", 0, True))
         {0: tensor([0., 1.]), 1: tensor([0., 1.])}
+        >>> run_on_mesh(mesh, lambda comm: ParamAllGather.apply(torch.ones(1), comm, "dp", 0, True, torch.bfloat16))
+        {0: tensor([1., 1.], dtype=torch.bfloat16), 1: tensor([1., 1.], dtype=torch.bfloat16)}
         """
         gathered = getattr(_LOCAL, "gathered", None)
         memory = gathered[1] if gathered is not None else None
-        out = comm.all_gather(x, axis, dim)
-        comm.log.record(axis, "all_gather", _nbytes(out), "fwd")
-        handle = _Handle(x.detach(), comm, axis, dim, memory)
+        shard = x.detach() if dtype is None else x.detach().to(dtype)
+        out = comm.all_gather(shard, axis, dim)
+        comm.log.record(axis, "all_gather", _nbytes(out), "fwd", out.dtype)
+        handle = _Handle(shard, comm, axis, dim, memory)
         if gathered is not None:
             gathered[0][id(out)] = (weakref.ref(out), handle)
         if memory is not None:
             memory.track(out)
-        ctx.handle, ctx.reduce_grad = handle, reduce_grad
+        ctx.handle, ctx.reduce_grad, ctx.master_dtype = handle, reduce_grad, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
         """The shard's gradient: with `reduce_grad` the reduce-scatter of the (partial) gradient, else this
-        rank's chunk of it.
+        rank's chunk of it; in the master's dtype, cast before the reduction (FSDP2's reduce_dtype).
 
         >>> def step(comm):  # rank r weighs the gathered w by r + 1: w's gradient is partial
         ...     shard = torch.ones(2, requires_grad=True)
@@ -157,12 +161,13 @@ class ParamAllGather(torch.autograd.Function):
         handle = ctx.handle
         handle.full = None  # every consumer's backward has run: the re-gathered copy can go
         comm, axis, dim = handle.comm, handle.axis, handle.dim
+        grad = grad.to(ctx.master_dtype)
         if ctx.reduce_grad:
-            comm.log.record(axis, "reduce_scatter", _nbytes(grad), "bwd")
+            comm.log.record(axis, "reduce_scatter", _nbytes(grad), "bwd", grad.dtype)
             shard = comm.reduce_scatter(grad.contiguous(), axis, dim)
         else:
             shard = grad.chunk(comm.axis_size(axis), dim)[comm.axis_rank(axis)].contiguous()
-        return compact(shard), None, None, None, None
+        return compact(shard), None, None, None, None, None
 
 
 def _pack(t: torch.Tensor):
