@@ -87,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="dropout masks: each rank's block of the single device's (exact, default) or "
                                 "drawn per placement as in training (placement: compares only without dropout)")
             p.add_argument("--seed", type=int, default=0, help="seed of the random ops on both sides (default 0)")
-            p.add_argument("--mixed-precision", choices=("bf16",), default=None,
-                           help="bf16 compute from float32 master weights on both sides (use with --dtype float32)")
+            p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                           help="bf16 (or fp16, with GradScaler's loss scaling) compute from float32 master weights "
+                                "on both sides (use with --dtype float32)")
             p.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
                            help="compare in this dtype (default float64, tolerance 1e-6); float32/bfloat16 for "
                                 "models with ops that have no float64 kernel, tolerance from the model's own noise")

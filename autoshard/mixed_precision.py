@@ -9,6 +9,8 @@ gradient reductions (sync_grads, ZeRO's reduce-scatter) run in float32. The cost
 from the graph: parameters, gradients and optimizer state at 4 bytes, activations and their collectives
 at 2, and the bf16 copy of a weight a matmul saves for backward as an activation. Buffers keep their dtype
 (as in FSDP). The single device "under the same policy" is the same call on the whole model.
+`mixed_precision="fp16"` is the same policy in float16, whose small range needs the loss scaled: train
+with `autoshard.runtime.loss_scale.LossScaler` (torch.amp.GradScaler's rule, overflow agreed by all ranks).
 
 >>> import torch
 >>> model = torch.nn.Linear(4, 2)
@@ -44,8 +46,18 @@ class Policy:
     name: str
     compute_dtype: torch.dtype
 
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """float16's range is too small for small gradients: train with a LossScaler
+        (autoshard/runtime/loss_scale.py), as torch.amp.GradScaler on one device.
 
-POLICIES = {"bf16": Policy("bf16", torch.bfloat16)}
+        >>> resolve_policy("fp16").needs_loss_scaling, resolve_policy("bf16").needs_loss_scaling
+        (True, False)
+        """
+        return self.compute_dtype == torch.float16
+
+
+POLICIES = {"bf16": Policy("bf16", torch.bfloat16), "fp16": Policy("fp16", torch.float16)}
 
 
 def resolve_policy(value) -> Policy | None:
@@ -53,22 +65,22 @@ def resolve_policy(value) -> Policy | None:
 
     >>> resolve_policy(None) is None, resolve_policy("bf16").compute_dtype
     (True, torch.bfloat16)
-    >>> resolve_policy("fp16")
+    >>> resolve_policy("float16")
+    Policy(name='fp16', compute_dtype=torch.float16)
+    >>> resolve_policy("int8")
     Traceback (most recent call last):
     ...
-    autoshard.errors.UserInputError: mixed_precision='fp16' needs loss scaling whose overflow check every rank ...
+    autoshard.errors.UserInputError: mixed_precision='int8' is not a policy autoshard knows; use 'bf16' ...
     """
     if value is None or isinstance(value, Policy):
         return value
-    aliases = {"bfloat16": "bf16", torch.bfloat16: "bf16"}
+    aliases = {"bfloat16": "bf16", torch.bfloat16: "bf16", "float16": "fp16", torch.float16: "fp16"}
     name = aliases.get(value, value)
     if name in POLICIES:
         return POLICIES[name]
-    if name in ("fp16", "float16", torch.float16):
-        raise UserInputError("mixed_precision='fp16' needs loss scaling whose overflow check every rank agrees on, "
-                             "which autoshard does not do yet; use mixed_precision='bf16' (no loss scaling needed)")
     raise UserInputError(f"mixed_precision={value!r} is not a policy autoshard knows; use 'bf16' (fp32 masters, "
-                         "bf16 compute, fp32 gradient reductions) or None")
+                         "bf16 compute, fp32 gradient reductions), 'fp16' (the same in float16, with a LossScaler) "
+                         "or None")
 
 
 def policy_call(model: torch.nn.Module, inputs, policy: Policy):

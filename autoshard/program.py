@@ -93,7 +93,8 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     "placement" (copies of a tensor draw the same mask, shards independent ones) or "exact" (each rank
     its block of the single device's masks under `torch.manual_seed(seed)`; autoshard/runtime/rng.py).
     `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
-    in float32 (FSDP2's policy; autoshard/mixed_precision.py).
+    in float32 (FSDP2's policy; autoshard/mixed_precision.py); "fp16" the same in float16, trained with a
+    `LossScaler` (autoshard/runtime/loss_scale.py).
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]

@@ -25,7 +25,8 @@ class Training:
     gradient norm (`clip_grad_norm`: max_norm) before the step. Random ops draw in `rng` mode from `seed`
     (the single device from `torch.manual_seed(seed)`); verify's default, "exact", gives every rank its
     block of the single device's dropout masks, so that the two can be compared. `mixed_precision`
-    ("bf16") trains both sides under that policy (autoshard/mixed_precision.py).
+    ("bf16", "fp16") trains both sides under that policy (autoshard/mixed_precision.py); fp16 also scales the
+    loss, with GradScaler's dynamic scale on both sides.
 
     >>> Training(accumulate=2, clip_grad_norm=1.0)
     Training(accumulate=2, clip_grad_norm=1.0, rng='exact', seed=0, mixed_precision=None)
@@ -62,6 +63,16 @@ class Training:
         """
         policy = resolve_policy(self.mixed_precision)
         return model(*inputs) if policy is None else policy_call(model, inputs, policy)
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether both sides scale the loss (fp16: torch.amp.GradScaler on one device, a LossScaler per rank).
+
+        >>> Training(mixed_precision="fp16").loss_scaling, Training().loss_scaling
+        (True, False)
+        """
+        policy = resolve_policy(self.mixed_precision)
+        return policy is not None and policy.needs_loss_scaling
 
     def passes(self, inputs) -> list[tuple]:
         """The batch as `accumulate` slices of dim 0 (one pass each).

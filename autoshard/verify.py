@@ -40,6 +40,7 @@ from .tolerance import (
     to_dtype,
     tolerance_for,
 )
+from .runtime.loss_scale import LossScaler, optimizer_step
 from .training import PLAIN, Training
 
 TOLERANCE = FLOAT64_TOLERANCE  # relative, in float64; below it tolerances are derived per tensor
@@ -75,8 +76,9 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offlo
 
 def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
                   training: Training = PLAIN) -> dict:
-    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}}
-    (outputs of the first pass of the first step; its gradients after clipping).
+    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...},
+    'loss_scale': [...]} (outputs of the first pass of the first step; its gradients after clipping -- with
+    fp16 loss scaling, of the first step whose gradients were finite, the first the scaler did not skip).
 
     >>> double, double_inputs = to_double(model, inputs)
     >>> ref = reference_run(double, double_inputs, loss_fn, steps=2, lr=0.1)
@@ -92,7 +94,8 @@ def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> 
     from .frontend import default_loss
     params = dict(model.named_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer)
-    losses, outputs, grads = [], None, None
+    scaler = torch.amp.GradScaler("cpu") if training.loss_scaling and opt is not None else None
+    losses, outputs, grads, scales = [], None, None, []
     passes = training.passes(inputs)
     for step in range(steps):
         model.zero_grad()
@@ -102,18 +105,25 @@ def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> 
             loss = loss_fn(out, *chunk) if loss_fn is not None else default_loss(out)
             loss = loss / training.accumulate if training.accumulate > 1 else loss
             if loss.requires_grad:  # a model without parameters has nothing to differentiate
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
             if step == 0 and outputs is None:
                 outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
+        if scaler is not None:
+            scaler.unscale_(opt)
         if training.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(list(params.values()), training.clip_grad_norm)
         losses.append(total)
-        if step == 0:
+        if grads is None and (scaler is None or all(torch.isfinite(p.grad).all() for p in params.values()
+                                                    if p.grad is not None)):
             grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-        if opt is not None:
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        elif opt is not None:
             opt.step()
-    return {"loss": losses, "outputs": outputs, "grads": grads,
+    return {"loss": losses, "outputs": outputs, "grads": grads, "loss_scale": scales,
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
 
@@ -165,18 +175,20 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
     >>> from autoshard.runtime.simulator import run_ranks
     >>> ranks = run_ranks(program, lambda module: rank_run(module, to_double(model, inputs)[1], steps=1, lr=0.1))
     >>> sorted(ranks[0])
-    ['counts', 'grads', 'loss', 'outputs', 'params']
+    ['counts', 'grads', 'loss', 'loss_scale', 'outputs', 'params']
     >>> ranks[0]["counts"]["tp"]["all_to_all"]  # of the first step, on rank 0
     {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 4096}
     """
     if getattr(module, "pipelined", False):
         from .runtime.pipeline import pipeline_rank_run
-        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm, training.accumulate)
+        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm, training.accumulate,
+                                 training.loss_scaling)
     passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
     params = dict(module.named_local_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer, module, offload)
+    scaler = LossScaler(module) if training.loss_scaling else None
     module.comm.log.clear()
-    losses, outputs, grads, counts = [], None, None, None
+    losses, outputs, grads, counts, scales = [], None, None, None, []
     for step in range(steps):
         module.zero_grad()
         total = None
@@ -185,25 +197,26 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
             loss = loss / training.accumulate if training.accumulate > 1 else loss
             module.comm.phase = "bwd"
             if loss.requires_grad:
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
             module.comm.phase = "fwd"
             total = loss.detach().clone() if total is None else total + loss.detach()
             if step == 0 and outputs is None:
                 outputs = [o.detach().clone() for o in pytree.tree_leaves(out)]
         module.comm.phase = "bwd"
         module.sync_grads()
+        if scaler is not None:
+            scaler.unscale_()
         if training.clip_grad_norm is not None:
             module.clip_grad_norm_(training.clip_grad_norm)
         module.comm.phase = "fwd"
         losses.append(total)
-        if step == 0:
+        if grads is None and (scaler is None or not scaler.found_inf):  # fp16: the first step that ran
             grads = opt.full_grads() if hasattr(opt, "full_grads") else \
                 {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-        if opt is not None:
-            opt.step()
+        optimizer_step(opt, scaler, scales)
         if step == 0:
             counts = module.comm.log.summary()
-    return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts,
+    return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts, "loss_scale": scales,
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
 
@@ -278,18 +291,26 @@ ABS_FLOOR = 1e-9  # gradients that are zero in exact arithmetic (e.g. a key bias
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|, with |b| floored so float64 round-off around zero is not a mismatch; a NaN
-    anywhere counts as an infinite difference.
+    or inf on one side only counts as an infinite difference, on both sides as none (an fp16 step whose
+    gradients overflowed on both sides, then skipped by the loss scaler).
 
     >>> rel_diff(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0])), rel_diff(torch.zeros(2), torch.zeros(3))
     (0.25, inf)
-    >>> rel_diff(torch.tensor([float("nan")]), torch.tensor([1.0]))
-    inf
+    >>> nan = float("nan")
+    >>> rel_diff(torch.tensor([nan]), torch.tensor([1.0])), rel_diff(torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0]))
+    (inf, 0.0)
     """
     if a.shape != b.shape:
         return float("inf")
     if not b.numel():
         return 0.0
     a, b = a.double(), b.double()  # bfloat16 would round the difference itself
+    finite = torch.isfinite(b)
+    if not torch.equal(finite, torch.isfinite(a)):
+        return float("inf")
+    a, b = a[finite], b[finite]
+    if not b.numel():
+        return 0.0
     diff = (a - b).abs().max().item() / max(b.abs().max().item(), ABS_FLOOR)
     return float("inf") if math.isnan(diff) else diff  # a NaN on either side is a mismatch, never hidden
 
@@ -327,11 +348,18 @@ def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = No
     for step in range(steps):
         loss = program.assemble({r: res["loss"][step] for r, res in ranks.items()}, specs[0])
         track("loss", f"step {step}", loss, ref["loss"][step], step)
+    if ref.get("loss_scale"):  # fp16: every rank skips and grows where GradScaler does, exactly
+        got = {tuple(res["loss_scale"]) for res in ranks.values()}
+        scales = torch.tensor(got.pop() if len(got) == 1 else [math.nan] * steps)
+        report.max_diff["loss_scale"] = rel_diff(scales, torch.tensor(ref["loss_scale"]))
+        report.worst["loss_scale"], report.tolerances["loss_scale"] = "scale after each step", TOLERANCE
+        if noise is not None:
+            report.noise["loss_scale"] = 0.0
     for i, expected in enumerate(ref["outputs"]):
         got = program.assemble({r: res["outputs"][i] for r, res in ranks.items()}, specs[1 + i])
         track("outputs", f"output {i}", got, expected, i)
     for kind in ("grads", "params"):
-        for fqn, expected in ref[kind].items():
+        for fqn, expected in (ref[kind] or {}).items():  # fp16: None when the scaler skipped every step
             name = program.canonical_param(fqn)
             blocks = {r: res[kind][name] for r, res in ranks.items() if name in res[kind]}  # pipelines: owners
             got = program.assemble(blocks, program.param_spec(name))
@@ -435,7 +463,7 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
     ...     init_distributed("gloo")
     >>> result = verify_rank_task(0, 1, "autoshard.zoo:mlp", Mesh((1,), ("dp",)).to_json(), None, 1, 0.1)
     >>> sorted(result)
-    ['counts', 'fingerprint', 'grads', 'loss', 'outputs', 'params']
+    ['counts', 'fingerprint', 'grads', 'loss', 'loss_scale', 'outputs', 'params']
     >>> dist.destroy_process_group()
     """
     if shared_plan is not None:

@@ -12,6 +12,7 @@ import torch
 
 import autoshard
 from autoshard.errors import UserInputError
+from autoshard.runtime.loss_scale import LossScaler
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.verify import verify_factory
@@ -66,10 +67,67 @@ def test_masters_are_float32_and_gradients_are_reduced_in_float32():
 
 def test_unsupported_policies_are_named():
     model, inputs, loss_fn = llama()
-    with pytest.raises(UserInputError, match="mixed_precision='fp16' needs loss scaling"):
-        autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), mixed_precision="fp16")
     with pytest.raises(UserInputError, match="mixed_precision='int8' is not a policy autoshard knows"):
         autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), mixed_precision="int8")
+
+
+@pytest.mark.parametrize("mesh,names,options", [
+    ((2, 2), ("dp", "tp"), {}),
+    ((4,), ("dp",), {"zero": 3}),
+    ((2, 2, 2), ("pp", "dp", "tp"), {"pipeline": {"microbatches": 2}}),
+], ids=["dp2xtp2", "zero3-dp4", "pp2xdp2xtp2"])
+def test_fp16_with_loss_scaling_skips_and_trains_like_grad_scaler(mesh, names, options):
+    """fp16 against the single device under torch.amp.GradScaler: GradScaler's first scale, 2**16, is inf in
+    float16, so the first step overflows on both sides and is skipped; the scale after every step must be
+    equal, and the gradients compared are those of the first step that ran."""
+    inner = tuple(n for n in names if n != "pp")
+    hints = plan_hints("llama", inner, ("dp",), "tp" if "tp" in names else None)
+    report, _ = verify_factory("autoshard.zoo:llama", mesh, names, hints=hints, simulate=True, dtype="float32",
+                               mixed_precision="fp16", steps=3, **options)
+    assert report.ok, str(report)
+    assert report.max_diff["loss_scale"] == 0 and "grads" in report.max_diff, str(report)
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """GradScaler alone would skip only on the rank that overflowed, and the replicas' weights would part."""
+    model, inputs, loss_fn = llama()
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"), hints=LLAMA_DP_TP,
+                                 mixed_precision="fp16")
+
+    def step(module):
+        scaler = LossScaler(module, init_scale=8.0)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        before = [p.detach().clone() for p in module.parameters()]
+        scaler.scale(module(*module.local_inputs(*inputs))[0]).backward()
+        module.sync_grads()
+        if module.rank == 3:
+            next(module.parameters()).grad.view(-1)[0] = float("inf")
+        ran = scaler.step(opt)
+        scaler.update()
+        return ran, scaler.get_scale(), all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    assert set(run_ranks(prog, step).values()) == {(False, 4.0, True)}
+
+
+def test_loss_scaler_misuse_is_named():
+    model, inputs, loss_fn = llama()
+    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), mixed_precision="fp16",
+                                 hints={"input:0": {"dp": "S(0)"}})
+
+    def misuse(module):
+        with pytest.raises(UserInputError, match="growth_factor > 1"):
+            LossScaler(module, growth_factor=0.5)
+        scaler = LossScaler(module)
+        scaler.scale(module(*module.local_inputs(*inputs))[0]).backward()
+        with pytest.raises(UserInputError, match=r"before module.sync_grads\(\)"):
+            scaler.unscale_()
+        module.sync_grads()
+        with pytest.raises(UserInputError, match=r"needs unscale_\(\) or step\(\) first"):
+            scaler.update()
+        scaler.unscale_()
+        with pytest.raises(UserInputError, match="called twice in one step"):
+            scaler.unscale_()
+        return True
+    assert all(run_ranks(prog, misuse).values())
 
 
 

@@ -120,6 +120,19 @@ def _reduction_axes(module) -> list:
     return axes
 
 
+def any_rank(module, flag: bool) -> bool:
+    """Whether `flag` is true on any rank (collective: one scalar all-reduce per mesh axis, and over the
+    pipeline axis on a pipeline rank); every rank gets the same answer.
+
+    >>> run_ranks(prog, lambda m: any_rank(m, m.rank == 3))
+    {0: True, 1: True, 2: True, 3: True}
+    """
+    total = torch.tensor([float(flag)], dtype=torch.float64)
+    for group, axis in _reduction_axes(module):
+        total = group.all_reduce(total, axis)
+    return bool(total[0] > 0)
+
+
 def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient piece so that the global norm is at most `max_norm`; returns the norm before
     clipping (as torch.nn.utils.clip_grad_norm_ does on one device). Call it after `sync_grads()`.

@@ -40,6 +40,7 @@ import torch
 from ..placement import local_shape, shard_tensor
 from .collectives import use_communicator
 from .communicator import CollectiveTimeout, DistCommunicator, backend_reason
+from .loss_scale import LossScaler, optimizer_step
 from .rank_module import RankModule
 
 
@@ -114,6 +115,17 @@ class _StagesModule(RankModule):
         return [tuple(shard_tensor(x, spec, coord, shape) for x, spec in zip(mb, self._program.input_specs))
                 for mb in self._program.microbatches(global_inputs)]
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss backward starts from: times the scale of this module's LossScaler, if it has one (the
+        schedule runs backward, so the pipeline scales for the user; autoshard/runtime/loss_scale.py)."""
+        scaler = getattr(self, "loss_scaler", None)
+        return loss if scaler is None else scaler.scale(loss)
+
+    def unscaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """A scaled loss as the model computed it (the scale is a power of two: exact)."""
+        scaler = getattr(self, "loss_scaler", None)
+        return loss if scaler is None else loss / scaler.get_scale()
+
     def scale_grads(self, passes: int = 1) -> None:
         """Divide the summed micro-batch gradients by the micro-batches (times the accumulated passes)."""
         m = self._program.config.microbatches * passes
@@ -163,7 +175,7 @@ def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sy
         if train and loss.requires_grad:
             module.comm.phase = "bwd"
             with use_communicator(module.comm):
-                loss.backward()
+                module.scaled(loss).backward()
         losses.append(loss.detach())
         outputs.append([o.detach() for o in outs])
     if train:
@@ -234,7 +246,7 @@ class PipelineRankModule(_StagesModule):
 
         def loss_fn(output, _target):
             self._outputs.append([o.detach() for o in output[1:]])
-            return output[0]
+            return self.scaled(output[0])
 
         single = issubclass(cls, PipelineScheduleSingle)
         self._schedule = cls(stages[0] if single else stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -303,7 +315,7 @@ class PipelineRankModule(_StagesModule):
         if not losses:
             return None, None
         outputs = [list(blocks) for blocks in zip(*self._outputs)]
-        return torch.stack([loss.detach() for loss in losses]).mean(), outputs
+        return self.unscaled(torch.stack([loss.detach() for loss in losses]).mean()), outputs
 
     def _p2p_failure(self, exc) -> str:
         """Which pipeline neighbours this rank was exchanging activations/gradients with, and how it failed."""
@@ -371,10 +383,11 @@ def _is_transport_failure(exc: BaseException) -> bool:
 
 
 def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: float | None = None,
-                      accumulate: int = 1) -> dict:
+                      accumulate: int = 1, loss_scaling: bool = False) -> dict:
     """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps of
     `accumulate` passes each over as many slices of the batch (one gradient sync per step), clipping the
-    gradients by their global norm first when `clip_grad_norm` is given.
+    gradients by their global norm first when `clip_grad_norm` is given; with `loss_scaling` (fp16) through
+    a LossScaler.
 
     >>> result = run_ranks(InnerRanks(prog), lambda module: pipeline_rank_run(module, inputs, steps=2, lr=0.1))[0]
     >>> len(result["loss"]), bool(result["loss"][1] < result["loss"][0]), sorted(result["grads"])[:2]
@@ -382,9 +395,10 @@ def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: flo
     """
     params = dict(module.named_local_parameters())
     opt = torch.optim.SGD(params.values(), lr=lr) if params else None
+    scaler = LossScaler(module) if loss_scaling else None
     module.comm.log.clear()
     n_outputs = len(module._program.output_specs) - 1
-    losses, outputs, grads, counts = [], None, None, None
+    losses, outputs, grads, counts, scales = [], None, None, None, []
     passes = [tuple(x.chunk(accumulate)[j] for x in inputs) for j in range(accumulate)]
     for step in range(steps):
         module.zero_grad()
@@ -399,20 +413,22 @@ def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: flo
             pass_outputs.append(pass_outs)
         outs = pass_outputs[0]  # verify compares the first pass's outputs
         loss = None if pass_losses[0] is None else torch.stack(pass_losses).mean()
+        if scaler is not None:
+            scaler.unscale_()
         if clip_grad_norm is not None:
             module.clip_grad_norm_(clip_grad_norm)
         losses.append(loss)
+        if grads is None and (scaler is None or not scaler.found_inf):  # verify compares a step that ran
+            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
         if step == 0:
             outputs = list(outs) if outs is not None else [None] * n_outputs
-            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
             counts = module.comm.log.summary()
             full = getattr(module, "full_comm", None)
             if full is not None:
                 for axis, kinds in full.log.summary().items():
                     counts.setdefault(axis, {}).update(kinds)
-        if opt is not None:
-            opt.step()
-    return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts,
+        optimizer_step(opt, scaler, scales)
+    return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts, "loss_scale": scales,
             "params": {k: p.detach().clone() for k, p in params.items()},
             "timeline": list(getattr(module, "timeline", [])),
             "peak_saved_bytes": module.saved.peak if hasattr(module, "saved") else 0,
