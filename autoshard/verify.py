@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import UserInputError
+from .runtime.loss_scale import LossScaler, optimizer_step
 from .tolerance import (
     FLOAT64_TOLERANCE,
     RULE,
@@ -40,7 +41,6 @@ from .tolerance import (
     to_dtype,
     tolerance_for,
 )
-from .runtime.loss_scale import LossScaler, optimizer_step
 from .training import PLAIN, Training
 
 TOLERANCE = FLOAT64_TOLERANCE  # relative, in float64; below it tolerances are derived per tensor
