@@ -132,17 +132,21 @@ class PipelineProgram(Program):
         """
         return self.inner_rank(rank)
 
-    def local_batch(self, rank: int, global_batch: int):
-        """Not for pipelines yet: each micro-batch is split on the batch axes, so a rank's rows are one block
-        per micro-batch, not one slice.
+    def local_batch(self, rank: int, global_batch: int) -> list[slice]:
+        """The rows of a global batch of `global_batch` samples that `rank` loads: one slice per micro-batch
+        (micro-batch m is the m-th chunk of dim 0, split on the batch axes like a whole batch of an intra-op
+        program). Load `torch.cat([x[s] for s in rows])` and call `module.train_step(*rows, local_rows=True)`.
 
-        >>> prog.local_batch(0, 16)
-        Traceback (most recent call last):
-        ...
-        autoshard.errors.UserInputError: local_batch does not run pipelines yet ...
+        >>> prog.local_batch(0, 16), prog.local_batch(1, 16)  # rank 1 is dp coordinate 1
+        ([slice(0, 4, None), slice(8, 12, None)], [slice(4, 8, None), slice(12, 16, None)])
         """
-        raise UserInputError("local_batch does not run pipelines yet (a rank's rows are one block per micro-batch); "
-                             "load the whole batch and call module.train_step(*batch)")
+        m = self.config.microbatches
+        if global_batch % m:
+            raise UserInputError(f"local_batch: a global batch of {global_batch} does not split into the plan's "
+                                 f"{m} micro-batches; give a multiple of {m}")
+        size = global_batch // m
+        block = super().local_batch(rank, size)
+        return [slice(i * size + block.start, i * size + block.stop) for i in range(m)]
 
     def pp_coord(self, rank: int) -> int:
         """Rank `rank`'s coordinate on the pp axis.

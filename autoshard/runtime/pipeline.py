@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from ..errors import UserInputError
 from ..placement import local_shape, shard_tensor
 from .collectives import use_communicator
 from .communicator import CollectiveTimeout, DistCommunicator, backend_reason
@@ -108,8 +109,16 @@ class _StagesModule(RankModule):
                     yield fqn, getattr(stage.gm, attr)
                     break
 
-    def local_microbatches(self, *global_inputs) -> list[tuple]:
-        """This rank's block of every micro-batch, by the plan's input specs."""
+    def local_microbatches(self, *global_inputs, local_rows: bool = False) -> list[tuple]:
+        """This rank's block of every micro-batch, by the plan's input specs. With `local_rows` the inputs
+        are only this rank's rows (`prog.local_batch`), concatenated in micro-batch order."""
+        if local_rows:
+            m = self._program.config.microbatches
+            if any(x.shape[0] % m for x in global_inputs):
+                raise UserInputError(f"train_step(local_rows=True): {[tuple(x.shape) for x in global_inputs]} do "
+                                     f"not split into the plan's {m} micro-batches; load the rows "
+                                     "prog.local_batch(rank, batch) gives, concatenated")
+            return [self.local_inputs_of_rows(*chunk) for chunk in zip(*(x.chunk(m) for x in global_inputs))]
         self._program.check_inputs(global_inputs)
         coord, shape = self.comm.coord, self.comm.mesh.shape
         return [tuple(shard_tensor(x, spec, coord, shape) for x, spec in zip(mb, self._program.input_specs))
@@ -160,7 +169,8 @@ class SequentialStages(_StagesModule):
         return values  # (loss, *outputs)
 
 
-def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sync: bool = True) -> list:
+def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sync: bool = True,
+                        local_rows: bool = False) -> list:
     """One step over all micro-batches: [loss (mean), then per output its list of micro-batch blocks].
 
     >>> loss, outputs = run_ranks(InnerRanks(prog), lambda module: simulated_rank_step(module, inputs))[0]
@@ -169,7 +179,7 @@ def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sy
     """
     losses, outputs = [], []
     module.rng.new_step()
-    for m, local in enumerate(module.local_microbatches(*inputs)):
+    for m, local in enumerate(module.local_microbatches(*inputs, local_rows=local_rows)):
         module.comm.phase = "fwd"
         loss, *outs = module.run_microbatch(local, m)
         if train and loss.requires_grad:
@@ -271,11 +281,12 @@ class PipelineRankModule(_StagesModule):
             setattr(stage, method, timed)
 
     # ------------------------------------------------------------------------- one step
-    def train_step(self, *global_inputs, sync: bool = True):
+    def train_step(self, *global_inputs, sync: bool = True, local_rows: bool = False):
         """One training step over all micro-batches: (loss or None, outputs or None) on this rank; the
-        loss and outputs exist on the rank holding the last stage. Gradients are ready afterwards. With
-        `sync=False` the gradients stay local and unscaled: gradient accumulation runs several such passes
-        and syncs on the last (its gradients are then the mean over every pass's micro-batches).
+        loss and outputs exist on the rank holding the last stage (`global_loss` shares it). Gradients are
+        ready afterwards. With `sync=False` the gradients stay local and unscaled: gradient accumulation runs
+        several such passes and syncs on the last (its gradients are then the mean over every pass's
+        micro-batches). With `local_rows` the inputs are only this rank's rows (`prog.local_batch`).
 
         >>> module = rank_module()
         >>> loss, outputs = module.train_step(*inputs)
@@ -284,7 +295,7 @@ class PipelineRankModule(_StagesModule):
         >>> dist.destroy_process_group()
         """
         config = self._program.config
-        local = self.local_microbatches(*global_inputs)
+        local = self.local_microbatches(*global_inputs, local_rows=local_rows)
         if self._schedule is None:
             self._build_schedule()
         self._outputs.clear()

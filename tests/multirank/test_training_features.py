@@ -3,7 +3,7 @@ over several passes with one gradient sync, dropout (p=0.1) with rng="exact", an
 each equal to the single device in float64 (verify's 1e-6): losses, outputs, gradients (after clipping) and
 parameters after 2 SGD steps. The simulator is bitwise equal to gloo (test_sim_equals_real.py); one dropout
 case and clipping in a pipeline whose tied weight lives on two pipeline ranks (the one case the simulator
-cannot show) run on gloo. The global loss in pipelines is not covered yet and says so.
+cannot show) run on gloo, as do a pipeline's global loss and its ranks loading only their rows.
 """
 import pytest
 import torch
@@ -165,3 +165,52 @@ def test_bad_training_options_are_errors():
     with pytest.raises(UserInputError, match="clip_grad_norm=-1"):
         Training(clip_grad_norm=-1.0)
 
+
+
+def _pipeline_rows_task(rank, world):
+    """A pp x dp rank of the zoo llama: one step from only its rows of the batch, one from the whole batch;
+    the global loss and the gradients of both."""
+    from autoshard.mesh import Mesh
+    from autoshard.runtime.launch import communicator_for
+    mesh = Mesh((2, 2), ("pp", "dp"))
+    comm = communicator_for(mesh, strict_world=False)
+    if comm is None:
+        return None
+    model, inputs, loss_fn = build_case("autoshard.zoo:llama")
+    prog = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, hints=plan_hints("llama", ("dp",), ("dp",)),
+                                 **PIPELINE)
+    module = prog.module(rank, comm)
+    rows = prog.local_batch(rank, inputs[0].shape[0])
+    results = []
+    for local_rows in (True, False):
+        module.zero_grad()
+        batch = tuple(torch.cat([x[s] for s in rows]) for x in inputs) if local_rows else inputs
+        loss, _ = module.train_step(*batch, local_rows=local_rows)
+        results.append((module.global_loss(loss), {k: p.grad.clone() for k, p in module.named_local_parameters()}))
+    return results
+
+
+def test_gloo_pipeline_ranks_load_their_rows_and_share_the_global_loss(pool):
+    """Every rank -- the first stage's too, which holds no loss -- gets the single device's loss; loading only
+    the rank's rows (prog.local_batch) trains exactly as handing it the whole batch."""
+    model, inputs, loss_fn = build_case("autoshard.zoo:llama")
+    expected = loss_fn(model(*inputs), *inputs)
+    results = {r: v for r, v in pool.run(_pipeline_rows_task).items() if v is not None}
+    assert len(results) == 4
+    for (rows_loss, rows_grads), (whole_loss, whole_grads) in results.values():
+        assert torch.allclose(rows_loss, expected, rtol=1e-12, atol=0) and torch.equal(rows_loss, whole_loss)
+        assert rows_grads.keys() == whole_grads.keys() and rows_grads
+        assert all(torch.equal(rows_grads[k], whole_grads[k]) for k in rows_grads)
+
+
+def test_pipeline_local_batch_is_each_micro_batch_s_block():
+    model, inputs, loss_fn = build_case("autoshard.zoo:llama")
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
+                                 hints=plan_hints("llama", ("dp",), ("dp",)), **PIPELINE)
+    n = inputs[0].shape[0]
+    rows = {r: prog.local_batch(r, n) for r in range(4)}
+    assert rows[0] == rows[2] and rows[1] == rows[3]  # the pp coordinate does not change the rows
+    covered = sorted(i for r in (0, 1) for s in rows[r] for i in range(n)[s])
+    assert covered == list(range(n))
+    with pytest.raises(UserInputError, match="does not split into the plan's 2 micro-batches"):
+        prog.local_batch(0, n + 1)
