@@ -58,6 +58,25 @@ class PipelineProgram(Program):
         self.config = config
         self.pp_axis = mesh.axis(config.axis)
         self.tied_params = self._tied_params()
+        if state.options.get("rng") == "exact":
+            self._check_batch_first_draws()
+
+    def _check_batch_first_draws(self) -> None:
+        """rng="exact" draws a batch-dependent mask over the whole batch and gives micro-batch m block m of
+        its dim 0, so dim 0 must be batch-major: a multiple of the micro-batch size (batch, or batch x
+        tokens flattened). A sequence-first activation would get the wrong block: refuse it by name."""
+        examples = [n.meta["val"] for n in self.state.gm.graph.nodes
+                    if n.op == "placeholder" and n.meta.get(meta.KIND) == "input" and n.meta["val"].dim()]
+        if not examples or self.config.microbatches == 1:
+            return
+        rows = examples[0].shape[0]
+        for op in self.random_ops:
+            if op.batched and (not op.shape or op.shape[0] % rows):
+                raise UserInputError(
+                    f"rng='exact' in a pipeline cannot honour {op.target} at {op.path}: its draw {list(op.shape)} "
+                    f"depends on the batch but its dim 0 is not a multiple of the micro-batch's {rows} rows (a "
+                    "sequence-first activation?), so micro-batch m's block of the whole batch's mask is not block "
+                    "m of dim 0; use rng='placement', or keep the batch first")
 
     @property
     def microbatch_count(self) -> int:

@@ -1,6 +1,6 @@
 """Train a transformers Llama with autoshard under torchrun, as people train: weights from a safetensors
 checkpoint into a model that is never whole on any rank, AdamW with warm-up and cosine decay, bf16 mixed
-precision (float32 masters), gradient clipping by the global norm, gradient accumulation, dropout, a
+precision (float32 masters; or --mixed-precision fp16 with loss scaling), gradient clipping by the global norm, gradient accumulation, dropout, a
 torch.distributed.checkpoint save mid-run that a second run resumes from, one global loss and tokens/s
 per step (a progress bar on rank 0).
 
@@ -28,6 +28,7 @@ from autoshard.runtime.launch import (
     communicator_for,
     init_distributed,
 )
+from autoshard.runtime.loss_scale import LossScaler, optimizer_step
 from autoshard.zoo.transformers_families import HINTS
 
 
@@ -99,7 +100,7 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--mixed-precision", default="bf16", choices=("bf16", "none"))
+    parser.add_argument("--mixed-precision", default="bf16", choices=("bf16", "fp16", "none"))
     args = parser.parse_args()
     mesh = tuple(int(s) for s in args.mesh.split(","))
     names = tuple(args.axis_names.split(","))
@@ -125,6 +126,7 @@ def main():
     module = prog.module(rank, comm, weights=pretrained, strict=False)  # this rank's slices only
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args))
+    scaler = LossScaler(module) if args.mixed_precision == "fp16" else None  # GradScaler, agreed by all ranks
     checkpoint, trainer_file = os.path.join(args.out, "checkpoint"), os.path.join(args.out, "checkpoint", "trainer.json")
     start = 0
     if args.resume:
@@ -136,6 +138,8 @@ def main():
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # the checkpoint holds tensors only
             group["lr"] = lr
         module.rng.load_state_dict({"seed": saved["rng"]["seed"], "step": saved["rng"]["step"]})
+        if scaler is not None:
+            scaler.load_state_dict(saved["loss_scale"])
 
     losses = {}
     rows = prog.local_batch(rank, args.global_batch // args.accumulate)  # this rank loads only these rows
@@ -146,11 +150,13 @@ def main():
         for micro in range(args.accumulate):
             ids = batch(args, step, micro)[rows]
             loss, _ = module(*module.local_inputs_of_rows(ids, ids))  # causal LM: the model shifts the labels
-            (loss / args.accumulate).backward()
+            (loss / args.accumulate if scaler is None else scaler.scale(loss / args.accumulate)).backward()
             total += float(module.global_loss(loss.detach().float())) / args.accumulate
         module.sync_grads()
+        if scaler is not None:
+            scaler.unscale_()  # clip the true gradients
         norm = module.clip_grad_norm_(args.clip)
-        opt.step()
+        optimizer_step(opt, scaler)  # fp16: skipped on every rank when any rank overflowed
         sched.step()
         opt.zero_grad()
         losses[step] = total
@@ -163,7 +169,8 @@ def main():
             if rank == 0:
                 with open(trainer_file, "w", encoding="utf-8") as handle:
                     json.dump({"step": step + 1, "scheduler": sched.state_dict(),
-                               "rng": {k: v for k, v in module.rng.state_dict().items() if k != "exact"}}, handle)
+                               "rng": {k: v for k, v in module.rng.state_dict().items() if k != "exact"},
+                               "loss_scale": scaler.state_dict() if scaler is not None else None}, handle)
             dist.barrier()
     if rank == 0:
         with open(os.path.join(args.out, "losses.json" if not args.resume else "losses_resumed.json"), "w",

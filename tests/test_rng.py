@@ -163,3 +163,27 @@ def test_pipeline_micro_batches_take_rows_of_batched_draws_and_share_the_others(
                                        pipeline={"split_points": ["second"], "microbatches": 2})
     assert report.ok, str(report)
     assert [op.batched for op in program.random_ops] == [True, False]
+
+
+class SequenceFirstDropout(nn.Module):
+    """Dropout on a (sequence, batch, hidden) activation, as Megatron's layouts keep it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = F.dropout(self.first(x).transpose(0, 1), 0.2, True).transpose(0, 1)
+        return self.second(h)
+
+
+def test_exact_pipelines_refuse_sequence_first_draws():
+    """Micro-batch m takes block m of dim 0 of the whole batch's mask; a draw whose dim 0 is the sequence
+    would get another micro-batch's mask: an error, not a silent mismatch. Placement mode is free of it."""
+    x = torch.randn(8, 6, 8)
+    options = {"axis_names": ("pp",), "pipeline": {"split_points": ["second"], "microbatches": 2}}
+    with pytest.raises(UserInputError, match=r"rng='exact' in a pipeline cannot honour aten.dropout.default .* "
+                                             r"dim 0 is not a multiple of the micro-batch's 4 rows"):
+        autoshard.parallelize(SequenceFirstDropout(), (2,), (x,), rng="exact", **options)
+    assert autoshard.parallelize(SequenceFirstDropout(), (2,), (x,), rng="placement", **options).random_ops

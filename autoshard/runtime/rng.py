@@ -12,7 +12,8 @@ Each random op of the program (`RandomOp`, numbered in the single device's order
   each rank's mask is its block of the mask the single device draws (verify passes with dropout on).
   Cost: each rank does the single device's whole random-number work and holds one op's full-size mask
   while it is drawn. In a pipeline the whole batch's mask is drawn once per step and micro-batch m takes
-  block m of dim 0 (batch-first activations).
+  block m of dim 0 (batch-first activations; a batch-dependent draw whose dim 0 is not a multiple of the
+  micro-batch's rows is refused when the pipeline is planned).
 
 Activation recomputation replays the masks: a region captures the rank's stream position (`capture`)
 in forward and its recompute draws from it again.
