@@ -16,7 +16,7 @@ from autoshard.runtime.loss_scale import LossScaler
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.verify import verify_factory
-from autoshard.zoo import llama
+from autoshard.zoo import llama, mlp
 from autoshard.zoo.hints import plan_hints
 
 LLAMA_DP_TP = plan_hints("llama", ("dp", "tp"), ("dp",), "tp")
@@ -90,8 +90,9 @@ def test_fp16_with_loss_scaling_skips_and_trains_like_grad_scaler(mesh, names, o
 
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     """GradScaler alone would skip only on the rank that overflowed, and the replicas' weights would part."""
-    model, inputs, loss_fn = llama()
-    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"), hints=LLAMA_DP_TP,
+    model, inputs, loss_fn = mlp(n_layers=2)
+    megatron = {"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}, "layers.1.weight": {"tp": "S(1)"}}
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"), hints=megatron,
                                  mixed_precision="fp16")
 
     def step(module):
@@ -109,7 +110,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
 
 
 def test_loss_scaler_misuse_is_named():
-    model, inputs, loss_fn = llama()
+    model, inputs, loss_fn = mlp(n_layers=2)
     prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), mixed_precision="fp16",
                                  hints={"input:0": {"dp": "S(0)"}})
 
@@ -167,10 +168,9 @@ def test_zero3_gathers_bf16_and_reduce_scatters_float32():
     """FSDP2's param_dtype / reduce_dtype: each float32 master shard is cast before its all-gather (half the
     bytes of gathering the master) and its gradient cast back before the reduce-scatter; the cost model
     prices the same."""
-    model, inputs, loss_fn = llama()
-    hints = plan_hints("llama", ("dp",), ("dp",))
-    plans = {mp: autoshard.parallelize(model, (4,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints, zero=3,
-                                       mixed_precision=mp) for mp in (None, "bf16")}
+    model, inputs, loss_fn = mlp(n_layers=2)
+    plans = {mp: autoshard.parallelize(model, (4,), inputs, loss_fn=loss_fn, axis_names=("dp",), zero=3,
+                                       hints={"input:0": {"dp": "S(0)"}}, mixed_precision=mp) for mp in (None, "bf16")}
 
     def step(module):
         ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))

@@ -113,9 +113,9 @@ PLANS = """
 import sys
 import autoshard
 from autoshard.ilp import highs_options
-from autoshard.zoo import llama
+from autoshard.zoo import gpt2
 with highs_options(**eval(sys.argv[1])):
-    for factory in (llama,):
+    for factory in (gpt2,):
         model, inputs, loss_fn = factory()
         print(autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn).plan.dumps())
 """
@@ -123,7 +123,7 @@ with highs_options(**eval(sys.argv[1])):
 
 def test_zoo_plan_files_are_independent_of_solver_threads_and_hash_seed():
     """Fresh processes (HiGHS fixes its thread count at the first solve; Python its hash seed at start):
-    the automatic plan of the zoo Llama is byte-identical with the default threads and hash seed 0 and
+    the automatic plan of the zoo GPT-2 is byte-identical with the default threads and hash seed 0 and
     with 2 threads and hash seed 12345."""
     procs = [subprocess.Popen([sys.executable, "-c", PLANS, repr(options)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONHASHSEED=seed))
