@@ -476,6 +476,8 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     edges: dict = {}
     conversions: dict = {}  # one charge per chain insert_comm emits (see _conversion_charges)
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
+    interned: dict = {}  # placement tuple -> small int: the pair loop below compares and hashes ints, not specs
+    out_ids = {u: [interned.setdefault(have, len(interned)) for have in outs[u]] for u in nodes}
     frozen = written_through_views(state.gm.graph)
     size = {u: node_bytes(u) for u in nodes}
     # A conversion's price depends on the value itself on one axis, but only on its kind and bytes on several:
@@ -497,25 +499,29 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
             partials = [_partial_axes(u, pos, {**dict(enumerate(choices[v])), **cv}, models) for cv in combos[v]]
             # A conversion into an input placement the user asked for (`<module>:input`) is not penalized.
             penalize = semi_auto and not any(pos in wanted for wanted in v.meta.get(INPUT_HINT, {}).values())
+            want_ids = [interned.setdefault(want, len(interned)) for want in wants]
             for a, have in enumerate(outs[u]):
+                have_id, row = out_ids[u][a], matrix[a]
                 for b, want in enumerate(wants):
-                    if have == want or matrix[a][b] == INF:
+                    want_id = want_ids[b]
+                    if have_id == want_id or row[b] == INF:
                         continue
-                    price_key = (priced_as[u], have, want, pos in mutated, penalize)
+                    price_key = (priced_as[u], have_id, want_id, pos in mutated, penalize)
                     cost = prices.get(price_key)
                     if cost is None:
                         cost = prices[price_key] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
                                                               models, others, penalize, mesh, profile, size[u])
                     if cost == INF:
-                        matrix[a][b] = INF
+                        row[b] = INF
                         continue
-                    refund_key = (priced_as[u], have, want, partials[b]) if whole_mesh else (v, pos, a, b)
+                    refund_key = (priced_as[u], have_id, want_id, partials[b]) if whole_mesh else (v, pos, a, b)
                     refund = refunds.get(refund_key)
                     if refund is None:
                         refund = refunds[refund_key] = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes,
                                                                             models, others, partials[b], size[u])
                     cost -= refund
-                    terms, uses = conversions.setdefault((u, have, want, partials[b], penalize, cost), ({}, set()))
+                    terms, uses = conversions.setdefault((u, have_id, want_id, partials[b], penalize, cost),
+                                                         ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
     budget = state.options.get("memory_budget")
