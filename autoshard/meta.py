@@ -34,6 +34,9 @@ IN_SPECS = "autoshard.in_specs"
 GRAD_PARTIAL = "autoshard.grad_partial"
 COMM = "autoshard.comm"
 RNG_INDEX = "autoshard.rng_index"
+CHECKPOINT = "autoshard.checkpoint"  # the recompute region (module path) a node belongs to
+COMM_COST = "autoshard.comm_cost"  # predict's {"fwd_bytes", "bwd_bytes", "seconds"} on a collective
+NODE_COST = "autoshard.node_cost"  # predict's {"seconds", "memory_bytes", "sync_s"}: what one node adds
 
 
 def module_path(node) -> str:

@@ -33,6 +33,7 @@ import torch
 from . import meta
 from .errors import PlanError
 from .mesh import Mesh
+from .meta import COMM_COST, NODE_COST
 from .placement import Shard, Spec, describe_type, dtype_name
 
 PLAN_VERSION = 2  # 2: rows carry `choice` (per axis: {"inputs", "output"})
@@ -84,7 +85,6 @@ class Plan:
         >>> Plan.from_state(prog.state).fingerprint == plan.fingerprint
         True
         """
-        from .passes.predict import COMM_COST
         mesh = state.mesh
         rows = []
         for node in state.gm.graph.nodes:
@@ -94,7 +94,7 @@ class Plan:
             spec = node.meta[meta.SPEC]
             shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
             dtype = dtype_name(val.dtype) if isinstance(val, torch.Tensor) else "tuple"
-            row = PlanRow(node.name, _op_name(node), node.meta.get(meta.PATH, ""), node.meta.get(meta.KIND, ""),
+            row = PlanRow(node.name, op_name(node), node.meta.get(meta.PATH, ""), node.meta.get(meta.KIND, ""),
                           describe_type(shape, spec, mesh.names, dtype), repr(spec))
             choice = node.meta.get(meta.CHOICE)
             if choice and node.op == "call_function":
@@ -357,7 +357,6 @@ class Plan:
         """
         if self._state is None:
             return {}
-        from .passes.predict import NODE_COST
         return {n.name: n.meta[NODE_COST] for n in self._state.gm.graph.nodes if NODE_COST in n.meta}
 
     def diff(self, other: Plan):
@@ -421,7 +420,15 @@ def _html(head, body) -> str:
             + "</tbody></table>")
 
 
-def _op_name(node) -> str:
+def op_name(node) -> str:
+    """The op a plan row names: a placeholder's kind, a collective's name, or the ATen op without "aten.".
+
+    >>> import torch
+    >>> graph = torch.fx.Graph()
+    >>> x = graph.placeholder("x")
+    >>> op_name(x), op_name(graph.call_function(torch.ops.aten.relu.default, (x,)))
+    ('input', 'relu.default')
+    """
     if node.op == "placeholder":
         return node.meta.get(meta.KIND, "input")
     comm = node.meta.get(meta.COMM)

@@ -15,7 +15,7 @@ the full (pp, dp, tp) mesh (slow -> fast). That plan serves every (dp, tp, pp) w
   layer's planned costs (repeated layers share one ILP decision, autoshard/layers.py);
 - units (embedding; each layer; final norm, head and loss) carry their predicted compute + collective
   seconds per micro-batch of one sequence and its fixed part (latencies, weights' collectives), saved
-  activations, what checkpointing a layer saves and costs (`passes/checkpoint.region_savings`),
+  activations, what checkpointing a layer saves and costs (`passes/recompute_cost.region_savings`),
   parameters with gradients and optimizer state, gradient bytes, and the bytes crossing a stage
   boundary before the unit (`cut_stages.boundary_bytes`);
 - pipeline: units cut into pp contiguous stages balanced by time ("balanced") or L/pp layers each
@@ -50,11 +50,12 @@ from .flops import is_matmul_like, node_flops
 from .frontend import Traced, trace
 from .layers import layer_key
 from .mesh import Mesh
-from .passes.checkpoint import region_savings
+from .meta import NODE_COST
 from .passes.cut_stages import boundary_bytes
 from .passes.manager import CompileState, run_passes
 from .passes.normalize import normalize
-from .passes.predict import NODE_COST, collective_bytes, local_bytes
+from .passes.predict import collective_bytes, local_bytes
+from .passes.recompute_cost import region_savings
 from .pipeline_search import estimate_step
 
 # A100-80GB nodes of 8: 312 TFLOP/s bf16, ~2 TB/s HBM, NVLink ~300 GB/s per GPU inside a node, one

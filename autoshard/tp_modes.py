@@ -108,13 +108,13 @@ def linear_roles(model) -> tuple[list[str], list[str]]:
     >>> linear_roles("gpt2")
     (['layers.*.attn.[qkv]', 'layers.*.mlp.fc1'], ['layers.*.attn.proj', 'layers.*.mlp.fc2'])
     """
-    from .zoo.hints import _MEGATRON
+    from .zoo.hints import MEGATRON_LAYERS
     name = model if isinstance(model, str) else type(model).__name__.lower()
-    if name not in _MEGATRON or name == "resnet":
-        raise UserInputError(f"colossal_hints knows the linear layers of the zoo models {sorted(set(_MEGATRON) - {'resnet'})}"
+    if name not in MEGATRON_LAYERS or name == "resnet":
+        raise UserInputError(f"colossal_hints knows the linear layers of the zoo models {sorted(set(MEGATRON_LAYERS) - {'resnet'})}"
                              f", not {name!r}; pass column=[module globs] and row=[module globs] (the first and "
                              "second linear of each pair, e.g. column=['layers.*.mlp.fc1'], row=['layers.*.mlp.fc2'])")
-    table = _MEGATRON[name]
+    table = MEGATRON_LAYERS[name]
     column = [k[: -len(".weight")] for k, p in table.items() if k.endswith(".weight") and p == "S(0)"]
     row = [k[: -len(".weight")] for k, p in table.items() if k.endswith(".weight") and p == "S(1)"]
     return column, row

@@ -15,7 +15,7 @@ import pytest
 import autoshard
 from autoshard import meta, zoo
 from autoshard.cost import HardwareProfile, Link
-from autoshard.passes.predict import NODE_COST
+from autoshard.meta import NODE_COST
 from autoshard.placement import Shard
 
 SLOW = HardwareProfile(name="slow-compute", peak_flops=1e8, memory_bandwidth=1e8, intra_node=Link(1e-6, 1e10),

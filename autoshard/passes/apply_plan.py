@@ -33,10 +33,11 @@ from ..errors import UserInputError
 from ..hints import Hints
 from ..mesh import Mesh
 from ..placement import describe_type, dtype_name
-from ..plan import Plan, _op_name
+from ..plan import Plan, op_name
 from ..plan_io import PlanMismatchError, short
 from ..strategies.base import is_tensor_value
-from .solve import _axis_candidates, plan_objective, record_choice
+from .choice import axis_candidates, record_choice
+from .solve import plan_objective
 
 _REPLAN = ("pass the plan saved for this model and these example inputs (same shapes and dtypes), or re-plan "
            "without plan=")
@@ -130,7 +131,7 @@ class ApplyPlan:
         choices: dict = {n: [] for n in nodes}
         for node, row in pairs:
             for axis in range(mesh.ndim):
-                feasible = _axis_candidates(node, axis, mesh, choices)
+                feasible = axis_candidates(node, axis, mesh, choices)
                 wanted = row.choice[axis]
                 chosen = next((c for c in feasible if c.to_json() == wanted), None)
                 if chosen is None:
@@ -185,7 +186,7 @@ def _describe_node(node) -> str:
     else:
         typ = describe_type((), None, (), "tuple")
     path = node.meta.get(meta.PATH, "")
-    return f"node {node.name!r} ({_op_name(node)} at {path or 'the top level'}, {node.meta.get(meta.KIND, '')}, {typ})"
+    return f"node {node.name!r} ({op_name(node)} at {path or 'the top level'}, {node.meta.get(meta.KIND, '')}, {typ})"
 
 
 def _difference(row, node) -> str:

@@ -33,10 +33,12 @@ from torch import fx
 
 from .. import meta
 from ..errors import PlanError, UserInputError
+from ..meta import CHECKPOINT
 from ..runtime.collectives import current, use_communicator
 from ..runtime.rng import at_position, current_position
+from .predict import predict
+from .recompute_cost import region_savings
 
-CHECKPOINT = "autoshard.checkpoint"
 _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
 
 
@@ -88,68 +90,9 @@ def _region_of(node, regions):
     return next((r for r in regions if path == r or path.startswith(r + ".")), None)
 
 
-def _recompute(state, node) -> tuple[float, dict]:
-    """Seconds of recomputing one node in backward, and the forward bytes per axis a collective resends."""
-    from ..cost import DEFAULT_PROFILE, collective_time
-    from .predict import COMM_COST, NODE_COST  # predict imports this module
-    if node.meta.get(meta.KIND) != "comm":
-        return node.meta[NODE_COST]["seconds"] / 3, {}  # NODE_COST counts forward + backward (x3)
-    info, mesh = node.meta[meta.COMM], state.mesh
-    axis = mesh.axis(info["axis"])
-    link = (state.options.get("profile") or DEFAULT_PROFILE).link(mesh.shape, axis)
-    fwd = node.meta[COMM_COST]["fwd_bytes"]
-    return collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
-
-
-def region_savings(state, nodes) -> tuple[float, float]:
-    """(activation bytes per rank no longer kept, seconds of recompute) of checkpointing `nodes`.
-
-    >>> saved, seconds = region_savings(prog.state, [n for n in ops if n.meta.get(CHECKPOINT) == "layers.0"])
-    >>> saved > 0 and seconds > 0
-    True
-    """
-    from .predict import NODE_COST
-    members = set(nodes)
-    saved = sum(n.meta[NODE_COST]["memory_bytes"] for n in nodes if all(u in members for u in n.users))
-    return saved, sum(_recompute(state, n)[0] for n in nodes)
-
-
-def account_recompute(state) -> None:
-    """Adjust `state.predicted` (written by predict) for the checkpoint regions: forward compute and
-    forward collectives run twice; a region keeps only its outputs, and while one region is recomputed
-    its activations are live again (the largest region counts once).
-
-    >>> prog.plan.predicted["recompute_s"] > 0  # predict called it
-    True
-    """
-    regions = getattr(state, "checkpoint_regions", [])
-    if not regions:
-        return
-    predicted = state.predicted
-    by_region: dict = {}
-    for node in state.gm.graph.nodes:
-        if CHECKPOINT in node.meta:
-            by_region.setdefault(node.meta[CHECKPOINT], []).append(node)
-    largest = 0.0
-    for nodes in by_region.values():
-        saved, _ = region_savings(state, nodes)
-        predicted["memory_bytes_per_rank"] -= int(saved)
-        largest = max(largest, saved)
-        for node in nodes:
-            seconds, resent = _recompute(state, node)
-            key = "comm_s" if resent else "compute_s"
-            predicted[key] += seconds
-            predicted["step_time_s"] += seconds
-            for axis, nbytes in resent.items():
-                predicted["comm_bytes_per_step"][axis]["fwd"] += nbytes
-    predicted["memory_bytes_per_rank"] += int(largest)
-    predicted["recompute_s"] = sum(_recompute(state, n)[0] for nodes in by_region.values() for n in nodes)
-
-
 def _auto_regions(state, ops, layers) -> list[str]:
     """Repeated layers to checkpoint until the predicted memory fits the budget (greedy by bytes saved
     per recompute second); none when it already fits."""
-    from .predict import predict
     budget = state.options.get("checkpoint_budget")
     if budget is None or not layers:
         return []

@@ -30,9 +30,10 @@ import operator
 import torch
 
 from .. import meta
-from ..errors import PlanError, UserInputError
 from ..cost import collective_latency
-from .predict import NODE_COST, collective_bytes, local_bytes
+from ..errors import PlanError, UserInputError
+from ..meta import NODE_COST
+from .predict import collective_bytes, local_bytes
 
 STAGE = "autoshard.stage"
 AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidate cut; above, module boundaries

@@ -38,11 +38,11 @@ from torch import fx
 
 from .. import meta
 from ..flops import node_bytes
+from ..meta import COMM_COST
 from ..placement import Shard
 from ..strategies import tensor_inputs
 from ..strategies.base import REGISTRY
 
-COMM_COST = "autoshard.comm_cost"  # predict's {"fwd_bytes", "bwd_bytes", "seconds"} on a collective
 GATHERS = ("all_gather", "all_to_all")
 _WARNED: set[str] = set()
 

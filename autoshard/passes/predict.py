@@ -25,12 +25,10 @@ from .. import meta
 from ..axis_cost import compute_time, held_bytes_factor, needs_grad
 from ..cost import DEFAULT_PROFILE, all_reduce_time, collective_time
 from ..flops import node_bytes
+from ..meta import COMM_COST, NODE_COST
 from ..placement import Shard
 from ..zero_cost import apply_zero, gather_bytes
-from .checkpoint import account_recompute
-
-COMM_COST = "autoshard.comm_cost"
-NODE_COST = "autoshard.node_cost"  # {"seconds", "memory_bytes", "sync_s"}: what one node adds (cut_stages sums them)
+from .recompute_cost import account_recompute
 
 
 def local_bytes(node, spec, mesh) -> int:

@@ -49,16 +49,16 @@ from ..cost import (
     fused_gather_saving,
     redistribution_time,
 )
-from ..errors import HintError
 from ..flops import node_bytes
 from ..ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from ..layers import decision_classes
 from ..mixed_precision import cast_parameter
 from ..placement import Replicate, Shard, Spec
 from ..strategies import tensor_inputs
-from ..strategies.base import RuleContext, feasible, output_shapes
 from .annotate import INPUT_HINT
+from .choice import axis_candidates, record_choice
 from .graph_utils import data_parallel_axes
+from .zero import planned_zero, solve_with_zero
 
 aten = torch.ops.aten
 _SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
@@ -98,7 +98,6 @@ def solve(state) -> None:
     >>> {n.meta["autoshard.path"]: str(n.meta["autoshard.spec"]) for n in state.gm.graph.nodes if n.op == "placeholder"}
     {'0.weight': '[S(0)]', '0.bias': '[S(0)]', '2.weight': '[S(1)]', '2.bias': '[R]', 'input:0': '[R]'}
     """
-    from .zero import planned_zero, solve_with_zero
     state.zero_for_memory = planned_zero(state)  # a requested ZeRO shrinks the memory row from the start
     try:
         _solve(state)
@@ -133,26 +132,6 @@ def _solve(state) -> None:
 solve.name = "solve"
 
 
-def record_choice(node, chosen, grad) -> None:
-    """Write a node's chosen strategies (one per axis) and what follows from them (also used by apply_plan).
-
-    >>> from autoshard.axis_cost import needs_grad
-    >>> solved = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
-    >>> linear = next(n for n in solved.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
-    >>> record_choice(linear, linear.meta["autoshard.choice"], needs_grad(solved.gm.graph))
-    >>> linear.meta["autoshard.choice"], linear.meta["autoshard.spec"], linear.meta["autoshard.in_specs"]
-    ([(R, S(0)) -> S(1)], [S(1)], [[R], [S(0)]])
-    """
-    node.meta[meta.CHOICE] = chosen
-    node.meta[meta.SPEC] = Spec(c.output for c in chosen)
-    n_in = len(chosen[0].inputs) if chosen else 0
-    node.meta[meta.IN_SPECS] = [Spec(c.inputs[i] for c in chosen) for i in range(n_in)]
-    inputs = tensor_inputs(node) if node.op == "call_function" else []
-    node.meta[meta.GRAD_PARTIAL] = [
-        tuple(a for a, c in enumerate(chosen) if isinstance(c.inputs[i], Replicate) and c.splits_work)
-        if grad.get(inputs[i], False) else () for i in range(n_in)]
-
-
 # How much of the later axes' size an earlier axis may count on to shrink memory: all of it first; when
 # that leaves a later axis with no plan inside the budget, the earlier axes are solved again less
 # optimistically (down to fitting the budget on their own).
@@ -166,7 +145,7 @@ def _solve_sequential(nodes, state, models, semi_auto) -> dict:
         state.ilp_stats = []
         try:
             for axis in range(mesh.ndim):
-                combos = {n: [{axis: c} for c in _axis_candidates(n, axis, mesh, choices)] for n in nodes}
+                combos = {n: [{axis: c} for c in axis_candidates(n, axis, mesh, choices)] for n in nodes}
                 picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto, optimism)
                 for node in nodes:
                     choices[node].append(picked[node][axis])
@@ -184,45 +163,12 @@ def _joint_combos(nodes, mesh):
     for node in nodes:
         found = [[]]
         for axis in range(mesh.ndim):
-            found = [prior + [c] for prior in found for c in _axis_candidates(node, axis, mesh, {node: prior})]
+            found = [prior + [c] for prior in found for c in axis_candidates(node, axis, mesh, {node: prior})]
         combos[node] = [dict(enumerate(f)) for f in found]
     size = sum(len(c) for c in combos.values())
     size += sum(len(combos[u]) * len(combos[v]) for v in nodes if v.op == "call_function"
                 for u in tensor_inputs(v) if u in combos)
     return combos if size <= JOINT_MAX_VARIABLES else None
-
-
-def _local(shape, placements, mesh, upto_axis):
-    """Shape after the placements chosen on axes before `upto_axis`."""
-    shape = list(shape)
-    for axis, p in enumerate(placements[:upto_axis]):
-        if isinstance(p, Shard) and p.dim < len(shape):
-            shape[p.dim] //= mesh.shape[axis]
-    return tuple(shape)
-
-
-def _axis_candidates(node, axis, mesh, choices):
-    """Candidates still feasible on this axis given the shapes left by earlier axes, with hints applied."""
-    prior = choices[node]
-    inputs = tensor_inputs(node) if node.op == "call_function" else []
-    in_shapes = []
-    for i, producer in enumerate(inputs):
-        shapes = output_shapes(producer)
-        in_shapes.append(_local(shapes[0] if shapes else (), [c.inputs[i] for c in prior], mesh, axis))
-    out_shapes = [_local(s, [c.output for c in prior], mesh, axis) for s in output_shapes(node)]
-    ctx = RuleContext(node, in_shapes, out_shapes, mesh.shape[axis])
-    found = [c for c in node.meta[meta.CANDIDATES][axis] if feasible(c, ctx)]
-    hint = node.meta.get(meta.HINT, {}).get(axis)
-    if hint is not None:
-        found = [c for c in found if c.output == hint]
-    for pos, placement in node.meta.get(INPUT_HINT, {}).get(axis, {}).items():
-        found = [c for c in found if c.inputs[pos] == placement]
-    if not found:
-        what = f"hint {hint!r}" if hint is not None else "the split counts given for it"
-        raise HintError(f"{what} on mesh axis {mesh.names[axis]!r} cannot be met at {node.meta.get(meta.PATH) or ''} "
-                        f"(node {node.name!r}, op {node.target}): after the earlier axes' choices no sharding of "
-                        "this op produces it; relax the hint or shard a dim that divides evenly")
-    return found
 
 
 def is_view(node) -> bool:

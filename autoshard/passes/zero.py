@@ -30,7 +30,7 @@ from ..errors import HintError
 from ..hints import ZERO_STAGES, Hints, parse_zero
 from ..placement import Replicate, Shard
 from ..strategies import AxisStrategy
-from .solve import record_choice
+from .choice import record_choice
 
 
 @dataclass(frozen=True)

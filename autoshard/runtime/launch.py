@@ -178,14 +178,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _to_bytes(value) -> bytes:
-    """Results cross processes as torch.save bytes: shared-memory tensors would die with the child."""
+def to_bytes(value) -> bytes:
+    """`value` as torch.save bytes: results cross processes that way (shared-memory tensors would die
+    with the child).
+
+    >>> from_bytes(to_bytes({"loss": torch.tensor(1.5)}))
+    {'loss': tensor(1.5000)}
+    """
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
 
 
-def _from_bytes(data: bytes):
+def from_bytes(data: bytes):
+    """What `to_bytes` wrote (weights_only: nothing but tensors and plain values is loaded).
+
+    >>> from_bytes(to_bytes([1, 2]))
+    [1, 2]
+    """
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
@@ -203,7 +213,7 @@ def _child(rank, world, port, task, args, results, timeout_s):
             warnings.simplefilter("default")
             value = task(rank, world, *args)
         shown = list(dict.fromkeys((w.category.__name__, str(w.message)) for w in caught))
-        results.put((rank, "ok", _to_bytes(value), shown))
+        results.put((rank, "ok", to_bytes(value), shown))
         ok = True
     except BaseException as exc:  # noqa: BLE001  (reported to the parent with the traceback)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -261,7 +271,7 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
         for warning in shown:
             warned.setdefault(warning, []).append(rank)
         if status == "ok":
-            out[rank] = _from_bytes(value)
+            out[rank] = from_bytes(value)
         else:
             errors[rank] = value
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import AutoshardError
-from .launch import _from_bytes, _to_bytes, free_port
+from .launch import free_port, from_bytes, to_bytes
 
 
 def _worker(rank, world, port, inbox, outbox, timeout_s):
@@ -36,7 +36,7 @@ def _worker(rank, world, port, inbox, outbox, timeout_s):
             break
         job_id, task, args = job
         try:
-            outbox.put((rank, job_id, ("ok", _to_bytes(task(rank, world, *args)))))
+            outbox.put((rank, job_id, ("ok", to_bytes(task(rank, world, *args)))))
         except BaseException:  # noqa: BLE001  (reported to the parent)
             outbox.put((rank, job_id, ("error", traceback.format_exc())))
     # The parent has every result: end at once. An orderly teardown of the group and of an interpreter
@@ -104,7 +104,7 @@ class WorkerPool:
             if got_id != job_id:
                 continue  # a late answer of an earlier failed job
             if status == "ok":
-                out[rank] = _from_bytes(value)
+                out[rank] = from_bytes(value)
             else:
                 errors[rank] = value
         if errors:

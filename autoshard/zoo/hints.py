@@ -25,7 +25,7 @@ def _transformer(prefix_attn: str, prefix_mlp: str, qkv_bias: bool, out: str, fc
     return rules
 
 
-_MEGATRON = {
+MEGATRON_LAYERS = {
     "mlp": {"layers.0.weight": _COLUMN, "layers.0.bias": _COLUMN, "layers.1.weight": _ROW},
     "gpt2": _transformer("layers.*.attn", "layers.*.mlp", True, "proj", ["fc1"], "fc2", True),
     "bert": _transformer("layers.*.attn", "layers.*.mlp", True, "proj", ["fc1"], "fc2", True),
@@ -45,7 +45,7 @@ def megatron(model: str, axis: str = "tp") -> dict:
     >>> megatron("gpt2", "tp")["layers.*.attn.[qkv].weight"], megatron("gpt2", "tp")["layers.*.mlp.fc2.weight"]
     ({'tp': 'S(0)'}, {'tp': 'S(1)'})
     """
-    return {key: {axis: placement} for key, placement in _MEGATRON[model].items()}
+    return {key: {axis: placement} for key, placement in MEGATRON_LAYERS[model].items()}
 
 
 # Megatron-SP (Korthikanti et al. 2022): the residual stream and the norm/dropout regions are

@@ -4,7 +4,8 @@ import torch
 
 import autoshard
 from autoshard.errors import UserInputError
-from autoshard.passes.checkpoint import CHECKPOINT, Recomputed
+from autoshard.meta import CHECKPOINT
+from autoshard.passes.checkpoint import Recomputed
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify import to_double, verify_simulated
 from autoshard.zoo import gpt2, llama

@@ -1,0 +1,79 @@
+"""A decision on a node: which strategies it may still take on a mesh axis, and writing the chosen ones.
+
+solve, zero (ZeRO-3's parameter shards) and apply_plan decide; `record_choice` is the one place a
+decision becomes meta: the node's choice per axis, its output spec, its input specs and the mesh axes where
+each input's gradient comes back partial (the duality rule: a replicated input of an op that splits its
+work there).
+
+>>> import torch
+>>> from autoshard.axis_cost import needs_grad
+>>> from autoshard.program import state_before
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
+>>> solved = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
+>>> linear = next(n for n in solved.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+"""
+from __future__ import annotations
+
+from .. import meta
+from ..errors import HintError
+from ..placement import Replicate, Shard, Spec
+from ..strategies import tensor_inputs
+from ..strategies.base import RuleContext, feasible, output_shapes
+from .annotate import INPUT_HINT
+
+
+def record_choice(node, chosen, grad) -> None:
+    """Write a node's chosen strategies (one per axis) and what follows from them (also used by apply_plan).
+
+    >>> record_choice(linear, linear.meta["autoshard.choice"], needs_grad(solved.gm.graph))
+    >>> linear.meta["autoshard.choice"], linear.meta["autoshard.spec"], linear.meta["autoshard.in_specs"]
+    ([(R, S(0)) -> S(1)], [S(1)], [[R], [S(0)]])
+    """
+    node.meta[meta.CHOICE] = chosen
+    node.meta[meta.SPEC] = Spec(c.output for c in chosen)
+    n_in = len(chosen[0].inputs) if chosen else 0
+    node.meta[meta.IN_SPECS] = [Spec(c.inputs[i] for c in chosen) for i in range(n_in)]
+    inputs = tensor_inputs(node) if node.op == "call_function" else []
+    node.meta[meta.GRAD_PARTIAL] = [
+        tuple(a for a, c in enumerate(chosen) if isinstance(c.inputs[i], Replicate) and c.splits_work)
+        if grad.get(inputs[i], False) else () for i in range(n_in)]
+
+
+def _local(shape, placements, mesh, upto_axis):
+    """Shape after the placements chosen on axes before `upto_axis`."""
+    shape = list(shape)
+    for axis, p in enumerate(placements[:upto_axis]):
+        if isinstance(p, Shard) and p.dim < len(shape):
+            shape[p.dim] //= mesh.shape[axis]
+    return tuple(shape)
+
+
+def axis_candidates(node, axis, mesh, choices):
+    """`node`'s candidates on mesh `axis` still feasible given the shapes its choices on earlier axes
+    (`choices[node]`) leave, with hints applied; a hint no candidate meets is an error.
+
+    >>> found = [str(c) for c in axis_candidates(linear, 0, solved.mesh, {linear: []})]
+    >>> found[:2], "(R, S(0)) -> S(1)" in found  # replicated, data parallel, ..., column parallel
+    (['(R, R) -> R', '(S(0), R) -> S(0)'], True)
+    """
+    prior = choices[node]
+    inputs = tensor_inputs(node) if node.op == "call_function" else []
+    in_shapes = []
+    for i, producer in enumerate(inputs):
+        shapes = output_shapes(producer)
+        in_shapes.append(_local(shapes[0] if shapes else (), [c.inputs[i] for c in prior], mesh, axis))
+    out_shapes = [_local(s, [c.output for c in prior], mesh, axis) for s in output_shapes(node)]
+    ctx = RuleContext(node, in_shapes, out_shapes, mesh.shape[axis])
+    found = [c for c in node.meta[meta.CANDIDATES][axis] if feasible(c, ctx)]
+    hint = node.meta.get(meta.HINT, {}).get(axis)
+    if hint is not None:
+        found = [c for c in found if c.output == hint]
+    for pos, placement in node.meta.get(INPUT_HINT, {}).get(axis, {}).items():
+        found = [c for c in found if c.inputs[pos] == placement]
+    if not found:
+        what = f"hint {hint!r}" if hint is not None else "the split counts given for it"
+        raise HintError(f"{what} on mesh axis {mesh.names[axis]!r} cannot be met at {node.meta.get(meta.PATH) or ''} "
+                        f"(node {node.name!r}, op {node.target}): after the earlier axes' choices no sharding of "
+                        "this op produces it; relax the hint or shard a dim that divides evenly")
+    return found

@@ -1,0 +1,80 @@
+"""The package's import structure (issue 16): no import cycles among autoshard's modules -- imports inside
+functions count, since they only hide a cycle -- and no module imports another module's private name.
+The cycles still being taken apart are listed; the list may only shrink."""
+import ast
+import collections
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KNOWN_CYCLES = [  # issue 16 is taking these apart; the test fails when one changes or another appears
+    ["autoshard.hints", "autoshard.plan", "autoshard.plan_io"],
+    ["autoshard.pipeline", "autoshard.pipeline_program", "autoshard.pipeline_search", "autoshard.program"],
+]
+
+
+def _modules() -> dict:
+    out = {}
+    for path in (ROOT / "autoshard").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(modules) -> list:
+    """(importer, imported module, name) for every `from ... import name` of an autoshard module."""
+    found = []
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                found.append((name, full if full in modules else target, alias.name))
+    return [(a, b, n) for a, b, n in found if b.startswith("autoshard")]
+
+
+def _cycles(modules, imports) -> list:
+    graph = collections.defaultdict(set)
+    for importer, imported, _ in imports:
+        if imported != importer and not imported.startswith(importer + "."):  # a package's own submodules
+            graph[importer].add(imported)
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+    for module in sorted(modules):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_no_import_cycles_beyond_the_known_ones():
+    modules = _modules()
+    assert _cycles(modules, _imports(modules)) == sorted(KNOWN_CYCLES)
+
+
+def test_no_module_imports_another_modules_private_names():
+    modules = _modules()
+    private = [(a, b, n) for a, b, n in _imports(modules) if n.startswith("_") and not n.startswith("__")
+               and b in modules and b != a]
+    assert private == []
