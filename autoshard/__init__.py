@@ -11,7 +11,8 @@ from .errors import AutoshardError, ExportError, HintError, PlanError, UserInput
 from .mesh import Mesh
 from .placement import P, Partial, R, Replicate, S, Shard, Spec
 from .plan import Plan
-from .program import Program, parallelize
+from .api import parallelize
+from .program import Program
 from .runtime.rng import manual_seed
 from .stages import stage
 from .viz import plot_timeline

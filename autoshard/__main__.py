@@ -155,7 +155,7 @@ def _run(args) -> int:
                "pipeline": _pipeline(args)}
     if args.command == "plan":
         from .factory import make_case
-        from .program import parallelize
+        from .api import parallelize
         model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
         prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
         if args.json:

@@ -8,7 +8,7 @@ op that splits its work gets a partial gradient, all-reduced in backward (`comm_
 parameter with its gradient and optimizer state, an input, or an activation saved for backward.
 
 >>> from autoshard.cost import HardwareProfile
->>> from autoshard.program import state_before
+>>> from autoshard.compiler import state_before
 >>> from autoshard.placement import R, S
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("dp",))

@@ -35,6 +35,7 @@ import warnings
 import torch
 
 from .errors import AutoshardError, UserInputError
+from .json_files import read_json_file
 from .placement import Partial, Shard
 
 SIDECAR = "autoshard_checkpoint.json"
@@ -269,7 +270,6 @@ def _optimizer_slots(path, index, params: dict, shapes: dict, specs, program, co
 
 
 def _read_sidecar(path) -> dict:
-    from .plan_io import read_json_file
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {str(path)!r} is not a directory; pass the directory save_checkpoint "
                               "wrote")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .program import parallelize
+from .api import parallelize
 from .verify import build_case, verify_factory
 from .zoo.hints import plan_hints
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import HintError
+from .json_files import parse_json_bytes
 from .placement import Partial, Placement, Shard, parse_placement
 
 MAX_HINT_FILE_BYTES = 4 << 20
@@ -81,7 +82,6 @@ class Hints:
             raise HintError(f"hint file {str(path)!r} is {len(raw)} bytes; the limit is {MAX_HINT_FILE_BYTES} "
                             "(4 MiB). Use globs ('layers.*.attn.q.weight') instead of one key per layer")
         # strict JSON; every failure is a HintError
-        from .plan_io import parse_json_bytes
         data = parse_json_bytes(raw, f"hint file {str(path)!r}", HintError)
         return cls.parse(data, source=str(path))
 

@@ -231,7 +231,7 @@ def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, 
     (Mesh(dp=2), 4, True)
     """
     from .pipeline_program import PipelineProgram
-    from .program import compile_state
+    from .compiler import compile_state
     options = check_options(options)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     annotations = collect_annotations(model, hints, options.get("balance"), options.get("split_points"))

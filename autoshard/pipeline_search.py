@@ -147,7 +147,8 @@ def _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, 
 def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug):
     """No pipeline, or one axis of each (size, link) class as pp (equal classes plan alike)."""
     from .cost import DEFAULT_PROFILE
-    from .program import Program, compile_state
+    from .compiler import compile_state
+    from .program import Program
     try:
         flat = Program(*compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options))
         candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]

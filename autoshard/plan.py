@@ -35,8 +35,13 @@ from .errors import PlanError
 from .mesh import Mesh
 from .meta import COMM_COST, NODE_COST
 from .placement import Shard, Spec, describe_type, dtype_name
-
-PLAN_VERSION = 2  # 2: rows carry `choice` (per axis: {"inputs", "output"})
+from .plan_io import (
+    PLAN_VERSION,
+    check_fingerprint,
+    plan_parts,
+    read_plan_file,
+    save_plan,
+)
 
 
 @dataclass
@@ -119,7 +124,6 @@ class Plan:
         >>> Plan.load(path).fingerprint == plan.fingerprint
         True
         """
-        from .plan_io import save_plan
         save_plan(self, path)
 
     @classmethod
@@ -133,8 +137,39 @@ class Plan:
         >>> Plan.load(path).fingerprint == plan.fingerprint  # or autoshard.parallelize(..., plan=path)
         True
         """
-        from .plan_io import load_plan
-        return load_plan(path)
+        return cls.from_parts(read_plan_file(path))
+
+    @classmethod
+    def from_json(cls, data, source: str = "plan") -> Plan:
+        """The Plan of a plan file's content (`to_json()` plus "fingerprint"), checked against the schema
+        (autoshard/plan_io.py); no compiled state: decisions only.
+
+        >>> import json
+        >>> data = dict(json.loads(plan.dumps()), fingerprint=plan.fingerprint)
+        >>> Plan.from_json(data).fingerprint == plan.fingerprint
+        True
+        """
+        return cls.from_parts(plan_parts(data, source))
+
+    @classmethod
+    def from_parts(cls, parts: dict) -> Plan:
+        """Build the Plan from plan_io's checked parts and check the file's fingerprint against it.
+
+        >>> import json
+        >>> Plan.from_parts(plan_parts(json.loads(plan.dumps()) | {"fingerprint": None})).dumps() == plan.dumps()
+        True
+        """
+        rows = []
+        for fields in parts["rows"]:
+            row = PlanRow(**{k: v for k, v in fields.items() if k != "stage"})
+            if "stage" in fields:
+                row.stage = fields["stage"]
+            rows.append(row)
+        plan = cls(parts["mesh"], rows, parts["grad_reduce"], parts["hints"], parts["predicted"])
+        for key, value in parts["records"].items():  # pipelined plans: records only (not applied by plan=)
+            setattr(plan, key, value)
+        check_fingerprint(plan, parts["fingerprint"], parts["source"])
+        return plan
 
     def explain(self, path: str = "") -> str:
         """Why the ops under module `path` got their placements: each axis's alternatives and costs.

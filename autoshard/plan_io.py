@@ -34,13 +34,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import reprlib
 from pathlib import Path
 
 from .errors import HintError, PlanError, UserInputError
+from .hints import Hints
+from .json_files import SHORT, read_json_file, short
 from .mesh import Mesh
 from .placement import Spec, parse_placement
-from .plan import PLAN_VERSION, Plan, PlanRow
+
+PLAN_VERSION = 2  # 2: rows carry `choice` (per axis: {"inputs", "output"})
 
 MAX_PLAN_FILE_BYTES = 64 << 20
 _RESAVE = "save the plan again with prog.plan.save(path) (a plan file is written by autoshard, not by hand)"
@@ -50,14 +52,12 @@ _TOP_KEYS = ("version", "mesh", "hints", "nodes", "grad_reduce", "predicted", "f
 _OPTIONAL_TOP_KEYS = ("pipeline", "search")  # pipelined plans / unnamed-mesh search records
 _PREDICTED_SECONDS = ("step_time_s", "compute_s", "comm_s")
 _OPTIONAL_PREDICTED_SECONDS = ("recompute_s",)  # activation checkpointing's recompute time
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 4, 4
 
 
 class PlanFileError(PlanError):
     """A plan file that cannot be read, is not valid JSON, or does not follow the plan schema.
 
-    >>> plan_from_json({"version": 2})
+    >>> plan_parts({"version": 2})
     Traceback (most recent call last):
     ...
     autoshard.plan_io.PlanFileError: plan file plan: at the top level: a plan lacks the keys 'mesh', ...
@@ -74,77 +74,7 @@ class PlanMismatchError(PlanError):
     """
 
 
-def short(value) -> str:
-    """A bounded description of a JSON value for messages (safe on huge or deeply nested values).
-
-    >>> short(list(range(1000)))
-    'list [0, 1, 2, 3, ...]'
-    """
-    return f"{type(value).__name__} {_SHORT.repr(value)}"
-
-
-def read_json_file(path, what: str, limit: int, error=PlanFileError):
-    """Parse a JSON file of at most `limit` bytes; every failure raises `error` naming the file.
-
-    >>> with open(os.path.join(folder, "small.json"), "w") as f:
-    ...     _ = f.write('{"a": [1, 2]}')
-    >>> read_json_file(os.path.join(folder, "small.json"), "example file", limit=100)
-    {'a': [1, 2]}
-    >>> read_json_file(os.path.join(folder, "small.json"), "example file", limit=4)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    autoshard.plan_io.PlanFileError: example file '...small.json' is larger than the limit of 4 bytes; ...
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise error(f"{what} must be the path of a JSON file (str or os.PathLike), got {short(path)}")
-    path = Path(path)
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(limit + 1)
-    except OSError as exc:
-        raise error(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}; check the path") from exc
-    if len(raw) > limit:
-        mib = f" ({limit / 2**20:g} MiB)" if limit >= 2**20 else ""
-        raise error(f"{what} {str(path)!r} is larger than the limit of {limit} bytes{mib}; it is not a file "
-                    "autoshard wrote, or it was padded; check the path")
-    return parse_json_bytes(raw, f"{what} {str(path)!r}", error)
-
-
-def _reject_constant(name):
-    raise ValueError(f"{name} is not a JSON number (write a finite number)")
-
-
-def parse_json_bytes(raw: bytes, source: str, error=PlanFileError):
-    """Strict JSON from bytes: UTF-8 (a BOM is allowed), no NaN/Infinity; errors are `error`s.
-
-    >>> parse_json_bytes('\\ufeff{"step_time_s": 1.5}'.encode(), "example")  # UTF-8 with a byte-order mark
-    {'step_time_s': 1.5}
-    >>> parse_json_bytes(b'{"step_time_s": NaN}', "example")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    autoshard.plan_io.PlanFileError: example ...NaN...
-    """
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise error(f"{source} is not UTF-8 text (byte {exc.start}: {exc.reason}); it is corrupt or not a JSON "
-                    "file — check the path or write it again") from None
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        truncated = exc.pos >= len(text.rstrip()) or (exc.msg.startswith("Unterminated string")
-                                                      and '"' not in text[exc.pos + 1:])
-        why = "it ends too early (truncated?)" if truncated else "it is corrupt or was edited"
-        raise error(f"{source} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}); {why} — "
-                    "write it again") from None
-    except RecursionError:
-        raise error(f"{source} nests JSON arrays/objects too deeply to parse; it is not a file autoshard "
-                    "wrote") from None
-    except ValueError as exc:  # NaN/Infinity, or an integer with more digits than Python converts
-        raise error(f"{source} is not valid JSON for autoshard: {exc}") from None
-
-
-def save_plan(plan: Plan, path) -> None:
+def save_plan(plan, path) -> None:
     """Write `plan` as indented, sorted JSON with its fingerprint (atomically: temp file, then rename);
     `Plan.save` calls it.
 
@@ -168,26 +98,40 @@ def save_plan(plan: Plan, path) -> None:
                             "directory exists and is writable") from exc
 
 
-def load_plan(path) -> Plan:
-    """Read and check a plan file (`Plan.load` calls it); the plan keeps decisions, not compiled state.
+def read_plan_file(path) -> dict:
+    """The checked content of a plan file (`Plan.load` builds the Plan from it; see `plan_parts`).
 
     >>> save_plan(prog.plan, path)
-    >>> loaded = load_plan(path)
-    >>> loaded.dumps() == prog.plan.dumps(), loaded.row_costs()
-    (True, {})
+    >>> sorted(read_plan_file(path))
+    ['fingerprint', 'grad_reduce', 'hints', 'mesh', 'predicted', 'records', 'rows', 'source']
     """
-    data = read_json_file(path, "plan file", MAX_PLAN_FILE_BYTES)
-    return plan_from_json(data, repr(str(path)))
+    return plan_parts(read_json_file(path, "plan file", MAX_PLAN_FILE_BYTES, PlanFileError), repr(str(path)))
 
 
-def plan_from_json(data, source: str = "plan") -> Plan:
-    """Check `data` against the plan schema and build the Plan (no compiled state: decisions only).
+def plan_parts(data, source: str = "plan") -> dict:
+    """Check `data` against the plan schema; return what a Plan is built from: mesh, rows (each row's fields),
+    grad_reduce, hints, predicted, records (pipeline/search), the claimed fingerprint and the source.
 
     >>> data = dict(json.loads(prog.plan.dumps()), fingerprint=prog.plan.fingerprint)  # a plan file's content
-    >>> plan_from_json(data).fingerprint == prog.plan.fingerprint
-    True
+    >>> plan_parts(data)["rows"][0]["name"]
+    'p_model_layers_0_weight'
     """
-    return _Checker(source).plan(data)
+    return {**_Checker(source).plan(data), "source": source}
+
+
+def check_fingerprint(plan, claimed, source: str) -> None:
+    """A plan file's fingerprint must be its content's (null: deliberately edited by hand).
+
+    >>> check_fingerprint(prog.plan, "0000000000000000", "example")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autoshard.plan_io.PlanFileError: plan file example: at fingerprint: the file says '0000000000000000' but ...
+    """
+    if claimed is not None and claimed != plan.fingerprint:
+        raise _Checker(source).fail("fingerprint", f"the file says {SHORT.repr(claimed)} but its content hashes to "
+                                                   f"{plan.fingerprint!r}: it was changed after it was saved, or is "
+                                                   "corrupt", "save it again; if you edited it on purpose, set "
+                                                   "\"fingerprint\" to null")
 
 
 class _Checker:
@@ -236,10 +180,10 @@ class _Checker:
         try:
             return repr(parse_placement(value, where))
         except ValueError:
-            raise self.fail(where, f"malformed placement {_SHORT.repr(value)}: a placement is 'S(<dim>)', 'R' or "
+            raise self.fail(where, f"malformed placement {SHORT.repr(value)}: a placement is 'S(<dim>)', 'R' or "
                                    "'P', e.g. 'S(0)'") from None
 
-    def plan(self, data) -> Plan:
+    def plan(self, data) -> dict:
         if not isinstance(data, dict):
             raise self.fail("the top level", f"expected a plan (a JSON object), got {short(data)}")
         if "version" not in data:
@@ -247,7 +191,7 @@ class _Checker:
                                              f"carry \"version\": {PLAN_VERSION})", "check the path")
         version = data["version"]
         if type(version) is not int or version != PLAN_VERSION:
-            raise self.fail("version", f"the file has plan format version {_SHORT.repr(version)} but this autoshard "
+            raise self.fail("version", f"the file has plan format version {SHORT.repr(version)} but this autoshard "
                                        f"reads version {PLAN_VERSION}",
                             "re-plan with this version of autoshard (parallelize without plan=) and save again")
         optional = tuple(k for k in _OPTIONAL_TOP_KEYS if isinstance(data, dict) and k in data)
@@ -257,18 +201,13 @@ class _Checker:
         rows = self.rows(data["nodes"], mesh)
         grad_reduce = self.grad_reduce(data["grad_reduce"], mesh)
         predicted = self.predicted(data["predicted"], mesh)
-        plan = Plan(mesh, rows, grad_reduce, hints, predicted)
-        for key in optional:  # pipelined plans: records only (parallelize(plan=...) does not apply them)
-            setattr(plan, key, self.obj(data[key], key, tuple(data[key]) if isinstance(data[key], dict) else (),
-                                        f"the {key} record"))
+        records = {key: self.obj(data[key], key, tuple(data[key]) if isinstance(data[key], dict) else (),
+                                 f"the {key} record") for key in optional}  # pipelined plans: records only
         fingerprint = data["fingerprint"]
         if fingerprint is not None:
             self.string(fingerprint, "fingerprint")
-            if fingerprint != plan.fingerprint:
-                raise self.fail("fingerprint", f"the file says {_SHORT.repr(fingerprint)} but its content hashes to "
-                                               f"{plan.fingerprint!r}: it was changed after it was saved, or is corrupt",
-                                "save it again; if you edited it on purpose, set \"fingerprint\" to null")
-        return plan
+        return {"mesh": mesh, "rows": rows, "grad_reduce": grad_reduce, "hints": hints, "predicted": predicted,
+                "records": records, "fingerprint": fingerprint}
 
     def mesh(self, value) -> Mesh:
         self.obj(value, "mesh", ("shape", "names", "named"), "a mesh")
@@ -292,7 +231,6 @@ class _Checker:
         return mesh
 
     def hints(self, value) -> dict:
-        from .hints import Hints
         if not isinstance(value, dict):
             raise self.fail("hints", f"expected the hints (a JSON object, {{}} when none), got {short(value)}")
         try:
@@ -300,7 +238,7 @@ class _Checker:
         except HintError as exc:
             raise self.fail("hints", str(exc)) from None
 
-    def rows(self, value, mesh: Mesh) -> list[PlanRow]:
+    def rows(self, value, mesh: Mesh) -> list[dict]:
         rows, seen = [], {}
         for i, row in enumerate(self.listing(value, "nodes", "the list of nodes")):
             name = row.get("name") if isinstance(row, dict) else None
@@ -324,16 +262,16 @@ class _Checker:
             try:
                 spec = Spec.parse(fields["spec"])
             except ValueError:
-                raise self.fail(at("spec"), f"malformed spec {_SHORT.repr(fields['spec'])}: write one placement "
+                raise self.fail(at("spec"), f"malformed spec {SHORT.repr(fields['spec'])}: write one placement "
                                             "per mesh axis, e.g. '[S(0), R]'") from None
             if len(spec) != mesh.ndim:
                 raise self.fail(at("spec"), f"{fields['spec']!r} has {len(spec)} placements but the mesh {mesh!r} "
                                             f"has {mesh.ndim} axes")
             fields["spec"] = repr(spec)
             fields["choice"] = self.choice(row["choice"], at, fields["kind"], spec, mesh)
-            rows.append(PlanRow(**fields))
             if staged:
-                rows[-1].stage = self.count(row["stage"], at("stage"))
+                fields["stage"] = self.count(row["stage"], at("stage"))
+            rows.append(fields)
         return rows
 
     def choice(self, value, at, kind: str, spec: Spec, mesh: Mesh) -> list:
@@ -366,7 +304,7 @@ class _Checker:
             where = f"grad_reduce[{fqn!r}]"
             for j, axis in enumerate(self.listing(axes, where, "the axis names")):
                 if axis not in mesh.names:
-                    raise self.fail(f"{where}[{j}]", f"{_SHORT.repr(axis)} is not an axis of {mesh!r}")
+                    raise self.fail(f"{where}[{j}]", f"{SHORT.repr(axis)} is not an axis of {mesh!r}")
             if len(set(axes)) != len(axes):
                 raise self.fail(where, f"the axes {axes} repeat a name")
             out[fqn] = tuple(axes)

@@ -1,4 +1,4 @@
-"""Program: the compiled result — plan, per-rank modules, history, simulator — and `parallelize`.
+"""Program: the compiled result — plan, per-rank modules, history, simulator (`parallelize` returns it).
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
@@ -21,39 +21,18 @@ examples below:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from . import meta
-from .cost import load_profile
 from .errors import UserInputError
-from .frontend import trace
-from .hints import Hints
-from .mesh import Mesh
-from .mixed_precision import resolve_policy
-from .passes.annotate import annotate
-from .passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
-from .passes.checkpoint import checkpoint as checkpoint_pass
-from .passes.codegen import attr_names, build_rank_module, codegen
-from .passes.cut_stages import cut_stages
-from .passes.fuse_comm import fuse_comm
-from .passes.hint_check import check_hints
-from .passes.insert_comm import insert_comm
-from .passes.manager import CompileState, History, run_passes
-from .passes.manager import pass_name as pass_name_of
-from .passes.normalize import normalize
-from .passes.predict import predict
+from .passes.codegen import attr_names, build_rank_module
+from .passes.manager import CompileState, History
 from .passes.random_ops import describe_random_ops
-from .passes.solve import solve
-from .passes.strategies import strategies
-from .passes.zero import AllowPlannedZeroShards
-from .passes.zero import zero as zero_pass
 from .placement import (
     R,
     Shard,
     Spec,
-    describe_type,
     local_shape,
     shard_slices,
     unshard_tensors,
@@ -61,148 +40,6 @@ from .placement import (
 from .plan import Plan
 from .runtime.rank_module import RankModule
 from .runtime.rng import RankRng
-
-PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, checkpoint_pass, predict, check_hints,
-          codegen]
-
-
-def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
-                profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
-                zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
-                mixed_precision=None) -> Program:
-    """Plan `model` on `mesh` and return the Program (no process group needed to plan).
-
-    `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
-    *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
-    `profile` is a `HardwareProfile`, "gpu" (default: 8-GPU NVLink nodes), "cpu", or a profile JSON path; `memory_budget` bounds the bytes
-    per device (parameters with gradients and `optimizer_state_factor` x optimizer state, inputs and
-    saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
-    `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
-    applied after checking they were made for this mesh, these hints, this model and these input shapes.
-    `zero` (1, 2, 3, or {axis name: stage}) applies ZeRO on the data-parallel axis: stage 1 shards the
-    optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
-    autoshard.runtime.zero.ZeroOptimizer). Without it, ZeRO is chosen when only it fits `memory_budget`.
-    `checkpoint` (module globs, e.g. ["layers.*"], or "auto": repeated layers while the prediction exceeds
-    `memory_budget`) recomputes those regions' activations in backward (autoshard/passes/checkpoint.py).
-    `parallel` takes ColossalAI's config, e.g. dict(tensor=dict(size=8, mode='3d')), as hints and mesh
-    axis names (autoshard/tp_modes.py; `mesh` may then be None).
-    `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
-    axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
-    mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
-    Random ops (dropout) draw from `seed` (default: `autoshard.manual_seed`'s, 0) in `rng` mode:
-    "placement" (copies of a tensor draw the same mask, shards independent ones) or "exact" (each rank
-    its block of the single device's masks under `torch.manual_seed(seed)`; autoshard/runtime/rng.py).
-    `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
-    in float32 (FSDP2's policy; autoshard/mixed_precision.py); "fp16" the same in float16, trained with a
-    `LossScaler` (autoshard/runtime/loss_scale.py).
-
-    >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
-    [('all_reduce', 'tp', 'layers.1')]
-    """
-    if parallel is not None:
-        from .tp_modes import apply_parallel_config
-        mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
-    mesh = Mesh.of(mesh, axis_names)
-    example_inputs = _traceable_inputs(model, example_inputs)
-    unnamed = not mesh.named
-    if hints is not None and not isinstance(hints, (dict, Hints)):
-        hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
-    options = {"profile": load_profile(profile), "memory_budget": memory_budget,
-               "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint,
-               "rng": rng, "seed": seed, "mixed_precision": resolve_policy(mixed_precision)}
-    if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
-        options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
-    from .frontend import reuse_exports
-    from .pipeline_search import choose_pipeline
-    with reuse_exports():  # the pipeline search's candidates often trace the same shapes
-        choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
-                                 unnamed=unnamed, debug=debug)
-    if choice is not None:
-        return choice
-    state, history = compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan)
-    return Program(state, history)
-
-
-def _traceable_inputs(model, example_inputs):
-    """Real example inputs of a model on the meta device are traced as meta tensors (only their shapes
-    and dtypes matter), so that a meta model plans with the inputs it will be run with.
-
-    >>> with torch.device("meta"):
-    ...     net = torch.nn.Linear(2, 2)
-    >>> _traceable_inputs(net, (torch.ones(3, 2),))[0].device
-    device(type='meta')
-    """
-    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
-    if not params or any(p.device.type != "meta" for p in params) or not isinstance(example_inputs, (tuple, list)):
-        return example_inputs
-    return type(example_inputs)(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
-
-
-def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan=None, pipeline=False):
-    """Trace and run the passes (cut_stages too for a pipeline's micro-batch program): (state, history).
-
-    >>> state, history = compile_state(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn,
-    ...                                False, {"profile": load_profile(None)})
-    >>> [entry.name for entry in history] == [p.name for p in PASSES]
-    True
-    """
-    passes = PASSES
-    if plan is not None:
-        plan, hints = resolve_plan(plan, mesh, hints)
-        passes = [q for p in PASSES for q in ([p, CheckPlan(plan)] if p is normalize else
-                                              [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
-    if pipeline:
-        passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
-    debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
-    traced = trace(model, example_inputs, loss_fn, options.get("mixed_precision"))
-    state = CompileState(traced.gm, mesh, traced, hints, options, model=model)
-    history = run_passes(state, passes, verify=debug, describe=describe_graph)
-    return state, history
-
-
-def state_before(pass_name: str, model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None,
-                 **options) -> CompileState:
-    """The CompileState that pass `pass_name` (one of PASSES) sees: `model` traced and the passes before it
-    run. For watching one pass at work on a small graph (the passes' docstring examples use it).
-
-    >>> state = state_before("insert_comm", model, (2,), inputs, hints={"input:0": {"dp": "S(0)"}},
-    ...                      axis_names=("dp",))
-    >>> next(n for n in state.gm.graph.nodes if n.op == "placeholder").meta["autoshard.spec"]
-    [R]
-    """
-    names = [pass_name_of(p) for p in PASSES]
-    if pass_name not in names:
-        raise UserInputError(f"no pass named {pass_name!r}; the passes are {names}")
-    policy = resolve_policy(options.get("mixed_precision"))
-    traced = trace(model, example_inputs, loss_fn, policy)
-    state = CompileState(traced.gm, Mesh.of(mesh, axis_names), traced, hints,
-                         {**options, "profile": load_profile(options.get("profile")), "mixed_precision": policy})
-    for pass_ in PASSES[:names.index(pass_name)]:
-        pass_(state)
-    return state
-
-
-def describe_graph(state) -> str:
-    """The graph's code with sharding-annotated types on every line that has a spec (`prog.history`'s text).
-
-    >>> print(next(line for line in describe_graph(prog.state).splitlines() if line.startswith("linear_default:")))
-    linear_default: f32[8@dp, 128] = call_function[target=torch.ops.aten.linear.default](args = (%inputs_0, ...)
-    """
-    lines = []
-    for node in state.gm.graph.nodes:
-        spec = node.meta.get(meta.SPEC)
-        val = node.meta.get("val")
-        if node.op == "output":
-            lines.append(f"return {node.args[0]}")
-            continue
-        typ = describe_type(tuple(val.shape), spec, state.mesh.names, val.dtype) if isinstance(val, torch.Tensor) \
-            else ""
-        call = node.format_node() or node.name
-        call = call.split(" = ", 1)[1] if " = " in call else call
-        lines.append(f"{node.name}: {typ} = {call}" if typ else f"{node.name} = {call}")
-    return "\n".join(lines)
 
 
 class Program:

@@ -69,7 +69,7 @@ MIXED_PRECISION_ADAM = 6.0
 
 def _plan_passes():
     from .passes.codegen import codegen
-    from .program import PASSES
+    from .compiler import PASSES
     return [p for p in PASSES if p not in (normalize, codegen)]
 
 

@@ -106,7 +106,7 @@ def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
     from transformers import LlamaConfig
 
     import autoshard
-    from autoshard.plan_io import plan_from_json
+    from autoshard.plan import Plan
     from autoshard.runtime.launch import communicator_for
     from autoshard.runtime.zero import ZeroOptimizer
     cfg = LlamaConfig.from_dict(cfg_json)
@@ -118,7 +118,7 @@ def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
         model = build(cfg)
     inputs = example_inputs(cfg, batch, seq)
     prog = autoshard.parallelize(model, MESH, tuple(x.to("meta") for x in inputs), loss_fn=loss_of, axis_names=AXES,
-                                 plan=plan_from_json(plan_json, "the launcher's plan"))  # its hints and ZeRO stage
+                                 plan=Plan.from_json(plan_json, "the launcher's plan"))  # its hints and ZeRO stage
     started = time.perf_counter()
     module = prog.module(rank, comm, weights=path)
     load_s = time.perf_counter() - started
@@ -154,7 +154,7 @@ def _full_model_rank0(cfg_json, batch, seq, path, plan_json):
 
     import autoshard
     from autoshard.passes.codegen import build_rank_module
-    from autoshard.plan_io import plan_from_json
+    from autoshard.plan import Plan
     torch.set_num_threads(1)
     cfg = LlamaConfig.from_dict(cfg_json)
     gc.collect()
@@ -166,7 +166,7 @@ def _full_model_rank0(cfg_json, batch, seq, path, plan_json):
     # file; safetensors' load_file would leave them as views of the mapped file, resident only where touched).
     model.load_state_dict(autoshard.load_weights(path), assign=True)
     prog = autoshard.parallelize(model, MESH, example_inputs(cfg, batch, seq), loss_fn=loss_of, axis_names=AXES,
-                                 plan=plan_from_json(plan_json, "the launcher's plan of the real model"))
+                                 plan=Plan.from_json(plan_json, "the launcher's plan of the real model"))
     rank_module = build_rank_module(prog.state, 0)  # what prog.module(0, comm) holds, without a process group
     shard_bytes = sum(p.numel() * p.element_size() for p in rank_module.parameters())
     return {"load_peak": rss_bytes("VmHWM") - base, "shard_bytes": shard_bytes}

@@ -1,15 +1,11 @@
 """The package's import structure (issue 16): no import cycles among autoshard's modules -- imports inside
 functions count, since they only hide a cycle -- and no module imports another module's private name.
-The cycles still being taken apart are listed; the list may only shrink."""
+"""
 import ast
 import collections
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KNOWN_CYCLES = [  # issue 16 is taking these apart; the test fails when one changes or another appears
-    ["autoshard.hints", "autoshard.plan", "autoshard.plan_io"],
-    ["autoshard.pipeline", "autoshard.pipeline_program", "autoshard.pipeline_search", "autoshard.program"],
-]
 
 
 def _modules() -> dict:
@@ -68,9 +64,9 @@ def _cycles(modules, imports) -> list:
     return sorted(found)
 
 
-def test_no_import_cycles_beyond_the_known_ones():
+def test_no_import_cycles():
     modules = _modules()
-    assert _cycles(modules, _imports(modules)) == sorted(KNOWN_CYCLES)
+    assert _cycles(modules, _imports(modules)) == []
 
 
 def test_no_module_imports_another_modules_private_names():

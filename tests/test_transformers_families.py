@@ -21,7 +21,7 @@ import pytest
 
 from autoshard.cost import HardwareProfile
 from autoshard.errors import ExportError
-from autoshard.program import parallelize
+from autoshard.api import parallelize
 from autoshard.verify import verify_simulated
 from autoshard.zoo import transformers_families as families
 

@@ -31,10 +31,11 @@ from .. import meta
 from ..axis_cost import needs_grad
 from ..errors import UserInputError
 from ..hints import Hints
+from ..json_files import short
 from ..mesh import Mesh
 from ..placement import describe_type, dtype_name
 from ..plan import Plan, op_name
-from ..plan_io import PlanMismatchError, short
+from ..plan_io import PlanMismatchError
 from ..strategies.base import is_tensor_value
 from .choice import axis_candidates, record_choice
 from .solve import plan_objective
@@ -114,7 +115,7 @@ class CheckPlan:
 class ApplyPlan:
     """The pass, in solve's place: `ApplyPlan(plan)(state)`.
 
-    >>> from autoshard.program import state_before
+    >>> from autoshard.compiler import state_before
     >>> state = state_before("solve", model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
     >>> ApplyPlan(prog.plan)(state)
     >>> next(n for n in state.gm.graph.nodes if n.name == "inputs_0").meta["autoshard.spec"]

@@ -15,7 +15,7 @@ its gradient. Invariant: every edge's producer spec equals its consumer's requir
 gradient arrives in its dual placement.
 
 >>> import torch
->>> from autoshard.program import state_before
+>>> from autoshard.compiler import state_before
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
 >>> state = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)

@@ -10,7 +10,7 @@ Communication is assumed not to overlap compute (an upper bound on step time).
 The examples use Megatron's MLP on a 2-way tensor-parallel axis:
 
 >>> import autoshard
->>> from autoshard.program import state_before
+>>> from autoshard.compiler import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> hints = {"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"}, "layers.1.weight": {"tp": "S(1)"},

@@ -24,7 +24,7 @@ def strategies(state) -> None:
     (S(1)), or the contracted features (partial output P):
 
     >>> import torch
-    >>> from autoshard.program import state_before
+    >>> from autoshard.compiler import state_before
     >>> state = state_before("strategies", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
     >>> strategies(state)
     >>> linear = next(n for n in state.gm.graph.nodes if n.target is torch.ops.aten.linear.default)

@@ -1,7 +1,7 @@
 """Invariant checks run between passes in tests and debug mode; errors name node, placement and axis.
 
 >>> import torch
->>> from autoshard.program import state_before
+>>> from autoshard.compiler import state_before
 >>> from autoshard.placement import Spec, S
 >>> state = state_before("codegen", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
 >>> verify_state(state, after="predict")  # a state the passes left: nothing to report

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from autoshard.mesh import Mesh
-from autoshard.program import parallelize
+from autoshard.api import parallelize
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify import build_case, rank_run, verify_rank_task
 from autoshard.zoo.hints import plan_hints

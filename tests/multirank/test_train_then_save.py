@@ -15,8 +15,9 @@ from safetensors.torch import save_model
 import autoshard
 from autoshard.mesh import Mesh
 from autoshard.placement import Spec, shard_slices
-from autoshard.plan_io import plan_from_json
-from autoshard.verify import TOLERANCE, build_case, rank_run, reference_run, rel_diff
+from autoshard.plan import Plan
+from autoshard.verify import build_case, rank_run, reference_run
+from autoshard.verify_report import TOLERANCE, rel_diff
 from autoshard.weights.layout import INDEX
 from autoshard.zoo.hints import plan_hints
 from autoshard.zoo.transformers_families import HINTS
@@ -57,7 +58,7 @@ def _train_and_save_task(rank, world, name, plan_json, source, out):
     comm = communicator_for(Mesh(MESH, AXES), strict_world=False)
     if comm is None:
         return None
-    prog = _meta_program(name, plan_from_json(plan_json, "the test's plan"))
+    prog = _meta_program(name, Plan.from_json(plan_json, "the test's plan"))
     check_fingerprint(comm, prog.plan.fingerprint)
     module = prog.module(rank, comm, weights=source)
     _, inputs, _ = build_case(CASES[name][0])  # the seeded example inputs, as in the test process

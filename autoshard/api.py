@@ -1,0 +1,105 @@
+"""`parallelize`: plan a model on a mesh and return its Program (or PipelineProgram) -- the entry point.
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, mesh=(2,), axis_names=("dp",), example_inputs=inputs,
+...                              loss_fn=loss_fn, hints={"input:0": {"dp": "S(0)"}})
+>>> prog.plan.grad_reduce["layers.0.weight"]
+('dp',)
+>>> loss, out = prog.simulate(*inputs)  # both ranks in this process: equals the single device
+>>> torch.allclose(loss, loss_fn(model(*inputs), *inputs))
+True
+
+Megatron's tensor parallelism of the same MLP (every parameter's placement given), used by some
+examples below:
+
+>>> tp = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
+...                            hints={"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
+...                                   "layers.1.weight": {"tp": "S(1)"}, "layers.1.bias": {"tp": "R"}})
+"""
+from __future__ import annotations
+
+import torch
+
+from .compiler import compile_state
+from .cost import load_profile
+from .errors import UserInputError
+from .hints import Hints
+from .mesh import Mesh
+from .mixed_precision import resolve_policy
+from .program import Program
+
+
+def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
+                profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
+                zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
+                mixed_precision=None) -> Program:
+    """Plan `model` on `mesh` and return the Program (no process group needed to plan).
+
+    `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
+    *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
+    `profile` is a `HardwareProfile`, "gpu" (default: 8-GPU NVLink nodes), "cpu", or a profile JSON path; `memory_budget` bounds the bytes
+    per device (parameters with gradients and `optimizer_state_factor` x optimizer state, inputs and
+    saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
+    `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
+    applied after checking they were made for this mesh, these hints, this model and these input shapes.
+    `zero` (1, 2, 3, or {axis name: stage}) applies ZeRO on the data-parallel axis: stage 1 shards the
+    optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
+    autoshard.runtime.zero.ZeroOptimizer). Without it, ZeRO is chosen when only it fits `memory_budget`.
+    `checkpoint` (module globs, e.g. ["layers.*"], or "auto": repeated layers while the prediction exceeds
+    `memory_budget`) recomputes those regions' activations in backward (autoshard/passes/checkpoint.py).
+    `parallel` takes ColossalAI's config, e.g. dict(tensor=dict(size=8, mode='3d')), as hints and mesh
+    axis names (autoshard/tp_modes.py; `mesh` may then be None).
+    `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
+    axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
+    mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
+    Random ops (dropout) draw from `seed` (default: `autoshard.manual_seed`'s, 0) in `rng` mode:
+    "placement" (copies of a tensor draw the same mask, shards independent ones) or "exact" (each rank
+    its block of the single device's masks under `torch.manual_seed(seed)`; autoshard/runtime/rng.py).
+    `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
+    in float32 (FSDP2's policy; autoshard/mixed_precision.py); "fp16" the same in float16, trained with a
+    `LossScaler` (autoshard/runtime/loss_scale.py).
+
+    >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
+    [('all_reduce', 'tp', 'layers.1')]
+    """
+    if parallel is not None:
+        from .tp_modes import apply_parallel_config
+        mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
+    mesh = Mesh.of(mesh, axis_names)
+    example_inputs = _traceable_inputs(model, example_inputs)
+    unnamed = not mesh.named
+    if hints is not None and not isinstance(hints, (dict, Hints)):
+        hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
+    options = {"profile": load_profile(profile), "memory_budget": memory_budget,
+               "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint,
+               "rng": rng, "seed": seed, "mixed_precision": resolve_policy(mixed_precision)}
+    if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
+        options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
+    from .frontend import reuse_exports
+    from .pipeline_search import choose_pipeline
+    with reuse_exports():  # the pipeline search's candidates often trace the same shapes
+        choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
+                                 unnamed=unnamed, debug=debug)
+    if choice is not None:
+        return choice
+    state, history = compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan)
+    return Program(state, history)
+
+
+def _traceable_inputs(model, example_inputs):
+    """Real example inputs of a model on the meta device are traced as meta tensors (only their shapes
+    and dtypes matter), so that a meta model plans with the inputs it will be run with.
+
+    >>> with torch.device("meta"):
+    ...     net = torch.nn.Linear(2, 2)
+    >>> _traceable_inputs(net, (torch.ones(3, 2),))[0].device
+    device(type='meta')
+    """
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    if not params or any(p.device.type != "meta" for p in params) or not isinstance(example_inputs, (tuple, list)):
+        return example_inputs
+    return type(example_inputs)(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
