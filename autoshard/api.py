@@ -1,22 +1,18 @@
 """`parallelize`: plan a model on a mesh and return its Program (or PipelineProgram) -- the entry point.
+It resolves the mesh, hints and options once, lets the pipeline search decide whether to pipeline, and
+otherwise compiles the intra-op program (autoshard/compiler.py).
+
+Megatron's tensor parallelism of a two-layer MLP, every parameter's placement given:
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
->>> prog = autoshard.parallelize(model, mesh=(2,), axis_names=("dp",), example_inputs=inputs,
-...                              loss_fn=loss_fn, hints={"input:0": {"dp": "S(0)"}})
->>> prog.plan.grad_reduce["layers.0.weight"]
-('dp',)
->>> loss, out = prog.simulate(*inputs)  # both ranks in this process: equals the single device
+>>> megatron = {"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
+...             "layers.1.weight": {"tp": "S(1)"}, "layers.1.bias": {"tp": "R"}}
+>>> tp = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), hints=megatron)
+>>> loss, out = tp.simulate(*inputs)  # both ranks in this process: equals the single device
 >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs))
 True
-
-Megatron's tensor parallelism of the same MLP (every parameter's placement given), used by some
-examples below:
-
->>> tp = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
-...                            hints={"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"},
-...                                   "layers.1.weight": {"tp": "S(1)"}, "layers.1.bias": {"tp": "R"}})
 """
 from __future__ import annotations
 
