@@ -156,9 +156,9 @@ def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0) -> torch.Te
 def global_loss(module, loss: torch.Tensor | None) -> torch.Tensor:
     """The loss of the whole batch, as the single device computes it, on every rank: this rank's loss
     summed over the mesh axes where it is a partial sum (one scalar all-reduce per such axis; for
-    logging, detached from autograd). On a pipeline rank pass what `train_step` returned (None where the
-    rank holds no last stage): the last stage's ranks sum it on their mesh, then one all-reduce over the
-    pipeline axis hands it to every rank.
+    logging, detached from autograd), in the loss's dtype. On a pipeline rank pass what `train_step`
+    returned (None where the rank holds no last stage): the last stage's ranks sum it on their mesh, then
+    one float64 all-reduce over the pipeline axis hands it to every rank (in float64).
 
     >>> losses = run_ranks(prog, lambda m: global_loss(m, m(*m.local_inputs(*inputs))[0]))
     >>> torch.allclose(losses[0], loss_fn(model(*inputs), *inputs)), torch.equal(losses[0], losses[1])
@@ -166,10 +166,11 @@ def global_loss(module, loss: torch.Tensor | None) -> torch.Tensor:
     """
     program = module.program
     spec = program.output_specs[0]
-    dtype = _loss_dtype(program)
     pipeline = getattr(module, "full_comm", None)
     if loss is None and pipeline is None:
         raise UserInputError("global_loss(None): pass the loss this rank's forward (or train_step) returned")
+    # A pipeline sums in float64 over pp, where ranks without the last stage (no loss, no dtype) add zero.
+    dtype = torch.float64 if pipeline is not None else loss.dtype
     total = torch.zeros(1, dtype=dtype) if loss is None else loss.detach().to(dtype).reshape(1).clone()
     if loss is not None:  # in a pipeline, the ranks of the other stages hold no loss and skip these
         for axis in spec.partial_axes() if spec is not None else ():
@@ -177,9 +178,3 @@ def global_loss(module, loss: torch.Tensor | None) -> torch.Tensor:
     if pipeline is not None:
         total = pipeline.all_reduce(total, program.config.axis)
     return total[0]
-
-
-def _loss_dtype(program) -> torch.dtype:
-    """The dtype of the loss the program computes (ranks without a loss must all-reduce in the same one)."""
-    output = next(n for n in program.state.gm.graph.nodes if n.op == "output")
-    return output.args[0][0].meta["val"].dtype
