@@ -134,8 +134,9 @@ class Plan:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
         >>> plan.save(path)
-        >>> Plan.load(path).fingerprint == plan.fingerprint  # or autoshard.parallelize(..., plan=path)
-        True
+        >>> loaded = Plan.load(path)  # or autoshard.parallelize(..., plan=path)
+        >>> loaded.fingerprint == plan.fingerprint, loaded.dumps() == plan.dumps(), loaded.row_costs()
+        (True, True, {})
         """
         return cls.from_parts(read_plan_file(path))
 

@@ -169,8 +169,7 @@ class SequentialStages(_StagesModule):
         return values  # (loss, *outputs)
 
 
-def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sync: bool = True,
-                        local_rows: bool = False) -> list:
+def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sync: bool = True) -> list:
     """One step over all micro-batches: [loss (mean), then per output its list of micro-batch blocks].
 
     >>> loss, outputs = run_ranks(InnerRanks(prog), lambda module: simulated_rank_step(module, inputs))[0]
@@ -179,7 +178,7 @@ def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sy
     """
     losses, outputs = [], []
     module.rng.new_step()
-    for m, local in enumerate(module.local_microbatches(*inputs, local_rows=local_rows)):
+    for m, local in enumerate(module.local_microbatches(*inputs)):
         module.comm.phase = "fwd"
         loss, *outs = module.run_microbatch(local, m)
         if train and loss.requires_grad:

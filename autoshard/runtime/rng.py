@@ -159,7 +159,6 @@ class RankRng:
         self.mesh_shape = tuple(mesh_shape)
         self.microbatches = microbatches
         self.needed = set(self.by_index) if needed is None else set(needed)
-        self.fixed_seed = seed
         self.seed(_SEED["value"] if seed is None else seed)
         _STREAMS.add(self)
 
@@ -171,7 +170,6 @@ class RankRng:
         """
         self.base_seed = seed
         self.step = -1
-        self.microbatch = 0
         self._state = {}  # device -> generator state of the exact stream
         self._next = 0  # exact: position in `ops` of the next op to draw this step
         self._blocks: dict = {}  # exact: (op index, micro-batch) -> this rank's block of the step's mask
@@ -210,7 +208,6 @@ class RankRng:
         if self.mode == "exact" and self.step >= 0:
             self._advance(len(self.ops))
         self.step += 1
-        self.microbatch = 0
         self._next = 0
         self._blocks = {}
 
