@@ -4,20 +4,26 @@
 >>> autoshard.Mesh((2, 2), ("dp", "tp"))
 Mesh(dp=2, tp=2)
 """
-from . import strategies  # noqa: F401  (registers the sharding rules)
-from .checkpoint import load_checkpoint, save_checkpoint
-from .constrain import constrain
-from .errors import AutoshardError, ExportError, HintError, PlanError, UserInputError
-from .mesh import Mesh
-from .placement import P, Partial, R, Replicate, S, Shard, Spec
-from .plan import Plan
-from .api import parallelize
-from .program import Program
-from .runtime.rng import manual_seed
-from .stages import stage
-from .viz import plot_timeline
-from .weights.save import save_weights
-from .weights.sources import load_weights
+from autoshard import strategies  # noqa: F401  (registers the sharding rules)
+from autoshard.api import parallelize
+from autoshard.frontend.constrain import constrain
+from autoshard.frontend.stages import stage
+from autoshard.ir.errors import (
+           AutoshardError,
+           ExportError,
+           HintError,
+           PlanError,
+           UserInputError,
+)
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import P, Partial, R, Replicate, S, Shard, Spec
+from autoshard.plan.plan import Plan
+from autoshard.program.program import Program
+from autoshard.report.viz import plot_timeline
+from autoshard.runtime.rng import manual_seed
+from autoshard.weights.save import save_weights
+from autoshard.weights.sources import load_weights
+from autoshard.weights.training_checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = ["AutoshardError", "ExportError", "HintError", "Mesh", "P", "Partial", "Plan", "PlanError", "Program", "R",
            "Replicate", "S", "Shard", "Spec", "UserInputError", "constrain", "load_checkpoint", "load_weights",

@@ -21,7 +21,7 @@ import json
 import sys
 import traceback
 
-from .errors import AutoshardError
+from autoshard.ir.errors import AutoshardError
 
 OK, MISMATCH, BAD_INPUT, COULD_NOT_RUN = 0, 1, 2, 3
 
@@ -129,33 +129,33 @@ def exit_code(exc: BaseException) -> int:
     """The exit code for an exception: BAD_INPUT (2) for autoshard's own errors about what it was given,
     COULD_NOT_RUN (3) for ranks that failed, hung or disagreed, and for anything unexpected.
 
-    >>> from autoshard.errors import UserInputError
+    >>> from autoshard.ir.errors import UserInputError
     >>> from autoshard.runtime.launch import RanksFailed
     >>> died = RanksFailed("rank 1 died", {}, {1: -9}, [])
     >>> exit_code(UserInputError("bad mesh")), exit_code(died), exit_code(RuntimeError("simulated rank 0 failed"))
     (2, 3, 3)
     """
-    from .runtime.communicator import CollectiveTimeout
-    from .runtime.launch import FingerprintMismatch, RanksFailed
+    from autoshard.runtime.communicator import CollectiveTimeout
+    from autoshard.runtime.launch import FingerprintMismatch, RanksFailed
     if isinstance(exc, (RanksFailed, CollectiveTimeout, FingerprintMismatch)):
         return COULD_NOT_RUN
     return BAD_INPUT if isinstance(exc, AutoshardError) else COULD_NOT_RUN
 
 
 def _run(args) -> int:
-    from .cost import load_profile
-    from .hints import Hints
-    from .mesh import Mesh
+    from autoshard.cost.model import load_profile
+    from autoshard.frontend.hints import Hints
+    from autoshard.ir.mesh import Mesh
     if args.command == "calibrate":
-        from .calibrate import calibrate_command
+        from autoshard.cost.calibrate import calibrate_command
         return calibrate_command(args)
     hints = Hints.load(args.hints).to_json() if args.hints else None
     mesh = Mesh.of(args.mesh, args.axis_names)
     options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
                "pipeline": _pipeline(args)}
     if args.command == "plan":
-        from .factory import make_case
-        from .api import parallelize
+        from autoshard.api import parallelize
+        from autoshard.frontend.factory import make_case
         model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
         prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
         if args.json:
@@ -168,7 +168,7 @@ def _run(args) -> int:
                 graph = prog.graph(args.rank)
                 print(graph.print_readable(print_output=False) if hasattr(graph, "print_readable") else graph)
         return OK
-    from .verify import verify_factory
+    from autoshard.verify.verify import verify_factory
     report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,
                                dtype=args.dtype, accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
                                rng=args.rng, seed=args.seed, mixed_precision=args.mixed_precision, **options)

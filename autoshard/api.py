@@ -1,6 +1,6 @@
 """`parallelize`: plan a model on a mesh and return its Program (or PipelineProgram) -- the entry point.
 It resolves the mesh, hints and options once, lets the pipeline search decide whether to pipeline, and
-otherwise compiles the intra-op program (autoshard/compiler.py).
+otherwise compiles the intra-op program (autoshard/passes/pipelines.py).
 
 Megatron's tensor parallelism of a two-layer MLP, every parameter's placement given:
 
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from .compiler import compile_state
-from .cost import load_profile
-from .errors import UserInputError
-from .hints import Hints
-from .mesh import Mesh
-from .mixed_precision import resolve_policy
-from .program import Program
+from autoshard.cost.model import load_profile
+from autoshard.frontend.hints import Hints
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.mixed_precision import resolve_policy
+from autoshard.passes.pipelines import compile_state
+from autoshard.program.program import Program
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
@@ -44,24 +44,24 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
     autoshard.runtime.zero.ZeroOptimizer). Without it, ZeRO is chosen when only it fits `memory_budget`.
     `checkpoint` (module globs, e.g. ["layers.*"], or "auto": repeated layers while the prediction exceeds
-    `memory_budget`) recomputes those regions' activations in backward (autoshard/passes/checkpoint.py).
+    `memory_budget`) recomputes those regions' activations in backward (autoshard/passes/recompute.py).
     `parallel` takes ColossalAI's config, e.g. dict(tensor=dict(size=8, mode='3d')), as hints and mesh
-    axis names (autoshard/tp_modes.py; `mesh` may then be None).
+    axis names (autoshard/frontend/tp_modes.py; `mesh` may then be None).
     `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
-    axis named "pp" makes the program a pipeline over that axis (see autoshard/pipeline.py); an unnamed
+    axis named "pp" makes the program a pipeline over that axis (see autoshard/program/pipeline.py); an unnamed
     mesh lets the planner decide whether an axis is worth pipelining (`pipeline=False` never pipelines).
     Random ops (dropout) draw from `seed` (default: `autoshard.manual_seed`'s, 0) in `rng` mode:
     "placement" (copies of a tensor draw the same mask, shards independent ones) or "exact" (each rank
     its block of the single device's masks under `torch.manual_seed(seed)`; autoshard/runtime/rng.py).
     `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
-    in float32 (FSDP2's policy; autoshard/mixed_precision.py); "fp16" the same in float16, trained with a
+    in float32 (FSDP2's policy; autoshard/ir/mixed_precision.py); "fp16" the same in float16, trained with a
     `LossScaler` (autoshard/runtime/loss_scale.py).
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]
     """
     if parallel is not None:
-        from .tp_modes import apply_parallel_config
+        from autoshard.frontend.tp_modes import apply_parallel_config
         mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
     mesh = Mesh.of(mesh, axis_names)
     example_inputs = _traceable_inputs(model, example_inputs)
@@ -75,8 +75,8 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
                "rng": rng, "seed": seed, "mixed_precision": resolve_policy(mixed_precision)}
     if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
         options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
-    from .frontend import reuse_exports
-    from .pipeline_search import choose_pipeline
+    from autoshard.frontend.trace import reuse_exports
+    from autoshard.search.pipeline_search import choose_pipeline
     with reuse_exports():  # the pipeline search's candidates often trace the same shapes
         choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
                                  unnamed=unnamed, debug=debug)

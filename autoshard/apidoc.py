@@ -9,7 +9,7 @@ docs/api.md differs from what `render()` writes, so the page cannot go stale.
     python -m autoshard.apidoc            # rewrite docs/api.md
     python -m autoshard.apidoc --check    # exit 1 when docs/api.md is out of date
 
->>> print(render(["autoshard.redistribute"]).split("### ")[1].splitlines()[0])
+>>> print(render(["autoshard.solver.redistribute"]).split("### ")[1].splitlines()[0])
 class `Step(op: str, axis: int, dim: int | None = None, to_dim: int | None = None)`
 """
 from __future__ import annotations
@@ -52,8 +52,8 @@ def documented_modules() -> list[str]:
 def public_members(module) -> list[tuple[str, object]]:
     """(name, object) of the public classes and functions defined in `module`, in definition order.
 
-    >>> import autoshard.mesh
-    >>> [name for name, _ in public_members(autoshard.mesh)]
+    >>> import autoshard.ir.mesh
+    >>> [name for name, _ in public_members(autoshard.ir.mesh)]
     ['Mesh']
     """
     return [(name, obj) for name, obj in vars(module).items() if not name.startswith("_") and callable(obj)
@@ -63,7 +63,7 @@ def public_members(module) -> list[tuple[str, object]]:
 def class_members(cls) -> list[tuple[str, object]]:
     """(name, function or property) of a class's public methods and properties, in definition order.
 
-    >>> from autoshard.mesh import Mesh
+    >>> from autoshard.ir.mesh import Mesh
     >>> [name for name, _ in class_members(Mesh)][:3]
     ['of', 'ndim', 'size']
     """
@@ -78,7 +78,7 @@ def class_members(cls) -> list[tuple[str, object]]:
 def signature(obj) -> str:
     """`(params) -> result` as written in the source (annotations unquoted; a class: its constructor's).
 
-    >>> from autoshard.redistribute import plan_redistribute
+    >>> from autoshard.solver.redistribute import plan_redistribute
     >>> signature(plan_redistribute)
     '(src: Spec, dst: Spec) -> list[Step]'
     """
@@ -154,8 +154,8 @@ def docstring_markdown(doc: str | None) -> str:
 def render_module(name: str) -> str:
     """One module's section: its docstring, then its classes (with methods and properties) and functions.
 
-    >>> print(render_module("autoshard.layers").splitlines()[0])
-    ## autoshard.layers
+    >>> print(render_module("autoshard.solver.layers").splitlines()[0])
+    ## autoshard.solver.layers
     """
     module = importlib.import_module(name)
     parts = [f"## {name}", docstring_markdown(module.__doc__)]
@@ -178,7 +178,7 @@ def render_module(name: str) -> str:
 def render(names=None) -> str:
     """The whole page for `names` (default: `documented_modules()`): a contents list, then the sections.
 
-    >>> render(["autoshard.meta"]).splitlines()[:3]
+    >>> render(["autoshard.ir.meta"]).splitlines()[:3]
     ['# API reference', '', 'Generated from the docstrings by `python -m autoshard.apidoc`; do not edit by hand.']
     """
     names = documented_modules() if names is None else list(names)

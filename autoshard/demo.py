@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 import time
 
-from .api import parallelize
-from .verify import build_case, verify_factory
-from .zoo.hints import plan_hints
+from autoshard.api import parallelize
+from autoshard.verify.verify import build_case, verify_factory
+from autoshard.zoo.hints import plan_hints
 
 FACTORY = "autoshard.zoo:gpt2"
 MESH, NAMES = (2, 2, 2), ("dp", "sp", "tp")

@@ -106,7 +106,7 @@ def _rank_task(rank, world, cfg_json, batch, seq, plan_json, path):
     from transformers import LlamaConfig
 
     import autoshard
-    from autoshard.plan import Plan
+    from autoshard.plan.plan import Plan
     from autoshard.runtime.launch import communicator_for
     from autoshard.runtime.zero import ZeroOptimizer
     cfg = LlamaConfig.from_dict(cfg_json)
@@ -154,7 +154,7 @@ def _full_model_rank0(cfg_json, batch, seq, path, plan_json):
 
     import autoshard
     from autoshard.passes.codegen import build_rank_module
-    from autoshard.plan import Plan
+    from autoshard.plan.plan import Plan
     torch.set_num_threads(1)
     cfg = LlamaConfig.from_dict(cfg_json)
     gc.collect()

@@ -23,8 +23,9 @@ STEPS, WARMUP = 3, 1
 def bubble_task(rank, world, p, m, schedule, seconds, steps):
     """Each rank: plan, train `steps` steps after warm-up, return per-step bubbles and peak saved bytes."""
     import torch.distributed as dist
+
     import autoshard
-    from autoshard.mesh import Mesh
+    from autoshard.ir.mesh import Mesh
     from autoshard.runtime.launch import communicator_for
     from benchmarks.pipeline_model import busy_stack
     mesh = Mesh((p,), ("pp",))

@@ -1,7 +1,7 @@
 """Benchmark 5, planning at scale on paper: GPT shapes from 1.7B to 1T parameters on A100-80GB clusters of
 32 to 3072 GPUs (8 per node), autoshard's choice of (data, tensor, pipeline) degrees, micro-batches and
 recomputation next to Megatron-LM's published choice (Narayanan et al. 2021, arXiv 2104.04473, Table 1),
-both predicted by autoshard's cost model (autoshard/scale_search.py).
+both predicted by autoshard's cost model (autoshard/search/scale_search.py).
 
 Each model is the zoo's GPT-2 (pre-LN, learned positions, tied head, 4x MLP, biases) at the real width,
 heads, sequence 2048 and vocabulary 51200, built on the meta device in bf16 with 3 layers and planned at
@@ -40,7 +40,7 @@ def plan_model(row, seq: int = SEQ, vocab: int = VOCAB, profile=None) -> dict:
     L/pp layers per stage, every layer recomputed)."""
     import torch
 
-    from autoshard.scale_search import A100_80GB, ScaleSearch
+    from autoshard.search.scale_search import A100_80GB, ScaleSearch
     from autoshard.zoo import gpt2
     name, heads, hidden, layers, tp, pp, gpus, batch, achieved = row
     start = time.perf_counter()
@@ -127,7 +127,7 @@ def report(results) -> tuple[str, list, list]:
         "next to the paper's achieved throughput (their FLOP count includes the recompute forward, so compare it "
         "with \"MFU incl. recompute\").\n\n"
         + table(headers, rows) + "\n\n" + table(detail_headers, detail) + "\n\n"
-        "How it is planned (autoshard/scale_search.py): each model is exported once (meta weights, bf16, one "
+        "How it is planned (autoshard/search/scale_search.py): each model is exported once (meta weights, bf16, one "
         "sequence of 2048 tokens) with 3 layers at the real width and normalized once; one intra-op plan per "
         "tensor-parallel degree (1, 2, 4, 8 — inside a node) runs the real passes (strategies, the ILP on HiGHS, "
         "insert_comm, predict) on the mesh (tp,) with NVLink, and the real depth repeats the middle layer's "

@@ -18,6 +18,7 @@ def machine() -> str:
     except OSError:
         commit = "unknown"
     import os
+
     import torch
     return (f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), Python {platform.python_version()}, "
             f"torch {torch.__version__}, commit {commit}, {datetime.date.today().isoformat()}")

@@ -26,7 +26,11 @@ DTENSOR_GOAL_AT_64 = 0.5  # "about half the time where per-op overhead dominates
 
 def _contenders(rank, world, hidden, tp_mesh):
     """{name: Trainer} for one hidden size, every one built from the same seeded weights."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from .autoshard_runner import autoshard_trainer
     from .models.megatron_mlp import LocalMegatronMLP, megatron_hints, mlp_stack
@@ -73,8 +77,9 @@ def rank_task(rank, world, configs):
 
 
 def measure(worlds, configs) -> list[dict]:
-    from autoshard.runtime.launch import run_distributed
     import os
+
+    from autoshard.runtime.launch import run_distributed
     rows = []
     for world in worlds:
         load = os.getloadavg()

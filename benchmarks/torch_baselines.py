@@ -50,7 +50,11 @@ def megatron_dtensor(model_name, model, inputs, loss_fn, mesh_shape, axis_names)
     """Megatron on the last mesh axis with parallelize_module; data parallel (flat gradient all-reduce,
     as DDP would) on the first axis of a 2-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
     mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(axis_names))
     tp_mesh = mesh[axis_names[-1]]
     use_local_heads(model_name, model, tp_mesh.size())

@@ -4,12 +4,16 @@ For the zoo's Llama (dim 32, FFN 64, kv dim 16, batch 8 x seq 16 tokens, float64
 depth 2 and (2,2,2): per mesh axis, the bytes one rank's collectives carry per training step for one
 layer (a 2-layer model minus a 1-layer model), counted by the runtime in the simulator (the same
 counter `verify --json` reports), predicted by the cost model, and derived from the papers' algorithms
-(autoshard.tp_modes.layer_comm_formula, runtime counting convention). Run: python -m benchmarks.tp_modes
+(autoshard.frontend.tp_modes.layer_comm_formula, runtime counting convention). Run: python -m benchmarks.tp_modes
 """
 from __future__ import annotations
 
-from autoshard.tp_modes import colossal_hints, layer_comm_formula, llama_layer_linears
-from autoshard.verify import verify_simulated
+from autoshard.frontend.tp_modes import (
+    colossal_hints,
+    layer_comm_formula,
+    llama_layer_linears,
+)
+from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import llama
 
 CASES = [("2d", 4, None, "SUMMA, Optimus arXiv 2104.05343"), ("2.5d", 8, 2, "Tesseract arXiv 2105.14500"),

@@ -7,7 +7,7 @@ replicated plan and ZeRO-1/2/3 (and ZeRO-2 with the state offloaded to the CPU),
 the bytes of the storages behind parameters, gradients and optimizer state (master shards and Adam's
 moments), plus ZeRO-3's peak of gathered parameter copies alive at once. Checks (issue 5): ZeRO-3's
 figure is within 5% of 1/4 of the replicated one plus the largest layer's parameters, and the cost
-model's prediction (autoshard/zero_cost.py memory_breakdown, the model-state part of predict's
+model's prediction (autoshard/cost/zero_cost.py memory_breakdown, the model-state part of predict's
 memory_bytes_per_rank) within 10% of the measurement.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import functools
 import torch
 
 import autoshard
+from autoshard.cost.zero_cost import memory_breakdown
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer, unique_bytes
-from autoshard.zero_cost import memory_breakdown
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import plan_hints
 

@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.runtime.launch import check_fingerprint, communicator_for, init_distributed
+from autoshard.runtime.launch import (
+    check_fingerprint,
+    communicator_for,
+    init_distributed,
+)
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import plan_hints
 

@@ -36,7 +36,7 @@ def pytest_configure(config):
         def __exit__(self, *exc):
             handled = self.ctx.__exit__(*exc)
             error = exc[1]
-            from autoshard.errors import AutoshardError
+            from autoshard.ir.errors import AutoshardError
             if handled and isinstance(error, AutoshardError):
                 with open(out, "a") as f:
                     f.write(json.dumps({"test": _current["test"], "type": type(error).__name__,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.cost import HardwareProfile, Link, all_reduce_time
+from autoshard.cost.model import HardwareProfile, Link, all_reduce_time
 
 
 class MLP(nn.Module):

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.cost import CPU_PROFILE, HardwareProfile, load_profile
-from autoshard.ilp import MemoryBudgetError
+from autoshard.cost.model import CPU_PROFILE, HardwareProfile, load_profile
+from autoshard.solver.ilp import MemoryBudgetError
 from autoshard.zoo import gpt2, llama
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import autoshard.verify
+import autoshard.verify.verify
 from autoshard import ExportError, UserInputError, parallelize
 from autoshard.__main__ import BAD_INPUT, COULD_NOT_RUN, MISMATCH, OK, main
-from autoshard.factory import make_case
+from autoshard.frontend.factory import make_case
 from autoshard.zoo import mlp
 
 
@@ -225,7 +225,7 @@ def test_exit_0_when_verify_agrees(capsys):
 
 
 def test_exit_1_on_a_mismatch(monkeypatch):
-    real_rank_run = autoshard.verify.rank_run
+    real_rank_run = autoshard.verify.verify.rank_run
 
     def wrong_rank_0(module, *args, **kwargs):  # rank 0 starts from other weights: a wrong program
         if module.rank == 0:
@@ -233,7 +233,7 @@ def test_exit_1_on_a_mismatch(monkeypatch):
                 dict(module.named_local_parameters())["layers.0.weight"].mul_(1.01)
         return real_rank_run(module, *args, **kwargs)
 
-    monkeypatch.setattr(autoshard.verify, "rank_run", wrong_rank_0)
+    monkeypatch.setattr(autoshard.verify.verify, "rank_run", wrong_rank_0)
     assert main([*VERIFY, "test_cli_misuse:small"]) == MISMATCH
 
 
@@ -254,7 +254,7 @@ def test_exit_3_when_a_rank_crashes(monkeypatch, capsys):
     def crash(module, *args, **kwargs):
         raise RuntimeError("segfault-like crash in the rank")
 
-    monkeypatch.setattr(autoshard.verify, "rank_run", crash)
+    monkeypatch.setattr(autoshard.verify.verify, "rank_run", crash)
     assert main([*VERIFY, "test_cli_misuse:small"]) == COULD_NOT_RUN
     err = capsys.readouterr().err
     assert "autoshard: could not run: RuntimeError: simulated rank 0 failed: RuntimeError: segfault-like crash" in err
@@ -266,7 +266,7 @@ def test_exit_3_when_ranks_fail_or_time_out(monkeypatch, capsys):
     def ranks_failed(*args, **kwargs):
         raise RanksFailed("2 of 2 ranks failed; rank 1 reported nothing 4 s after the first failure", {}, {}, [1])
 
-    monkeypatch.setattr(autoshard.verify, "verify_factory", ranks_failed)
+    monkeypatch.setattr(autoshard.verify.verify, "verify_factory", ranks_failed)
     assert main(["verify", "test_cli_misuse:small", "--mesh", "2"]) == COULD_NOT_RUN
     assert capsys.readouterr().err.startswith("autoshard: could not run: 2 of 2 ranks failed")
 

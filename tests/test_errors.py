@@ -8,7 +8,7 @@ from torch import nn
 
 import autoshard
 from autoshard import ExportError, HintError, Mesh, UserInputError
-from autoshard.hints import Hints
+from autoshard.frontend.hints import Hints
 from autoshard.zoo import gpt2, mlp
 
 

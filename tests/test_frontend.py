@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard import meta
-from autoshard.frontend import trace
-from autoshard.placement import P, R, S, Spec
-from autoshard.verify import verify_simulated
+from autoshard.frontend.trace import trace
+from autoshard.ir import meta
+from autoshard.ir.placement import P, R, S, Spec
+from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2, mlp
 from autoshard.zoo.hints import plan_hints
 
@@ -254,7 +254,7 @@ def test_constrain_partial_activation():
 def test_pipeline_search_exports_each_shape_once(monkeypatch):
     """Unnamed (2,2) mesh, 2 devices per node: the search plans no pipeline and a pipeline over each axis
     (inter- and intra-node differ). Both pipelines trace the same micro-batch shapes: one export each."""
-    from autoshard.cost import HardwareProfile
+    from autoshard.cost.model import HardwareProfile
     exports = []
     export = torch.export.export
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(a[1][0].shape) or export(*a, **k))

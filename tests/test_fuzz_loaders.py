@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autoshard
-from autoshard.errors import AutoshardError, HintError
-from autoshard.hints import Hints
-from autoshard.plan import Plan
-from autoshard.plan_io import PlanFileError
+from autoshard.frontend.hints import Hints
+from autoshard.ir.errors import AutoshardError, HintError
+from autoshard.plan.io import PlanFileError
+from autoshard.plan.plan import Plan
 from autoshard.zoo import mlp
 
 EXAMPLES = 150 * SCALE
@@ -173,7 +173,7 @@ def test_mutated_plans_that_load_compile_or_fail_clearly(valid_plan, mutation):
             assert str(exc)
 
 
-# --- known gaps in Hints.load (autoshard/hints.py is not this file's owner's to change) -----------------------
+# --- known gaps in Hints.load (autoshard/frontend/hints.py is not this file's owner's to change) -----------------------
 
 
 def test_deeply_nested_hint_file():

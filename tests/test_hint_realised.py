@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard import meta
+from autoshard.ir import meta
 from autoshard.passes import hint_check
 from autoshard.passes.hint_check import check_hints, unrealised_hints
-from autoshard.verify import verify_simulated
+from autoshard.verify.verify import verify_simulated
 
 transformers = pytest.importorskip("transformers")
 

@@ -3,16 +3,16 @@ import json
 
 import pytest
 
-from autoshard.constrain import parse_spec, spec_text
-from autoshard.errors import HintError
-from autoshard.hints import (
+from autoshard.frontend.constrain import parse_spec, spec_text
+from autoshard.frontend.hints import (
     MAX_HINT_FILE_BYTES,
     Hints,
     check_placement_for,
     match_paths,
     unknown_target_error,
 )
-from autoshard.placement import P, R, S
+from autoshard.ir.errors import HintError
+from autoshard.ir.placement import P, R, S
 
 EXAMPLE = {
     "layers.*.attn.[qkv].weight": {"tp": "S(0)"},

@@ -6,7 +6,7 @@ from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoshard.mesh import Mesh
+from autoshard.ir.mesh import Mesh
 
 
 def test_repr_coord_and_groups():

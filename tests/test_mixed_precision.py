@@ -1,4 +1,4 @@
-"""Mixed precision (autoshard/mixed_precision.py): bf16 compute from float32 master weights whose gradients
+"""Mixed precision (autoshard/ir/mixed_precision.py): bf16 compute from float32 master weights whose gradients
 are reduced in float32, against the single device under the same policy.
 
 Tolerance: the parallel program rounds in a different order than the single device, and in bfloat16 one
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.errors import UserInputError
+from autoshard.ir.errors import UserInputError
 from autoshard.runtime.loss_scale import LossScaler
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
-from autoshard.verify import verify_factory
+from autoshard.verify.verify import verify_factory
 from autoshard.zoo import llama, mlp
 from autoshard.zoo.hints import plan_hints
 
@@ -154,7 +154,7 @@ class AutocastInForward(torch.nn.Module):
 def test_autocast_regions_in_forward_train_like_the_single_device(mesh, names, hints, options):
     """The region is traced again under autocast, so its casts are ops of the graph like any other (bf16
     inside the region); verify nudges by bf16's eps, the coarsest dtype the program computes in."""
-    from autoshard.verify import verify_simulated
+    from autoshard.verify.verify import verify_simulated
     torch.manual_seed(0)
     x = torch.randn(8, 8)
     report, program = verify_simulated(AutocastInForward(), (x,), mesh=mesh, axis_names=names, hints=hints,

@@ -1,4 +1,4 @@
-"""The ILP's objective and predict's step come from one cost model (autoshard/cost.py's collective table,
+"""The ILP's objective and predict's step come from one cost model (autoshard/cost/model.py's collective table,
 axis_cost's compute and memory): the chosen plan's objective (`state.objective_s`, the joint ILP
 evaluated at the choice) equals the step `predict` reports for the emitted program.
 
@@ -13,10 +13,11 @@ import os
 import pytest
 
 import autoshard
-from autoshard import meta, zoo
-from autoshard.cost import HardwareProfile, Link
-from autoshard.meta import NODE_COST
-from autoshard.placement import Shard
+from autoshard import zoo
+from autoshard.cost.model import HardwareProfile, Link
+from autoshard.ir import meta
+from autoshard.ir.meta import NODE_COST
+from autoshard.ir.placement import Shard
 
 SLOW = HardwareProfile(name="slow-compute", peak_flops=1e8, memory_bandwidth=1e8, intra_node=Link(1e-6, 1e10),
                        inter_node=Link(1e-6, 1e10))

@@ -8,7 +8,7 @@ from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoshard.placement import (
+from autoshard.ir.placement import (
     P,
     Partial,
     R,

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 
 import autoshard
-from autoshard.plan import Plan
+from autoshard.plan.plan import Plan
 from autoshard.zoo import mlp
 
 

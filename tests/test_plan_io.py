@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import Plan, PlanError, UserInputError, plan_io
-from autoshard.plan_io import PlanFileError, PlanMismatchError
+from autoshard import Plan, PlanError, UserInputError
+from autoshard.plan.io import PlanFileError, PlanMismatchError
+from autoshard.plan.plan import io as plan_io
 from autoshard.zoo import gpt2, mlp
 from autoshard.zoo.hints import plan_hints
 
@@ -58,7 +59,7 @@ def test_saved_plan_carries_structured_choices_mesh_hints_and_fingerprint(solved
     path = tmp_path / "plan.json"
     prog.plan.save(path)
     data = json.loads(path.read_text())
-    assert data["version"] == autoshard.plan.PLAN_VERSION
+    assert data["version"] == autoshard.plan.plan.PLAN_VERSION
     assert data["fingerprint"] == prog.plan.fingerprint
     assert data["mesh"] == prog.mesh.to_json()
     assert data["hints"] == (GPT2_HINTS if mode == "hints" else {})

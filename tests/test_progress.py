@@ -6,7 +6,7 @@ import time
 import pytest
 
 from autoshard.passes.manager import run_passes
-from autoshard.progress import StepProgress, interactive
+from autoshard.report.progress import StepProgress, interactive
 
 
 def test_quick_steps_draw_nothing_even_when_interactive():

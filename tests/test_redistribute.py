@@ -14,9 +14,9 @@ from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoshard.errors import PlanError
-from autoshard.mesh import Mesh
-from autoshard.placement import (
+from autoshard.ir.errors import PlanError
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import (
     P,
     Partial,
     R,
@@ -26,9 +26,9 @@ from autoshard.placement import (
     shard_tensor,
     unshard_tensors,
 )
-from autoshard.redistribute import Step, plan_redistribute
 from autoshard.runtime import collectives
 from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+from autoshard.solver.redistribute import Step, plan_redistribute
 
 # --- helpers -------------------------------------------------------------------------------------
 

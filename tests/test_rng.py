@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoshard
-from autoshard.errors import UserInputError
+from autoshard.ir.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
-from autoshard.verify import verify_simulated
+from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import transformers_families as families
 
 

@@ -1,13 +1,13 @@
-"""The scale search (autoshard/scale_search.py): one export, tp inside a node, memory forces model
+"""The scale search (autoshard/search/scale_search.py): one export, tp inside a node, memory forces model
 parallelism, and its figures are the project's own predictions (equal to parallelize's where both apply)."""
 import pytest
 import torch
 
 import autoshard
-from autoshard import scale_search
-from autoshard.cost import HardwareProfile, Link
-from autoshard.pipeline_search import predicted_step
-from autoshard.scale_search import ScaleSearch
+from autoshard.cost.model import HardwareProfile, Link
+from autoshard.search import scale_search
+from autoshard.search.pipeline_search import predicted_step
+from autoshard.search.scale_search import ScaleSearch
 from autoshard.zoo import gpt2
 
 TINY = {"batch": 2, "seq": 16, "dim": 64, "n_heads": 4, "vocab_size": 128, "device": "meta"}

@@ -4,9 +4,13 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import meta
-from autoshard.errors import UserInputError
-from autoshard.tp_modes import colossal_hints, layer_comm_formula, llama_layer_linears
+from autoshard.frontend.tp_modes import (
+    colossal_hints,
+    layer_comm_formula,
+    llama_layer_linears,
+)
+from autoshard.ir import meta
+from autoshard.ir.errors import UserInputError
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import megatron
 

@@ -19,10 +19,10 @@ import os
 
 import pytest
 
-from autoshard.cost import HardwareProfile
-from autoshard.errors import ExportError
 from autoshard.api import parallelize
-from autoshard.verify import verify_simulated
+from autoshard.cost.model import HardwareProfile
+from autoshard.ir.errors import ExportError
+from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import transformers_families as families
 
 FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"

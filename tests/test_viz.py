@@ -8,10 +8,10 @@ import matplotlib
 import pytest
 
 import autoshard
-from autoshard import viz
-from autoshard.errors import PlanError, UserInputError
-from autoshard.mesh import Mesh
-from autoshard.plan import Plan
+from autoshard.ir.errors import PlanError, UserInputError
+from autoshard.ir.mesh import Mesh
+from autoshard.plan.plan import Plan
+from autoshard.report import viz
 from autoshard.zoo import mlp
 
 matplotlib.use("Agg")

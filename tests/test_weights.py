@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 
 import autoshard
 from autoshard import zoo
-from autoshard.checkpoint import CheckpointError
-from autoshard.errors import UserInputError
+from autoshard.ir.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
+from autoshard.weights.training_checkpoint import CheckpointError
 from autoshard.zoo import transformers_families as tf
 
 ZOO = ["mlp", "bert", "gpt2", "llama", "resnet", "vit"]
@@ -170,7 +170,7 @@ def test_pipeline_stages_read_only_their_tensors(tmp_path):
     keep = prog.stage_tensors({1})
     blocks = prog.rank_tensors(0, str(tmp_path), keep=keep)
     assert set(blocks) == keep and "layers.0.weight" not in blocks
-    from autoshard.pipeline_program import InnerRanks
+    from autoshard.program.pipeline_program import InnerRanks
     from autoshard.runtime.pipeline import simulated_rank_step
     losses = run_ranks(InnerRanks(prog), lambda module: simulated_rank_step(module, inputs)[0], weights=str(tmp_path))
     assert torch.allclose(losses[0], loss_fn(model(*inputs), *inputs), rtol=1e-9)
@@ -293,7 +293,7 @@ def test_a_meta_model_plans_with_real_example_inputs(pipeline):
     prog = autoshard.parallelize(meta_model, (2,), inputs, loss_fn=loss_fn, **options)
     expected = loss_fn(model(*inputs), *inputs)
     if pipeline:
-        from autoshard.pipeline_program import InnerRanks
+        from autoshard.program.pipeline_program import InnerRanks
         from autoshard.runtime.pipeline import simulated_rank_step
         loss = run_ranks(InnerRanks(prog), lambda m: simulated_rank_step(m, inputs, train=False)[0],
                          weights=model.state_dict())[0]

@@ -1,10 +1,10 @@
-"""The compiler passes, one per file, run in order by `autoshard.compiler.PASSES` (see DESIGN.md).
+"""The compiler passes, one per file, run in order by `autoshard.passes.pipelines.PASSES` (see DESIGN.md).
 
-Each pass reads and writes `node.meta["autoshard.*"]` (autoshard/meta.py) and fields of the
+Each pass reads and writes `node.meta["autoshard.*"]` (autoshard/ir/meta.py) and fields of the
 CompileState; its docstring says what it reads, what it writes and the invariant it leaves.
-`autoshard.compiler.state_before(name, ...)` gives the state a pass sees, to watch it on a small graph.
+`autoshard.passes.pipelines.state_before(name, ...)` gives the state a pass sees, to watch it on a small graph.
 
->>> from autoshard.compiler import PASSES
+>>> from autoshard.passes.pipelines import PASSES
 >>> [p.name for p in PASSES]
 ['normalize', 'annotate', 'strategies', 'solve', 'zero', 'insert_comm', 'fuse_comm', 'checkpoint', 'predict', 'check_hints', 'codegen']
 """

@@ -8,7 +8,7 @@ hints disagree about one tensor on one axis (errors name both keys).
 
 The examples annotate a two-layer MLP:
 
->>> from autoshard.compiler import state_before
+>>> from autoshard.passes.pipelines import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> state = state_before("annotate", model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
@@ -21,13 +21,18 @@ import math
 
 import torch
 
-from .. import meta
-from ..constrain import parse_spec
-from ..errors import HintError
-from ..hints import Hints, check_placement_for, match_paths, unknown_target_error
-from ..placement import R, Shard
-from ..strategies import candidates_for, tensor_inputs
-from ..strategies.base import output_shapes
+from autoshard.frontend.constrain import parse_spec
+from autoshard.frontend.hints import (
+    Hints,
+    check_placement_for,
+    match_paths,
+    unknown_target_error,
+)
+from autoshard.ir import meta
+from autoshard.ir.errors import HintError
+from autoshard.ir.placement import R, Shard
+from autoshard.strategies import candidates_for, tensor_inputs
+from autoshard.strategies.base import output_shapes
 
 INPUT_HINT = "autoshard.input_hint"
 

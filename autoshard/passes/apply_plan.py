@@ -27,18 +27,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import meta
-from ..axis_cost import needs_grad
-from ..errors import UserInputError
-from ..hints import Hints
-from ..json_files import short
-from ..mesh import Mesh
-from ..placement import describe_type, dtype_name
-from ..plan import Plan, op_name
-from ..plan_io import PlanMismatchError
-from ..strategies.base import is_tensor_value
-from .choice import axis_candidates, record_choice
-from .solve import plan_objective
+from autoshard.cost.axis_cost import needs_grad
+from autoshard.frontend.hints import Hints
+from autoshard.ir import meta
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.json_files import short
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import describe_type, dtype_name
+from autoshard.passes.choice import axis_candidates, record_choice
+from autoshard.passes.solve import plan_objective
+from autoshard.plan.io import PlanMismatchError
+from autoshard.plan.plan import Plan, op_name
+from autoshard.strategies.base import is_tensor_value
 
 _REPLAN = ("pass the plan saved for this model and these example inputs (same shapes and dtypes), or re-plan "
            "without plan=")
@@ -53,7 +53,7 @@ def resolve_plan(plan, mesh: Mesh, hints):
     >>> resolve_plan(prog.plan, Mesh((2,), ("tp",)), None)
     Traceback (most recent call last):
     ...
-    autoshard.plan_io.PlanMismatchError: the plan was made for mesh Mesh(dp=2) but parallelize got Mesh(tp=2); ...
+    autoshard.plan.io.PlanMismatchError: the plan was made for mesh Mesh(dp=2) but parallelize got Mesh(tp=2); ...
     """
     if isinstance(plan, (str, os.PathLike)):
         plan = Plan.load(plan)
@@ -101,7 +101,7 @@ class CheckPlan:
     >>> autoshard.parallelize(other, (2,), other_inputs, axis_names=("dp",), plan=prog.plan)
     Traceback (most recent call last):
     ...
-    autoshard.plan_io.PlanMismatchError: the plan was made for another model or other example inputs: ...
+    autoshard.plan.io.PlanMismatchError: the plan was made for another model or other example inputs: ...
     """
 
     plan: Plan
@@ -115,7 +115,7 @@ class CheckPlan:
 class ApplyPlan:
     """The pass, in solve's place: `ApplyPlan(plan)(state)`.
 
-    >>> from autoshard.compiler import state_before
+    >>> from autoshard.passes.pipelines import state_before
     >>> state = state_before("solve", model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
     >>> ApplyPlan(prog.plan)(state)
     >>> next(n for n in state.gm.graph.nodes if n.name == "inputs_0").meta["autoshard.spec"]

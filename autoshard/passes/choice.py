@@ -6,8 +6,8 @@ each input's gradient comes back partial (the duality rule: a replicated input o
 work there).
 
 >>> import torch
->>> from autoshard.axis_cost import needs_grad
->>> from autoshard.compiler import state_before
+>>> from autoshard.cost.axis_cost import needs_grad
+>>> from autoshard.passes.pipelines import state_before
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
 >>> solved = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
@@ -15,12 +15,12 @@ work there).
 """
 from __future__ import annotations
 
-from .. import meta
-from ..errors import HintError
-from ..placement import Replicate, Shard, Spec
-from ..strategies import tensor_inputs
-from ..strategies.base import RuleContext, feasible, output_shapes
-from .annotate import INPUT_HINT
+from autoshard.ir import meta
+from autoshard.ir.errors import HintError
+from autoshard.ir.placement import Replicate, Shard, Spec
+from autoshard.passes.annotate import INPUT_HINT
+from autoshard.strategies import tensor_inputs
+from autoshard.strategies.base import RuleContext, feasible, output_shapes
 
 
 def record_choice(node, chosen, grad) -> None:

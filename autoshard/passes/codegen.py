@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .. import meta
-from ..errors import PlanError
-from ..placement import local_shape, shard_tensor
-from ..runtime.rng import random_op
-from ..strategies.base import REGISTRY
-from .checkpoint import wrap_regions
+from autoshard.ir import meta
+from autoshard.ir.errors import PlanError
+from autoshard.ir.placement import local_shape, shard_tensor
+from autoshard.passes.recompute import wrap_regions
+from autoshard.runtime.rng import random_op
+from autoshard.strategies.base import REGISTRY
 
 
 def codegen(state) -> None:

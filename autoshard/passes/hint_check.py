@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from .. import meta
-from ..flops import node_bytes
-from ..meta import COMM_COST
-from ..placement import Shard
-from ..strategies import tensor_inputs
-from ..strategies.base import REGISTRY
+from autoshard.cost.flops import node_bytes
+from autoshard.ir import meta
+from autoshard.ir.meta import COMM_COST
+from autoshard.ir.placement import Shard
+from autoshard.strategies import tensor_inputs
+from autoshard.strategies.base import REGISTRY
 
 GATHERS = ("all_gather", "all_to_all")
 _WARNED: set[str] = set()

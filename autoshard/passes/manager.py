@@ -5,8 +5,8 @@ A pass is a callable `pass_(state) -> None` with a `name`; it reads and writes
 runs `verify_state` checks the invariants between passes and names the node, placement and axis.
 
 >>> import torch
->>> from autoshard.frontend import trace
->>> from autoshard.mesh import Mesh
+>>> from autoshard.frontend.trace import trace
+>>> from autoshard.ir.mesh import Mesh
 >>> from autoshard.passes.normalize import normalize
 >>> traced = trace(torch.nn.Linear(4, 2), (torch.randn(8, 4),))
 >>> state = CompileState(traced.gm, Mesh((2,), ("dp",)), traced)
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from ..mesh import Mesh
+from autoshard.ir.mesh import Mesh
 
 
 @dataclass
@@ -49,7 +49,7 @@ class CompileState:
         >>> state.semi_auto, CompileState(state.gm, state.mesh, traced, hints={"input:0": {"dp": "S(0)"}}).semi_auto
         (False, True)
         """
-        from .. import meta
+        from autoshard.ir import meta
         return bool(self.hints) or any(meta.HINT in n.meta or "autoshard.input_hint" in n.meta
                                        for n in self.gm.graph.nodes)
 
@@ -98,8 +98,8 @@ def run_passes(state: CompileState, passes: list[Callable], verify: bool = False
     >>> [entry.name for entry in run_passes(state, [normalize])]
     ['normalize']
     """
-    from ..progress import StepProgress
-    from .verifier import verify_state
+    from autoshard.passes.verifier import verify_state
+    from autoshard.report.progress import StepProgress
     history = History()
     with StepProgress(len(passes), "autoshard planning") as progress:  # a bar only for passes over 1 s
         for pass_ in passes:

@@ -26,9 +26,9 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .. import meta
-from .graph_utils import new_node, refresh_vals, val_of
-from .random_ops import number_random_ops
+from autoshard.ir import meta
+from autoshard.ir.graph_utils import new_node, refresh_vals, val_of
+from autoshard.passes.random_ops import number_random_ops
 
 aten = torch.ops.aten
 
@@ -38,7 +38,7 @@ def normalize(state) -> None:
     and the default loss's mean a sum divided by the global count:
 
     >>> import torch
-    >>> from autoshard.compiler import state_before
+    >>> from autoshard.passes.pipelines import state_before
     >>> state = state_before("normalize", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
     >>> normalize(state)
     >>> [str(n.target) for n in state.gm.graph.nodes if n.op == "call_function"]

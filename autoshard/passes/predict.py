@@ -10,7 +10,7 @@ Communication is assumed not to overlap compute (an upper bound on step time).
 The examples use Megatron's MLP on a 2-way tensor-parallel axis:
 
 >>> import autoshard
->>> from autoshard.compiler import state_before
+>>> from autoshard.passes.pipelines import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> hints = {"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"}, "layers.1.weight": {"tp": "S(1)"},
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 
-from .. import meta
-from ..axis_cost import compute_time, held_bytes_factor, needs_grad
-from ..cost import DEFAULT_PROFILE, all_reduce_time, collective_time
-from ..flops import node_bytes
-from ..meta import COMM_COST, NODE_COST
-from ..placement import Shard
-from ..zero_cost import apply_zero, gather_bytes
-from .recompute_cost import account_recompute
+from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
+from autoshard.cost.flops import node_bytes
+from autoshard.cost.model import DEFAULT_PROFILE, all_reduce_time, collective_time
+from autoshard.cost.recompute_cost import account_recompute
+from autoshard.cost.zero_cost import apply_zero, gather_bytes
+from autoshard.ir import meta
+from autoshard.ir.meta import COMM_COST, NODE_COST
+from autoshard.ir.placement import Shard
 
 
 def local_bytes(node, spec, mesh) -> int:

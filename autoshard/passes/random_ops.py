@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .. import meta
-from ..errors import UserInputError
-from ..placement import R, Shard, Spec
-from ..runtime.rng import MODES, RandomOp, exact_limit, is_random
+from autoshard.ir import meta
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.placement import R, Shard, Spec
+from autoshard.runtime.rng import MODES, RandomOp, exact_limit, is_random
 
 aten = torch.ops.aten
 

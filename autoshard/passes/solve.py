@@ -4,20 +4,20 @@ Reads `autoshard.candidates`, `autoshard.hint`, `autoshard.input_hint`, FakeTens
 model. Writes `autoshard.choice` ([per axis: AxisStrategy]), `autoshard.spec`, `autoshard.in_specs`
 and `autoshard.grad_partial` (per input position: axes where its gradient comes back partial).
 
-Axes are solved one after another (outer first); each axis's ILP (autoshard/ilp.py) sees tensor sizes
+Axes are solved one after another (outer first); each axis's ILP (autoshard/solver/ilp.py) sees tensor sizes
 already divided by the earlier axes' choices. Copies of a node in repeated layers share one decision
-(autoshard/layers.py), so the ILP does not grow with depth. A conversion is charged once per chain
+(autoshard/solver/layers.py), so the ILP does not grow with depth. A conversion is charged once per chain
 insert_comm emits (one per value, wanted placement and partial axes, shared by its consumers), so the
 chosen plan's objective is predict's step; edges forbid resharding multi-output producers and mutated
 inputs. Hints are hard constraints. Node costs
-(autoshard/axis_cost.py) count compute, the backward all-reduces implied by the duality rule and, in
+(autoshard/cost/axis_cost.py) count compute, the backward all-reduces implied by the duality rule and, in
 auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bounds the parameters
 (with gradients and optimizer state), inputs and saved activations; on axis a the bound is the budget
 times the sizes of the axes still to come (they can only shard further). When the strategy
 combinations of all axes fit (JOINT_MAX_VARIABLES), every axis is decided in one ILP with the exact
 cost of multi-axis resharding; otherwise axes are solved outer to inner. Writes `state.ilp_stats`.
 When no plan fits the budget, ZeRO stages 1, 2, 3 on the batch axis are tried in turn (their memory in
-the memory row, autoshard/zero_cost.py) and the first that fits is kept in `state.auto_zero`.
+the memory row, autoshard/cost/zero_cost.py) and the first that fits is kept in `state.auto_zero`.
 
 Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
 graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
@@ -27,7 +27,7 @@ reduction of replicated parameters is not charged (sharding the batch *is* the u
 parallelism).
 
 >>> import torch
->>> from autoshard.compiler import state_before
+>>> from autoshard.passes.pipelines import state_before
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
 >>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
@@ -39,9 +39,9 @@ import math
 
 import torch
 
-from .. import meta
-from ..axis_cost import AxisCostModel, needs_grad
-from ..cost import (
+from autoshard.cost.axis_cost import AxisCostModel, needs_grad
+from autoshard.cost.flops import node_bytes
+from autoshard.cost.model import (
     DEFAULT_PROFILE,
     INF,
     all_gather_time,
@@ -49,16 +49,16 @@ from ..cost import (
     fused_gather_saving,
     redistribution_time,
 )
-from ..flops import node_bytes
-from ..ilp import IlpProblem, MemoryBudgetError, solve_ilp
-from ..layers import decision_classes
-from ..mixed_precision import cast_parameter
-from ..placement import Replicate, Shard, Spec
-from ..strategies import tensor_inputs
-from .annotate import INPUT_HINT
-from .choice import axis_candidates, record_choice
-from .graph_utils import data_parallel_axes
-from .zero import planned_zero, solve_with_zero
+from autoshard.ir import meta
+from autoshard.ir.graph_utils import data_parallel_axes
+from autoshard.ir.mixed_precision import cast_parameter
+from autoshard.ir.placement import Replicate, Shard, Spec
+from autoshard.passes.annotate import INPUT_HINT
+from autoshard.passes.choice import axis_candidates, record_choice
+from autoshard.passes.zero import planned_zero, solve_with_zero
+from autoshard.solver.ilp import IlpProblem, MemoryBudgetError, solve_ilp
+from autoshard.solver.layers import decision_classes
+from autoshard.strategies import tensor_inputs
 
 aten = torch.ops.aten
 _SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
@@ -323,7 +323,7 @@ def _partial_axes(u, pos, strategies, models) -> tuple:
 
 
 def _conversion_charges(conversions, edges) -> list:
-    """Conjunction charges (autoshard/ilp.py) for the conversions: insert_comm emits one chain per value,
+    """Conjunction charges (autoshard/solver/ilp.py) for the conversions: insert_comm emits one chain per value,
     wanted placement and partial axes, shared by every consumer that asks for it, so its cost is paid
     once when any consumer pair chooses it. Copies of a value in repeated layers whose charges span the
     same class pairs merge into one charge that costs their sum. A chain only one input of one consumer
@@ -353,7 +353,7 @@ def _zero_memory_scale(node, combo, prior, state, models) -> float:
     zero = getattr(state, "zero_for_memory", None)
     if zero is None or node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not models[0].grad.get(node):
         return 1.0
-    from ..zero_cost import memory_scale
+    from autoshard.cost.zero_cost import memory_scale
     axis = state.mesh.axis(zero.axis)
     placement = combo[axis].output if axis in combo else prior[axis].output if axis < len(prior) else Replicate()
     return memory_scale(zero.stage, state.mesh.shape[axis], models[0].optimizer_state_factor,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .cut_stages import STAGE
+from autoshard.passes.cut_stages import STAGE
 
 
 @dataclass

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import warnings
 
-from .. import meta
-from ..placement import R, Shard
-from ..strategies import AxisStrategy, candidates_for, tensor_inputs
-from ..strategies.base import is_tensor_value, output_shapes
-from .graph_utils import data_parallel_axes
+from autoshard.ir import meta
+from autoshard.ir.graph_utils import data_parallel_axes
+from autoshard.ir.placement import R, Shard
+from autoshard.strategies import AxisStrategy, candidates_for, tensor_inputs
+from autoshard.strategies.base import is_tensor_value, output_shapes
 
 
 def strategies(state) -> None:
@@ -24,7 +24,7 @@ def strategies(state) -> None:
     (S(1)), or the contracted features (partial output P):
 
     >>> import torch
-    >>> from autoshard.compiler import state_before
+    >>> from autoshard.passes.pipelines import state_before
     >>> state = state_before("strategies", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
     >>> strategies(state)
     >>> linear = next(n for n in state.gm.graph.nodes if n.target is torch.ops.aten.linear.default)

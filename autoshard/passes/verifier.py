@@ -1,8 +1,8 @@
 """Invariant checks run between passes in tests and debug mode; errors name node, placement and axis.
 
 >>> import torch
->>> from autoshard.compiler import state_before
->>> from autoshard.placement import Spec, S
+>>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.ir.placement import Spec, S
 >>> state = state_before("codegen", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
 >>> verify_state(state, after="predict")  # a state the passes left: nothing to report
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import meta
-from ..placement import Partial, Shard
-from ..strategies import tensor_inputs
+from autoshard.ir import meta
+from autoshard.ir.placement import Partial, Shard
+from autoshard.strategies import tensor_inputs
 
 
 class VerifierError(AssertionError):

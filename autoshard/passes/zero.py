@@ -14,7 +14,7 @@ treated as in stage 2.
 The examples ask for ZeRO-3 on the data-parallel axis of a two-layer MLP:
 
 >>> import autoshard
->>> from autoshard.compiler import state_before
+>>> from autoshard.passes.pipelines import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> hints = {"input:0": {"dp": "S(0)"}}
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import meta
-from ..axis_cost import needs_grad
-from ..errors import HintError
-from ..hints import ZERO_STAGES, Hints, parse_zero
-from ..placement import Replicate, Shard
-from ..strategies import AxisStrategy
-from .choice import record_choice
+from autoshard.cost.axis_cost import needs_grad
+from autoshard.frontend.hints import ZERO_STAGES, Hints, parse_zero
+from autoshard.ir import meta
+from autoshard.ir.errors import HintError
+from autoshard.ir.placement import Replicate, Shard
+from autoshard.passes.choice import record_choice
+from autoshard.strategies import AxisStrategy
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def solve_with_zero(state, solve_once) -> bool:
         axes = batch_axes(state)
     if not axes:
         return False
-    from ..ilp import MemoryBudgetError
+    from autoshard.solver.ilp import MemoryBudgetError
     for stage in ZERO_STAGES:
         state.zero_for_memory = ZeroConfig(axes[0], stage, "memory budget")
         try:
@@ -201,7 +201,7 @@ def shard_dim(shape, spec, axis: int, k: int) -> int | None:
     """The dim ZeRO-3 shards a parameter along on `axis`: the first one no other axis shards and `k`
     divides (so one all-gather on `axis` restores it); None when there is none.
 
-    >>> from autoshard.placement import Spec, R, S
+    >>> from autoshard.ir.placement import Spec, R, S
     >>> shard_dim((128, 32), Spec([R, S(0)]), axis=0, k=2), shard_dim((3,), Spec([R]), axis=0, k=2)
     (1, None)
     """

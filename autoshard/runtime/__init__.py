@@ -3,7 +3,7 @@ the dual redistribution), rank modules with gradient sync, ZeRO, the pipeline ru
 and the single-process simulator (every rank a thread, bit-identical to real gloo ranks).
 
 >>> import torch
->>> from autoshard.mesh import Mesh
+>>> from autoshard.ir.mesh import Mesh
 >>> from autoshard.runtime.collectives import all_gather
 >>> from autoshard.runtime.simulator import run_on_mesh
 >>> run_on_mesh(Mesh((2,), ("dp",)), lambda comm: all_gather(torch.tensor([comm.rank]), "dp", 0))

@@ -20,7 +20,7 @@ around its forward) and keep it in the autograd context for the backward.
 The examples run two ranks as threads; `grads(fn, x)` is each rank's gradient of `fn(x).sum()`:
 
 >>> import torch
->>> from autoshard.mesh import Mesh
+>>> from autoshard.ir.mesh import Mesh
 >>> from autoshard.runtime.simulator import run_on_mesh
 >>> mesh = Mesh((2,), ("tp",))
 >>> def grads(fn, rank_value):
@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from .communicator import Communicator
+from autoshard.runtime.communicator import Communicator
 
 _LOCAL = threading.local()
 
@@ -260,7 +260,7 @@ def param_all_gather(x: torch.Tensor, axis: str, dim: int, reduce_grad: bool, dt
     >>> run_on_mesh(mesh, lambda comm: param_all_gather(torch.tensor([comm.rank + 0.0]), "tp", 0, reduce_grad=True))
     {0: tensor([0., 1.]), 1: tensor([0., 1.])}
     """
-    from .zero_gather import ParamAllGather
+    from autoshard.runtime.zero_gather import ParamAllGather
     return ParamAllGather.apply(x, current(), axis, dim, reduce_grad, dtype)
 
 

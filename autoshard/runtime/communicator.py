@@ -9,7 +9,7 @@ NCCL collectives run instead. Each call is recorded (kind, axis, bytes, forward/
 The examples run two ranks as threads (`run_on_mesh`, autoshard/runtime/simulator.py):
 
 >>> import torch
->>> from autoshard.mesh import Mesh
+>>> from autoshard.ir.mesh import Mesh
 >>> from autoshard.runtime.simulator import run_on_mesh
 >>> mesh = Mesh((2, 2), ("dp", "tp"))
 
@@ -28,8 +28,8 @@ from datetime import timedelta
 
 import torch
 
-from ..errors import AutoshardError
-from ..mesh import Mesh
+from autoshard.ir.errors import AutoshardError
+from autoshard.ir.mesh import Mesh
 
 
 class CollectiveTimeout(AutoshardError):

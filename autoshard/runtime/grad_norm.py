@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from ..errors import UserInputError
-from ..placement import Shard
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.placement import Shard
 
 
 def _pipeline_holders(module, fqn: str) -> int:

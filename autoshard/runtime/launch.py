@@ -32,9 +32,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import AutoshardError
-from ..mesh import Mesh
-from .communicator import CollectiveTimeout, DistCommunicator
+from autoshard.ir.errors import AutoshardError
+from autoshard.ir.mesh import Mesh
+from autoshard.runtime.communicator import CollectiveTimeout, DistCommunicator
 
 _MESHES: dict = {}
 STARTUP_TIMEOUT_S = 60.0  # rendezvous of spawned ranks (many ranks on few cores start slowly)
@@ -101,7 +101,7 @@ def communicator_for(mesh: Mesh, exact: bool | None = None, strict_world: bool =
     >>> communicator_for(Mesh((2,), ("dp",)))
     Traceback (most recent call last):
     ...
-    autoshard.errors.AutoshardError: mesh Mesh(dp=2) has 2 devices but the world size is 1: the mesh must cover ...
+    autoshard.ir.errors.AutoshardError: mesh Mesh(dp=2) has 2 devices but the world size is 1: the mesh must cover ...
     >>> dist.destroy_process_group()
     """
     world = dist.get_world_size()
@@ -250,7 +250,7 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
     `FAILURE_GRACE_S` after that are stopped. The message names the rank that failed first and how.
     Starting processes takes seconds, so this example does not run here (tests/multirank does):
 
-    >>> from autoshard.calibrate import _time_axis_task  # any importable task(rank, world, *args)
+    >>> from autoshard.cost.calibrate import _time_axis_task  # any importable task(rank, world, *args)
     >>> run_distributed(_time_axis_task, 2, Mesh((2,), ("dp",)).to_json(), [4096])  # doctest: +SKIP
     {0: {('dp', 4096): 0.0028}, 1: {('dp', 4096): 0.0024}}
     """

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserInputError
-from .grad_norm import any_rank, grad_pieces
+from autoshard.ir.errors import UserInputError
+from autoshard.runtime.grad_norm import any_rank, grad_pieces
 
 
 class LossScaler:

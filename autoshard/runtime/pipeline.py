@@ -18,7 +18,7 @@ ends it); the simulator's examples use `InnerRanks(prog)`, the thread simulator'
 >>> from unittest import mock
 >>> import torch.distributed as dist
 >>> import autoshard
->>> from autoshard.pipeline_program import InnerRanks
+>>> from autoshard.program.pipeline_program import InnerRanks
 >>> from autoshard.runtime.launch import communicator_for, free_port, init_distributed
 >>> from autoshard.runtime.simulator import run_ranks
 >>> from autoshard.zoo import mlp
@@ -37,12 +37,16 @@ import time
 
 import torch
 
-from ..errors import UserInputError
-from ..placement import local_shape, shard_tensor
-from .collectives import use_communicator
-from .communicator import CollectiveTimeout, DistCommunicator, backend_reason
-from .loss_scale import LossScaler, optimizer_step
-from .rank_module import RankModule
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.placement import local_shape, shard_tensor
+from autoshard.runtime.collectives import use_communicator
+from autoshard.runtime.communicator import (
+    CollectiveTimeout,
+    DistCommunicator,
+    backend_reason,
+)
+from autoshard.runtime.loss_scale import LossScaler, optimizer_step
+from autoshard.runtime.rank_module import RankModule
 
 
 class SavedActivations:
@@ -240,7 +244,7 @@ class PipelineRankModule(_StagesModule):
             get_schedule_class,
         )
 
-        from ..axis_cost import needs_grad
+        from autoshard.cost.axis_cost import needs_grad
         config = self._program.config
         flags = needs_grad(self._program.state.gm.graph)
         device = torch.device("cuda", torch.cuda.current_device()) if not self.comm.exact else torch.device("cpu")

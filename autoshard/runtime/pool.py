@@ -7,8 +7,8 @@ pool use world ranks 0..n-1 and the other workers only take part in creating the
 Starting processes takes seconds, so the examples here do not run (tests/conftest.py's session pool
 runs every multi-rank test through one); `task` is any importable function `task(rank, world, *args)`:
 
->>> from autoshard.mesh import Mesh
->>> from autoshard.calibrate import _time_axis_task  # times all_reduce on each mesh axis
+>>> from autoshard.ir.mesh import Mesh
+>>> from autoshard.cost.calibrate import _time_axis_task  # times all_reduce on each mesh axis
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import AutoshardError
-from .launch import free_port, from_bytes, to_bytes
+from autoshard.ir.errors import AutoshardError
+from autoshard.runtime.launch import free_port, from_bytes, to_bytes
 
 
 def _worker(rank, world, port, inbox, outbox, timeout_s):

@@ -24,13 +24,13 @@ import contextlib
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import UserInputError
-from ..placement import R, Shard, Spec, shard_tensor
-from .collectives import use_communicator
-from .communicator import Communicator
-from .grad_norm import clip_grad_norm_, global_loss
-from .rng import drawn_ops
-from .zero_gather import GatheredMemory, save_shards_for_backward
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.placement import R, Shard, Spec, shard_tensor
+from autoshard.runtime.collectives import use_communicator
+from autoshard.runtime.communicator import Communicator
+from autoshard.runtime.grad_norm import clip_grad_norm_, global_loss
+from autoshard.runtime.rng import drawn_ops
+from autoshard.runtime.zero_gather import GatheredMemory, save_shards_for_backward
 
 BUCKET_BYTES = 25 << 20
 

@@ -19,7 +19,7 @@ Activation recomputation replays the masks: a region captures the rank's stream 
 in forward and its recompute draws from it again.
 
 >>> import torch
->>> from autoshard.placement import R, S, Spec
+>>> from autoshard.ir.placement import R, S, Spec
 >>> ops = [RandomOp(0, torch.ops.aten.dropout.default, (4, 6), torch.float64, Spec([S(0)]), "drop", (None, 0.5, True))]
 >>> x = torch.ones(2, 6, dtype=torch.float64)  # rank 1's half of a [4, 6] activation sharded on dim 0
 >>> exact = RankRng(ops, "exact", seed=3, coord=(1,), mesh_shape=(2,))
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import UserInputError
-from ..placement import R, Shard, Spec, shard_tensor
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.placement import R, Shard, Spec, shard_tensor
 
 aten = torch.ops.aten
 MODES = ("placement", "exact")

@@ -16,8 +16,12 @@ import threading
 
 import torch
 
-from .collectives import use_communicator
-from .communicator import CollectiveTimeout, ThreadCommunicator, ThreadHub
+from autoshard.runtime.collectives import use_communicator
+from autoshard.runtime.communicator import (
+    CollectiveTimeout,
+    ThreadCommunicator,
+    ThreadHub,
+)
 
 
 def run_ranks(program, fn, timeout_s: float = 60.0, **module_options) -> dict:
@@ -43,7 +47,7 @@ def run_on_mesh(mesh, fn, timeout_s: float = 60.0) -> dict:
     """Call `fn(comm)` on every rank of `mesh` in its own thread, with that rank's ThreadCommunicator
     current, so the collectives of autoshard.runtime.collectives work as on real ranks; {rank: result}.
 
-    >>> from autoshard.mesh import Mesh
+    >>> from autoshard.ir.mesh import Mesh
     >>> from autoshard.runtime.collectives import all_reduce
     >>> run_on_mesh(Mesh((2,), ("dp",)), lambda comm: all_reduce(torch.tensor([comm.rank + 1.0]), "dp"))
     {0: tensor([3.]), 1: tensor([3.])}

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserInputError
-from ..placement import Shard
-from .rank_module import buckets
-from .zero_gather import compact
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.placement import Shard
+from autoshard.runtime.rank_module import buckets
+from autoshard.runtime.zero_gather import compact
 
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
 

@@ -12,7 +12,7 @@ alive at once (ZeRO-3's transient memory).
 The examples gather a parameter split over two ranks (threads of the simulator):
 
 >>> import torch
->>> from autoshard.mesh import Mesh
+>>> from autoshard.ir.mesh import Mesh
 >>> from autoshard.runtime.simulator import run_on_mesh
 >>> mesh = Mesh((2,), ("dp",))
 """

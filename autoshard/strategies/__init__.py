@@ -4,8 +4,8 @@
 >>> REGISTRY.lookup(torch.ops.aten.gelu.default).note
 'elementwise'
 """
-from . import einsum, nn_ops, pointwise, reduction, views  # noqa: F401  (rules register on import)
-from .base import (
+from autoshard.strategies import einsum, nn_ops, pointwise, reduction, views  # noqa: F401  (rules register on import)
+from autoshard.strategies.base import (
     REGISTRY,
     AxisStrategy,
     RuleContext,

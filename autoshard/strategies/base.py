@@ -8,7 +8,7 @@ candidate per axis; candidates whose shards do not divide evenly are dropped cen
 The examples look at the linear of a traced `nn.Linear(4, 2)` on a batch of 8, on an axis of size 2:
 
 >>> import torch
->>> from autoshard.frontend import trace
+>>> from autoshard.frontend.trace import trace
 >>> gm = trace(torch.nn.Linear(4, 2), (torch.randn(8, 4),)).gm
 >>> linear = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
 >>> ctx = RuleContext(linear, [(8, 4), (2, 4), (2,)], [(8, 2)], axis_size=2)
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..placement import Partial, Placement, R, Replicate, Shard
+from autoshard.ir.placement import Partial, Placement, R, Replicate, Shard
 
 
 @dataclass(frozen=True)

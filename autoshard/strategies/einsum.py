@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import P, R, Shard
-from .base import AxisStrategy, RuleContext, register, unique
+from autoshard.ir.placement import P, R, Shard
+from autoshard.strategies.base import AxisStrategy, RuleContext, register, unique
 
 aten = torch.ops.aten
 _BATCH = "ABCDEFGHIJ"

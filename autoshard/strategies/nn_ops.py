@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import P, R, Shard
-from .base import REGISTRY, AxisStrategy
+from autoshard.ir.placement import P, R, Shard
+from autoshard.strategies.base import REGISTRY, AxisStrategy
 
 aten = torch.ops.aten
 
@@ -146,7 +146,7 @@ REGISTRY.register([aten.scatter.src, aten.index_put.default, aten.index_put_.def
 
 def _in_place(ctx):
     """In-place updates shard like elementwise ops; solve never reshards the mutated operand."""
-    from .pointwise import broadcast_strategies
+    from autoshard.strategies.pointwise import broadcast_strategies
     return broadcast_strategies(ctx)
 
 

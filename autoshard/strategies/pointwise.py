@@ -14,8 +14,8 @@ import numbers
 
 import torch
 
-from ..placement import P, R, Shard
-from .base import REGISTRY, AxisStrategy, RuleContext, keeps_sums
+from autoshard.ir.placement import P, R, Shard
+from autoshard.strategies.base import REGISTRY, AxisStrategy, RuleContext, keeps_sums
 
 aten = torch.ops.aten
 

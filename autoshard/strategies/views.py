@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from ..placement import P, R, Shard
-from .base import REGISTRY, AxisStrategy, RuleContext, output_shapes
+from autoshard.ir.placement import P, R, Shard
+from autoshard.strategies.base import REGISTRY, AxisStrategy, RuleContext, output_shapes
 
 aten = torch.ops.aten
 

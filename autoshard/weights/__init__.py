@@ -2,10 +2,17 @@
 files, the transformers layout, DCP directories, state dicts), the replayed initialisation, each rank's
 blocks (`rank_weights`), `save_weights` and its single-device reader `load_weights`.
 """
-from .load import rank_weights
-from .replay import default_init_fn, replay_init
-from .save import save_weights
-from .sources import DcpWeights, InitWeights, SafetensorsWeights, StateDictWeights, load_weights, open_weights
+from autoshard.weights.load import rank_weights
+from autoshard.weights.replay import default_init_fn, replay_init
+from autoshard.weights.save import save_weights
+from autoshard.weights.sources import (
+           DcpWeights,
+           InitWeights,
+           SafetensorsWeights,
+           StateDictWeights,
+           load_weights,
+           open_weights,
+)
 
 __all__ = ["DcpWeights", "InitWeights", "SafetensorsWeights", "StateDictWeights", "default_init_fn", "load_weights",
            "open_weights", "rank_weights", "replay_init", "save_weights"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import CheckpointError
+from autoshard.weights.training_checkpoint import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"

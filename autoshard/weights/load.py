@@ -23,11 +23,11 @@ import warnings
 
 import torch
 
-from .. import meta
-from ..checkpoint import CheckpointError
-from ..placement import shard_slices
-from .replay import default_init_fn, replay_init
-from .sources import InitWeights, StateDictWeights, open_weights
+from autoshard.ir import meta
+from autoshard.ir.placement import shard_slices
+from autoshard.weights.replay import default_init_fn, replay_init
+from autoshard.weights.sources import InitWeights, StateDictWeights, open_weights
+from autoshard.weights.training_checkpoint import CheckpointError
 
 
 def rank_weights(state, rank: int, weights, keep=None, init_fn=None, seed: int = 0, strict: bool = True) -> dict:
@@ -36,7 +36,7 @@ def rank_weights(state, rank: int, weights, keep=None, init_fn=None, seed: int =
     coordinate. `init_fn` and `seed` apply to weights="init" (and to buffers computed by replay);
     `strict=False` ignores names the model does not have.
 
-    >>> from autoshard.placement import shard_tensor
+    >>> from autoshard.ir.placement import shard_tensor
     >>> blocks = rank_weights(prog.state, 1, folder)
     >>> prog.param_spec("2.weight"), torch.equal(blocks["0.weight"], net[0].weight.detach()[4:])
     ([S(1)], True)

@@ -28,7 +28,7 @@ import copy
 
 import torch
 
-from ..checkpoint import CheckpointError
+from autoshard.weights.training_checkpoint import CheckpointError
 
 
 def default_init_fn(model):

@@ -39,10 +39,10 @@ import time
 
 import torch
 
-from ..checkpoint import CheckpointError, tensor_specs
-from ..errors import UserInputError
-from ..placement import Partial, Replicate, shard_slices
-from .layout import INDEX, block_runs, weights_layout
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.placement import Partial, Replicate, shard_slices
+from autoshard.weights.layout import INDEX, block_runs, weights_layout
+from autoshard.weights.training_checkpoint import CheckpointError, tensor_specs
 
 _STALE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # a previous save's shards (save_pretrained's pattern)
 
@@ -183,7 +183,7 @@ def _agree(full, error, what: str, payload=None) -> list:
     try:
         dist.all_gather_object(gathered, (None if error is None else str(error), payload), group=full.mesh_group)
     except RuntimeError as exc:
-        from ..runtime.communicator import CollectiveTimeout
+        from autoshard.runtime.communicator import CollectiveTimeout
         raise CollectiveTimeout(full.failure(f"save_weights ({what})", None, exc, time.monotonic() - start)) from exc
     if error is not None:
         raise error

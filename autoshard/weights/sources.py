@@ -2,7 +2,7 @@
 dict, or a DCP checkpoint directory; `open_weights` turns what the user passed into one of them.
 
 A source answers `keys()`, `shape(key)`, `dtype(key)` and `read(key, index)`: the block `index` (one
-slice per dim, autoshard.placement.shard_slices) of the tensor stored under `key`. A safetensors
+slice per dim, autoshard.ir.placement.shard_slices) of the tensor stored under `key`. A safetensors
 source reads only that block from the mapped file, never the whole tensor.
 
 >>> import tempfile, torch
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checkpoint import SIDECAR, CheckpointError
+from autoshard.weights.training_checkpoint import SIDECAR, CheckpointError
 
 INDEX = "model.safetensors.index.json"
 INIT = "init"
@@ -185,7 +185,7 @@ def open_weights(weights):
     >>> open_weights(os.path.join(folder, "missing"))
     Traceback (most recent call last):
     ...
-    autoshard.checkpoint.CheckpointError: weights path '...missing' does not exist: ...
+    autoshard.weights.training_checkpoint.CheckpointError: weights path '...missing' does not exist: ...
     """
     if isinstance(weights, (SafetensorsWeights, StateDictWeights, DcpWeights, InitWeights)):
         return weights

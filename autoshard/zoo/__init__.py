@@ -14,7 +14,7 @@ Size keyword arguments allow bigger models; ``device="meta"`` builds without all
 >>> from autoshard.zoo import FACTORIES
 >>> model, inputs, loss_fn = FACTORIES["gpt2"]()
 """
-from . import bert, gpt2, llama, mlp, resnet, vit
+from autoshard.zoo import bert, gpt2, llama, mlp, resnet, vit
 
 FACTORIES = {
     "mlp": mlp.mlp,

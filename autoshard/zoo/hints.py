@@ -108,7 +108,7 @@ def gpt2_wide():
     >>> model.wte.weight.shape, ids.shape
     (torch.Size([64, 512]), torch.Size([2, 16]))
     """
-    from .gpt2 import gpt2
+    from autoshard.zoo.gpt2 import gpt2
     return gpt2(batch=2, seq=16, dim=512)
 
 
@@ -119,5 +119,5 @@ def llama_wide():
     >>> model.layers[0].mlp.w1.weight.shape
     torch.Size([1024, 512])
     """
-    from .llama import llama
+    from autoshard.zoo.llama import llama
     return llama(batch=2, seq=16, dim=512, ffn_dim=1024)

@@ -9,9 +9,9 @@ first stage and the final norm and head in the last (alone when there are more t
 >>> model.layers[1]._autoshard_stage
 1
 """
-from ..stages import stage
-from .gpt2 import gpt2
-from .llama import llama
+from autoshard.frontend.stages import stage
+from autoshard.zoo.gpt2 import gpt2
+from autoshard.zoo.llama import llama
 
 
 def _layer_stage(i: int, n_layers: int, stages: int) -> int:

@@ -13,5 +13,5 @@ def pool():
 
 @pytest.fixture(scope="session")
 def pool_runner(pool):
-    """A `runner` for autoshard.verify.verify_factory that uses the shared pool."""
+    """A `runner` for autoshard.verify.verify.verify_factory that uses the shared pool."""
     return lambda task, world, *args: pool.run(task, *args)

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from autoshard.cost import HardwareProfile, Link
-from autoshard.verify import verify_factory
+from autoshard.cost.model import HardwareProfile, Link
+from autoshard.verify.verify import verify_factory
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import megatron
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.checkpoint import (
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import Spec, shard_tensor, unshard_tensors
+from autoshard.weights.training_checkpoint import (
     CheckpointError,
     load_checkpoint,
     read_metadata,
     save_checkpoint,
 )
-from autoshard.mesh import Mesh
-from autoshard.placement import Spec, shard_tensor, unshard_tensors
 from autoshard.zoo import mlp
 
 PLAN_A = ((2, 2), ("dp", "tp"), {"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"},
@@ -157,8 +157,8 @@ def test_the_index_is_never_unpickled_freely(saved, tmp_path):
 
 
 def test_saving_needs_real_ranks_and_parameter_shaped_optimizer_state():
-    from autoshard.checkpoint import _param_state
     from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+    from autoshard.weights.training_checkpoint import _param_state
     mesh, names, hints = PLAN_B
     model, inputs, loss_fn = _case()
     prog = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, axis_names=names, hints=hints)

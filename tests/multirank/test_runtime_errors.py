@@ -1,8 +1,8 @@
 """Real process groups: a mesh that does not match the world is a clear error, on every rank."""
 import pytest
 
-from autoshard.errors import AutoshardError
-from autoshard.mesh import Mesh
+from autoshard.ir.errors import AutoshardError
+from autoshard.ir.mesh import Mesh
 
 
 def _communicator_task(rank, world, mesh_json):

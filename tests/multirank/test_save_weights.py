@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 import autoshard
-from autoshard.mesh import Mesh
-from autoshard.placement import Spec, shard_slices
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import Spec, shard_slices
 from autoshard.weights.layout import INDEX, block_runs, nbytes, weights_layout
 from autoshard.weights.save import save_weights
 from autoshard.zoo import mlp

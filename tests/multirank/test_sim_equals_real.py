@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from autoshard.mesh import Mesh
 from autoshard.api import parallelize
+from autoshard.ir.mesh import Mesh
 from autoshard.runtime.simulator import run_ranks
-from autoshard.verify import build_case, rank_run, verify_rank_task
+from autoshard.verify.verify import build_case, rank_run, verify_rank_task
 from autoshard.zoo.hints import plan_hints
 
 

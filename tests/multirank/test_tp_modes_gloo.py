@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from autoshard.tp_modes import colossal_hints
-from autoshard.verify import verify_factory
+from autoshard.frontend.tp_modes import colossal_hints
+from autoshard.verify.verify import verify_factory
 from autoshard.zoo.hints import data_parallel, megatron_sp, plan_hints
 
 

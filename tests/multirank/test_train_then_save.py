@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import save_model
 
 import autoshard
-from autoshard.mesh import Mesh
-from autoshard.placement import Spec, shard_slices
-from autoshard.plan import Plan
-from autoshard.verify import build_case, rank_run, reference_run
-from autoshard.verify_report import TOLERANCE, rel_diff
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import Spec, shard_slices
+from autoshard.plan.plan import Plan
+from autoshard.verify.report import TOLERANCE, rel_diff
+from autoshard.verify.verify import build_case, rank_run, reference_run
 from autoshard.weights.layout import INDEX
 from autoshard.zoo.hints import plan_hints
 from autoshard.zoo.transformers_families import HINTS

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.errors import UserInputError
+from autoshard.ir.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
-from autoshard.verify import Training, build_case, reference_run, verify_factory
+from autoshard.verify.verify import Training, build_case, reference_run, verify_factory
 from autoshard.zoo.hints import plan_hints
 from autoshard.zoo.transformers_families import DATA_PARALLEL, HINTS
 
@@ -171,7 +171,7 @@ def test_bad_training_options_are_errors():
 def _pipeline_rows_task(rank, world):
     """A pp x dp rank of the zoo MLP: one step from only its rows of the batch, one from the whole batch;
     the global loss and the gradients of both."""
-    from autoshard.mesh import Mesh
+    from autoshard.ir.mesh import Mesh
     from autoshard.runtime.launch import communicator_for
     mesh = Mesh((2, 2), ("pp", "dp"))
     comm = communicator_for(mesh, strict_world=False)

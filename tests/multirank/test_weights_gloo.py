@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from autoshard.verify import verify_factory
+from autoshard.verify.verify import verify_factory
 from autoshard.zoo.hints import plan_hints
 from autoshard.zoo.transformers_families import HINTS
 

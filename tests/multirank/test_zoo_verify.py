@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from autoshard.verify import verify_factory
+from autoshard.verify.verify import verify_factory
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import plan_hints
 

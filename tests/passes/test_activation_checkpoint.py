@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.errors import UserInputError
-from autoshard.meta import CHECKPOINT
-from autoshard.passes.checkpoint import Recomputed
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.meta import CHECKPOINT
+from autoshard.passes.recompute import Recomputed
 from autoshard.runtime.simulator import run_ranks
-from autoshard.verify import to_double, verify_simulated
+from autoshard.verify.verify import to_double, verify_simulated
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import plan_hints
 

@@ -4,14 +4,14 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard import meta
-from autoshard.errors import HintError
-from autoshard.frontend import trace
-from autoshard.mesh import Mesh
+from autoshard.frontend.trace import trace
+from autoshard.ir import meta
+from autoshard.ir.errors import HintError
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import P, R, S
 from autoshard.passes.annotate import INPUT_HINT, annotate, module_outputs
 from autoshard.passes.manager import CompileState
 from autoshard.passes.normalize import normalize
-from autoshard.placement import P, R, S
 from autoshard.zoo import gpt2, mlp
 
 

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard import meta
-from autoshard.errors import HintError, UserInputError
+from autoshard.ir import meta
+from autoshard.ir.errors import HintError, UserInputError
 from autoshard.passes import cut_stages as cut_mod
 from autoshard.passes.cut_stages import STAGE, CutCosts
 from autoshard.zoo import gpt2, llama
@@ -212,8 +212,8 @@ def test_cli_plans_a_pipeline_and_prints_the_stage_table(capsys):
 
 
 def test_planned_timeline_matches_the_bubble_formula():
-    from autoshard.pipeline import PipelineConfig
-    from autoshard.timeline import simulate
+    from autoshard.program.pipeline import PipelineConfig
+    from autoshard.report.timeline import simulate
     for schedule, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)):
         for p, m in ((2, 4), (4, 8)):
             config = PipelineConfig("pp", p, m, schedule, v)
@@ -226,7 +226,7 @@ def test_planned_timeline_matches_the_bubble_formula():
 
 
 def test_measured_timeline_takes_one_row_per_pp_rank():
-    from autoshard.timeline import measured_timeline
+    from autoshard.report.timeline import measured_timeline
     model, inputs, loss_fn = gpt2()
     prog = _plan(model, inputs, loss_fn, {"microbatches": 2})
     # what pipeline_rank_run returns per rank: (stage, kind, micro-batch, start, end) chunk timings

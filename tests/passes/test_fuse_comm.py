@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import meta
-from autoshard.errors import HintError
+from autoshard.ir import meta
+from autoshard.ir.errors import HintError
+from autoshard.ir.placement import R
 from autoshard.passes.annotate import INPUT_HINT
-from autoshard.placement import R
-from autoshard.verify import verify_simulated
+from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import data_parallel, megatron_sp
 

@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard import meta
-from autoshard.frontend import trace
-from autoshard.mesh import Mesh
+from autoshard.frontend.trace import trace
+from autoshard.ir import meta
+from autoshard.ir.mesh import Mesh
 from autoshard.passes.manager import CompileState
 from autoshard.passes.normalize import normalize
 

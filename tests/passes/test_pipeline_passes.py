@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import autoshard
-import autoshard.verify
-from autoshard import meta
+import autoshard.verify.verify
+from autoshard.ir import meta
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import plan_hints
 
@@ -77,7 +77,7 @@ def test_mixed_use_parameter_gets_in_graph_reduction_not_deferred():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     model = Mixed().double()
     hints = {"input:0": {"dp": "S(0)"}}
-    report, prog = autoshard.verify.verify_simulated(model, (x, y), mesh=(2,), axis_names=("dp",), hints=hints)
+    report, prog = autoshard.verify.verify.verify_simulated(model, (x, y), mesh=(2,), axis_names=("dp",), hints=hints)
     assert report.ok, report
     assert "w" not in prog.plan.grad_reduce
     assert ("grad_all_reduce", "dp") in _comm_ops(prog)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.errors import HintError
-from autoshard.hints import Hints
+from autoshard.frontend.hints import Hints
+from autoshard.ir.errors import HintError
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.zoo import gpt2
@@ -109,7 +109,7 @@ def test_solver_applies_the_zero_stage_that_fits_the_budget(case):
         prog = _plan(case, memory_budget=budget)
         assert (prog.zero.stage, prog.zero.reason) == (stage, "memory budget")
         assert prog.plan.hints["zero"] == {"dp": stage} and "memory budget" in repr(prog.zero)
-    with pytest.raises(autoshard.errors.PlanError, match="no plan fits the memory budget"):
+    with pytest.raises(autoshard.ir.errors.PlanError, match="no plan fits the memory budget"):
         _plan(case, memory_budget=fitted[3] / 10)
 
 

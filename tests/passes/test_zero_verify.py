@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.cost.zero_cost import memory_breakdown, regathered
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
-from autoshard.verify import verify_simulated
-from autoshard.zero_cost import memory_breakdown, regathered
+from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import plan_hints
 from benchmarks.zero_memory import zero3_check

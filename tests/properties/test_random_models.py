@@ -18,8 +18,8 @@ from hypothesis import given, reject
 from hypothesis import strategies as st
 from torch import nn
 
-from autoshard.errors import HintError
-from autoshard.verify import verify_simulated
+from autoshard.ir.errors import HintError
+from autoshard.verify.verify import verify_simulated
 
 ACTS = {"gelu": F.gelu, "relu": torch.relu, "tanh": torch.tanh}
 

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from autoshard.verify import verify_simulated
+from autoshard.verify.verify import verify_simulated
 
 
 class Residual(nn.Module):

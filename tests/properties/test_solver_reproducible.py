@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from test_random_models import NAMES, cases
 
 import autoshard
-from autoshard.errors import HintError, PlanError
-from autoshard.frontend import reuse_exports
-from autoshard.ilp import (
+from autoshard.frontend.trace import reuse_exports
+from autoshard.ir.errors import HintError, PlanError
+from autoshard.solver.ilp import (
     INF,
     IlpProblem,
     highs_options,
@@ -112,7 +112,7 @@ def test_random_model_plans_are_independent_of_solver_options(case):
 PLANS = """
 import sys
 import autoshard
-from autoshard.ilp import highs_options
+from autoshard.solver.ilp import highs_options
 from autoshard.zoo import gpt2
 with highs_options(**eval(sys.argv[1])):
     for factory in (gpt2,):

@@ -5,8 +5,14 @@ import torch
 from torch import nn
 
 from autoshard import UserInputError, parallelize
-from autoshard.tolerance import to_dtype
-from autoshard.verify import compare, rank_run, reference_runs, simulate_ranks, verify_simulated
+from autoshard.verify.tolerance import to_dtype
+from autoshard.verify.verify import (
+    compare,
+    rank_run,
+    reference_runs,
+    simulate_ranks,
+    verify_simulated,
+)
 from autoshard.zoo import FACTORIES, mlp
 from autoshard.zoo.hints import plan_hints
 

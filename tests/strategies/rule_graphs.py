@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from autoshard.placement import Partial, Shard
+from autoshard.ir.placement import Partial, Shard
 from autoshard.strategies import REGISTRY, candidates_for, tensor_inputs
 from autoshard.strategies.base import output_shapes
 

@@ -7,7 +7,7 @@ from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autoshard.placement import R, S, Spec, local_shape, shard_tensor
+from autoshard.ir.placement import R, S, Spec, local_shape, shard_tensor
 from autoshard.strategies.views import reshape_dim_map, reshape_groups
 
 SETTINGS = fuzz_settings(150)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.verify import verify_simulated
+from autoshard.verify.verify import verify_simulated
 
 
 class Fn(nn.Module):

@@ -1,0 +1,174 @@
+"""Costs of one node's candidate strategy on one mesh axis, broken down for the ILP and for `explain`.
+
+Sizes are local after the axes solved before this one. Compute is FLOPs (matmul-like) or bytes moved
+(everything else) over the profile's peak, times 3 for forward + backward, divided by the axis size
+when the strategy splits the work. Communication follows the duality rule: a replicated input of an
+op that splits its work gets a partial gradient, all-reduced in backward (`comm_bwd` for activations,
+`sync` for parameters, reduced after backward). Memory is what the node keeps on a device: a
+parameter with its gradient and optimizer state, an input, or an activation saved for backward.
+
+>>> from autoshard.cost.model import HardwareProfile
+>>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.ir.placement import R, S
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("dp",))
+>>> graph = state.gm.graph
+>>> linear = next(n for n in graph.nodes if n.target is torch.ops.aten.linear.default)
+>>> model = AxisCostModel(state.mesh, 0, HardwareProfile(), needs_grad(graph))
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from autoshard.cost.flops import is_matmul_like, node_bytes, node_flops
+from autoshard.cost.model import INF, all_reduce_time, conversion_time
+from autoshard.ir import meta
+from autoshard.ir.placement import Replicate, Shard
+from autoshard.strategies import tensor_inputs
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Seconds (compute, backward all-reduces, gradient sync) and bytes kept per device.
+
+    >>> CostBreakdown(compute=1e-6, memory=128).to_json()
+    {'compute_s': 1e-06, 'comm_bwd_s': 0.0, 'sync_s': 0.0, 'memory_bytes': 128}
+    """
+
+    compute: float = 0.0
+    comm_bwd: float = 0.0
+    sync: float = 0.0
+    memory: float = 0.0
+
+    def to_json(self):
+        """The breakdown as JSON (what `explain` shows).
+
+        >>> CostBreakdown(sync=2e-6).to_json()["sync_s"]
+        2e-06
+        """
+        return {"compute_s": self.compute, "comm_bwd_s": self.comm_bwd, "sync_s": self.sync, "memory_bytes": self.memory}
+
+
+def compute_time(node, split: int, profile) -> float:
+    """Seconds of forward + backward (3x forward) of one op whose work is divided `split` ways: FLOPs over
+    the peak for matmul-like ops, bytes over the memory bandwidth for the rest (the ILP and predict).
+
+    >>> compute_time(linear, 1, HardwareProfile()) == 3 * 2 * 8 * 4 * 8 / 3e14  # graph: see the module docstring
+    True
+    """
+    if is_matmul_like(node):
+        return 3 * node_flops(node) / profile.peak_flops / split
+    return 3 * node_bytes(node) / profile.memory_bandwidth / split
+
+
+def held_bytes_factor(node, grad: dict, optimizer_state_factor: float) -> float:
+    """How many copies of a placeholder's block a device keeps: a trained parameter its value, gradient and
+    optimizer state; an input or buffer itself.
+
+    >>> held_bytes_factor(linear.args[1], needs_grad(graph), 2.0), held_bytes_factor(linear.args[0], {}, 2.0)
+    (4.0, 1.0)
+    """
+    trained = node.meta.get(meta.KIND) == "param" and grad.get(node, False)
+    return 2.0 + optimizer_state_factor if trained else 1.0
+
+
+def needs_grad(graph) -> dict:
+    """Which values carry a gradient: parameters and everything float computed from them.
+
+    >>> sorted(n.name for n, g in needs_grad(graph).items() if g)[:4]  # graph: see the module docstring
+    ['add_tensor', 'add_tensor_1', 'div_tensor', 'linear_default']
+    """
+    out = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        is_float = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+        if node.op == "placeholder":
+            out[node] = node.meta.get(meta.KIND) == "param" and is_float
+        elif node.op == "call_function":
+            out[node] = bool(is_float and node.target is not aten.detach.default
+                             and any(out.get(i, False) for i in node.all_input_nodes))
+    return out
+
+
+class AxisCostModel:
+    """Cost terms on mesh axis `axis`. `other` arguments give the node's strategies on the other
+    axes already fixed ({axis: AxisStrategy}); sizes are divided by the shards they imply.
+
+    >>> model.k, model.link.bandwidth  # model: see the module docstring
+    (2, 200000000000.0)
+    """
+
+    def __init__(self, mesh, axis, profile, grad, optimizer_state_factor: float = 2.0):
+        self.mesh, self.axis, self.profile = mesh, axis, profile
+        self.k = mesh.shape[axis]
+        self.link = profile.link(mesh.shape, axis)
+        self.grad = grad
+        self.optimizer_state_factor = optimizer_state_factor
+
+    def _shrink(self, nbytes, placements) -> float:
+        for b, p in placements.items():
+            if isinstance(p, Shard):
+                nbytes /= self.mesh.shape[b]
+        return nbytes
+
+    def local_bytes(self, node, other: dict) -> float:
+        """Bytes of the node's output after the other axes' placements (whole on this axis).
+
+        >>> model.local_bytes(linear, {})  # the [8, 8] float32 output of the first linear
+        256.0
+        """
+        return self._shrink(float(node_bytes(node)), {b: c.output for b, c in other.items()})
+
+    def input_bytes(self, producer, pos, other: dict) -> float:
+        """Bytes of `producer` as the consumer takes it at input `pos` (placements of the other axes).
+
+        >>> model.input_bytes(linear.args[1], 1, {})  # the [8, 4] weight
+        128.0
+        """
+        return self._shrink(float(node_bytes(producer)), {b: c.inputs[pos] for b, c in other.items()})
+
+    def node(self, node, cand, other: dict) -> CostBreakdown:
+        """The breakdown of one candidate: data parallel halves the work and syncs the weight's gradient.
+
+        >>> replicated, batch_split = linear.meta["autoshard.candidates"][0][:2]
+        >>> model.node(linear, replicated, {}).memory, model.node(linear, batch_split, {}).memory
+        (256.0, 128.0)
+        >>> model.node(linear, batch_split, {}).sync > 0
+        True
+        """
+        kept = self.local_bytes(node, other) / (self.k if isinstance(cand.output, Shard) else 1)
+        if node.op == "placeholder":
+            return CostBreakdown(memory=kept * held_bytes_factor(node, self.grad, self.optimizer_state_factor))
+        split = math.prod(self.mesh.shape[b] for b, c in other.items() if c.divides_compute)
+        split *= self.k if cand.divides_compute else 1
+        compute = compute_time(node, split, self.profile)
+        comm_bwd = sync = 0.0
+        if cand.splits_work:
+            for pos, producer in enumerate(tensor_inputs(node)):
+                if isinstance(cand.inputs[pos], Replicate) and self.grad.get(producer, False):
+                    t = all_reduce_time(self.input_bytes(producer, pos, other), self.k, self.link)
+                    if producer.op == "placeholder":
+                        sync += t
+                    else:
+                        comm_bwd += t
+        saved = kept if self.grad.get(node, False) else 0.0
+        return CostBreakdown(compute, comm_bwd, sync, saved)
+
+    def edge(self, producer, produced, wanted, producer_other: dict) -> float:
+        """Seconds (forward + backward) to turn the producer's placement into the consumer's.
+
+        >>> model.edge(linear, S(0), R, {})  # all-gather 256 bytes over 2 ranks: latency + 128 B / bandwidth
+        5.00064e-06
+        """
+        if produced == wanted:
+            return 0.0
+        if isinstance(producer.meta.get("val"), (tuple, list)):
+            return INF  # multi-output values are never resharded: their getitem follows them
+        nbytes = self.local_bytes(producer, producer_other)
+        return conversion_time(produced, wanted, nbytes, self.k, self.link, self.grad.get(producer, False))

@@ -1,0 +1,66 @@
+"""Forward FLOPs of one ATen node (matmul-like ops exactly, everything else one per output element).
+
+The examples use the traced graph of a one-layer MLP (batch 8, 32 -> 32 features):
+
+>>> from autoshard.frontend.trace import trace
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=1)
+>>> graph = trace(model, inputs, loss_fn).gm.graph
+>>> linear = next(n for n in graph.nodes if n.target is aten.linear.default)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _numel(val) -> int:
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return sum(math.prod(v.shape) for v in vals if isinstance(v, torch.Tensor))
+
+
+def node_flops(node) -> float:
+    """Forward FLOPs of `node`: 2 m n k for matmuls (convolutions, attention alike), else its output elements.
+
+    >>> node_flops(linear)  # 2 * (8 * 32 outputs) * 32
+    16384.0
+    """
+    val = node.meta.get("val")
+    out = _numel(val)
+    args = [a.meta.get("val") if hasattr(a, "meta") else a for a in node.args]
+    target = node.target
+    if target in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default):
+        k = args[0].shape[-1] if args[0].dim() > 0 else 1
+        return 2.0 * out * k
+    if target in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default):
+        weight = args[1]
+        return 2.0 * out * math.prod(weight.shape[1:])
+    if target is aten.scaled_dot_product_attention.default:
+        q, k = args[0], args[1]
+        return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    return float(out)
+
+
+def is_matmul_like(node) -> bool:
+    """Whether `node`'s time is bound by FLOPs (matmul, convolution, attention) rather than memory traffic.
+
+    >>> is_matmul_like(linear), is_matmul_like(next(iter(linear.users)))
+    (True, False)
+    """
+    return node.target in (aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default,
+                           aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                           aten.convolution.default, aten.scaled_dot_product_attention.default)
+
+
+def node_bytes(node) -> int:
+    """Bytes of `node`'s output tensor(s), unsharded.
+
+    >>> node_bytes(linear)  # 8 x 32 float32
+    1024
+    """
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))

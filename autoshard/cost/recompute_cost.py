@@ -1,0 +1,77 @@
+"""What recomputation costs and saves: predict's figures adjusted for the checkpoint regions (the regions
+themselves are chosen by the checkpoint pass, autoshard/passes/recompute.py). Reads predict's NODE_COST and
+COMM_COST and the regions' `autoshard.weights.training_checkpoint` marks.
+
+>>> import autoshard
+>>> from autoshard.ir.meta import CHECKPOINT
+>>> from autoshard.zoo import gpt2
+>>> model, inputs, loss_fn = gpt2(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}}, checkpoint=["layers.*"])
+>>> region = [n for n in prog.state.gm.graph.nodes if n.meta.get(CHECKPOINT) == "layers.0"]
+"""
+from __future__ import annotations
+
+from autoshard.cost.model import DEFAULT_PROFILE, collective_time
+from autoshard.ir import meta
+from autoshard.ir.meta import CHECKPOINT, COMM_COST, NODE_COST
+
+
+def recompute_seconds(state, node) -> tuple[float, dict]:
+    """Seconds of recomputing one node in backward, and the forward bytes per axis a collective resends.
+
+    >>> seconds, resent = recompute_seconds(prog.state, region[0])
+    >>> seconds > 0, resent
+    (True, {})
+    """
+    if node.meta.get(meta.KIND) != "comm":
+        return node.meta[NODE_COST]["seconds"] / 3, {}  # NODE_COST counts forward + backward (x3)
+    info, mesh = node.meta[meta.COMM], state.mesh
+    axis = mesh.axis(info["axis"])
+    link = (state.options.get("profile") or DEFAULT_PROFILE).link(mesh.shape, axis)
+    fwd = node.meta[COMM_COST]["fwd_bytes"]
+    return collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
+
+
+def region_savings(state, nodes) -> tuple[float, float]:
+    """(activation bytes per rank no longer kept, seconds of recompute) of checkpointing `nodes`.
+
+    >>> saved, seconds = region_savings(prog.state, region)
+    >>> saved > 0 and seconds > 0
+    True
+    """
+    members = set(nodes)
+    saved = sum(n.meta[NODE_COST]["memory_bytes"] for n in nodes if all(u in members for u in n.users))
+    return saved, sum(recompute_seconds(state, n)[0] for n in nodes)
+
+
+def account_recompute(state) -> None:
+    """Adjust `state.predicted` (written by predict) for the checkpoint regions: forward compute and
+    forward collectives run twice; a region keeps only its outputs, and while one region is recomputed
+    its activations are live again (the largest region counts once).
+
+    >>> prog.plan.predicted["recompute_s"] > 0  # predict called it
+    True
+    """
+    regions = getattr(state, "checkpoint_regions", [])
+    if not regions:
+        return
+    predicted = state.predicted
+    by_region: dict = {}
+    for node in state.gm.graph.nodes:
+        if CHECKPOINT in node.meta:
+            by_region.setdefault(node.meta[CHECKPOINT], []).append(node)
+    largest = 0.0
+    for nodes in by_region.values():
+        saved, _ = region_savings(state, nodes)
+        predicted["memory_bytes_per_rank"] -= int(saved)
+        largest = max(largest, saved)
+        for node in nodes:
+            seconds, resent = recompute_seconds(state, node)
+            key = "comm_s" if resent else "compute_s"
+            predicted[key] += seconds
+            predicted["step_time_s"] += seconds
+            for axis, nbytes in resent.items():
+                predicted["comm_bytes_per_step"][axis]["fwd"] += nbytes
+    predicted["memory_bytes_per_rank"] += int(largest)
+    predicted["recompute_s"] = sum(recompute_seconds(state, n)[0] for nodes in by_region.values() for n in nodes)

@@ -1,0 +1,173 @@
+"""What ZeRO costs and saves per rank: memory of parameters, gradients and optimizer state, and the
+collectives the ZeroOptimizer and `param_all_gather` run (runtime byte convention, autoshard/cost/model.py).
+
+Per parameter (bytes `kept` on this rank under its spec, optimizer state `f` x parameter):
+  no ZeRO                         params kept, grads kept, optimizer f * kept
+  replicated on the ZeRO axis     params kept, grads kept (stage 1) or one chunk (stage >= 2),
+                                  optimizer f * chunk + the master chunk; chunk = ceil(numel / k)
+  sharded there (ZeRO-3)          params kept, grads kept, optimizer f * kept (the parameter is its master)
+plus, for ZeRO-3, the gathered copies alive at once: the largest set one op gathers.
+Used by predict (memory and communication of the plan) and by solve (the memory row of the ILP).
+
+The examples use a ZeRO-3 data-parallel MLP (2 ranks):
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}}, zero=3)
+>>> gathers = [n for n in prog.state.gm.graph.nodes if n.meta.get("autoshard.comm", {}).get("op") == "param_all_gather"]
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.model import all_gather_time, all_reduce_time, reduce_scatter_time
+from autoshard.ir import meta
+from autoshard.ir.placement import Shard
+
+aten = torch.ops.aten
+# (op, input position) whose value autograd does not save for backward: a gathered parameter there is
+# not re-gathered in backward (probed with saved_tensors_hooks; anything else is assumed saved).
+_NOT_SAVED = {(aten.embedding.default, 0), (aten.linear.default, 2), (aten.addmm.default, 0)}
+_NEVER_SAVED_OPS = {aten.add.Tensor, aten.sub.Tensor}
+
+
+def memory_scale(stage: int, k: int, f: float, sharded_on_axis: bool) -> float:
+    """Bytes a parameter costs under ZeRO over what it costs without ((2 + f) x its bytes on this rank),
+    for the solver's memory row; a parameter already sharded on the axis costs the same.
+
+    >>> memory_scale(stage=3, k=4, f=2.0, sharded_on_axis=False)  # everything split four ways
+    0.25
+    >>> memory_scale(stage=1, k=4, f=2.0, sharded_on_axis=False)  # 2 + (2 + 1) / 4 of 4
+    0.6875
+    """
+    if sharded_on_axis:
+        return 1.0
+    held = {1: 2 + (f + 1) / k, 2: 1 + (f + 2) / k, 3: (2 + f) / k}[stage]
+    return held / (2 + f)
+
+
+def param_memory(kept: int, numel: int, itemsize: int, stage: int, k: int, f: float, owned: bool) -> dict:
+    """{"params", "grads", "optimizer"} bytes of one parameter on this rank under ZeRO `stage`.
+
+    >>> param_memory(kept=4000, numel=1000, itemsize=4, stage=2, k=4, f=2.0, owned=False)
+    {'params': 4000, 'grads': 1000, 'optimizer': 3000.0}
+    """
+    if owned:
+        return {"params": kept, "grads": kept, "optimizer": f * kept}
+    chunk = math.ceil(numel / k) * itemsize
+    return {"params": kept, "grads": kept if stage == 1 else chunk, "optimizer": (f + 1) * chunk}
+
+
+def _local_numel(node, spec, mesh) -> int:
+    split = math.prod(mesh.shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
+    return node.meta["val"].numel() // split
+
+
+def regathered(gather) -> bool:
+    """Whether backward re-gathers a `param_all_gather`'s output (some consumer saves it).
+
+    >>> [(g.args[0].meta["autoshard.path"], regathered(g)) for g in gathers][:2]  # a linear saves its weight
+    [('layers.0.weight', True), ('layers.0.bias', False)]
+    """
+    for user in gather.users:
+        positions = [i for i, a in enumerate(user.args) if a is gather]
+        if user.target in _NEVER_SAVED_OPS or all((user.target, i) in _NOT_SAVED for i in positions):
+            continue
+        return True
+    return False
+
+
+def _trained_param_shards(state):
+    """(node, spec, local numel, itemsize, local bytes) of every parameter with a gradient, in graph order."""
+    grad = needs_grad(state.gm.graph)
+    for node in state.gm.graph.nodes:
+        if node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not grad.get(node):
+            continue
+        spec = node.meta[meta.SPEC]
+        numel, itemsize = _local_numel(node, spec, state.mesh), node.meta["val"].element_size()
+        yield node, spec, numel, itemsize, numel * itemsize
+
+
+def memory_breakdown(state) -> dict:
+    """Predicted bytes per rank: {"params", "grads", "optimizer", "gathered"} (ZeRO or not).
+
+    >>> memory_breakdown(prog.state)
+    {'params': 16704, 'grads': 16704, 'optimizer': 33408, 'gathered': 16384}
+    """
+    mesh, zero = state.mesh, getattr(state, "zero", None)
+    f = state.options.get("optimizer_state_factor", 2.0)
+    axis = mesh.axis(zero.axis) if zero is not None else None
+    out = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
+    for node, spec, numel, itemsize, kept in _trained_param_shards(state):
+        if zero is None:
+            parts = {"params": kept, "grads": kept, "optimizer": f * kept}
+        else:
+            owned = zero.stage == 3 and isinstance(spec[axis], Shard)
+            parts = param_memory(kept, numel, itemsize, zero.stage, mesh.shape[axis], f, owned)
+        for key, value in parts.items():
+            out[key] += value
+    for node in state.gm.graph.nodes:
+        gathered = [a for a in node.all_input_nodes if meta.COMM in a.meta and a.meta[meta.COMM]["op"] ==
+                    "param_all_gather"]
+        out["gathered"] = max(out["gathered"], sum(_local_numel(a, a.meta[meta.SPEC], mesh) *
+                                                   a.meta["val"].element_size() for a in gathered))
+    return {key: int(value) for key, value in out.items()}
+
+
+def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
+    """(forward, backward) bytes of a `param_all_gather`: the gathered parameter forward; backward its
+    reduce-scattered gradient (when partial; in the master's dtype) and its re-gather (when a consumer
+    saved it).
+
+    >>> gather_bytes(gathers[0], dst_bytes=16384)  # a weight: reduce-scatter and re-gather in backward
+    (16384, 32768)
+    """
+    reduce_grad = node.meta[meta.COMM]["args"][1]
+    # mixed precision gathers the cast shard but reduce-scatters the gradient in the master's dtype
+    master = dst_bytes * node.args[0].meta["val"].element_size() // node.meta["val"].element_size()
+    return dst_bytes, master * int(bool(reduce_grad)) + dst_bytes * int(regathered(node))
+
+
+def apply_zero(state) -> None:
+    """Correct predict's figures (made as if without ZeRO) for the ZeroOptimizer's work: the gradient
+    sync of replicated parameters becomes a reduce-scatter of padded chunks (stage >= 2), their chunks
+    are all-gathered after the step, and memory follows `memory_breakdown`.
+
+    >>> plain = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+    ...                               hints={"input:0": {"dp": "S(0)"}})
+    >>> prog.plan.predicted["memory_bytes_per_rank"] < plain.plan.predicted["memory_bytes_per_rank"]
+    True
+    """
+    zero = getattr(state, "zero", None)
+    if zero is None:
+        return
+    mesh, profile, predicted = state.mesh, state.options.get("profile"), state.predicted
+    from autoshard.cost.model import DEFAULT_PROFILE
+    profile = profile or DEFAULT_PROFILE
+    axis = mesh.axis(zero.axis)
+    k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
+    f = state.options.get("optimizer_state_factor", 2.0)
+    sync = predicted["comm_bytes_per_step"][zero.axis]
+    seconds = 0.0
+    memory = 0
+    for node, spec, numel, itemsize, kept in _trained_param_shards(state):
+        memory -= int(kept * (2 + f))
+        if zero.stage == 3 and isinstance(spec[axis], Shard):
+            memory += int(kept * (2 + f))
+            continue
+        padded = math.ceil(numel / k) * k * itemsize
+        memory += int(sum(param_memory(kept, numel, itemsize, zero.stage, k, f, False).values()))
+        sync["sync"] += padded  # the all-gather of the updated chunks
+        seconds += all_gather_time(padded, k, link)
+        if zero.stage >= 2 and zero.axis in state.grad_reduce.get(node.meta[meta.PATH], ()):
+            sync["sync"] += padded - kept  # a reduce-scatter of the padded gradient, not an all-reduce
+            seconds += reduce_scatter_time(padded, k, link) - all_reduce_time(kept, k, link)
+    memory += memory_breakdown(state)["gathered"]
+    predicted["memory_bytes_per_rank"] = max(0, predicted["memory_bytes_per_rank"] + memory)
+    predicted["comm_s"] += seconds
+    predicted["step_time_s"] += seconds

@@ -1,0 +1,108 @@
+"""The compiler's pass pipeline: PASSES in order, `compile_state` (trace, then run them; with a plan or a
+pipeline the declared variants) and `state_before` (the state a pass sees, for watching one pass at work).
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, mesh=(2,), axis_names=("dp",), example_inputs=inputs,
+...                              loss_fn=loss_fn, hints={"input:0": {"dp": "S(0)"}})
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from autoshard.cost.model import load_profile
+from autoshard.frontend.trace import trace
+from autoshard.ir import meta
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.mixed_precision import resolve_policy
+from autoshard.ir.placement import (
+    describe_type,
+)
+from autoshard.passes.annotate import annotate
+from autoshard.passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
+from autoshard.passes.codegen import codegen
+from autoshard.passes.cut_stages import cut_stages
+from autoshard.passes.fuse_comm import fuse_comm
+from autoshard.passes.hint_check import check_hints
+from autoshard.passes.insert_comm import insert_comm
+from autoshard.passes.manager import CompileState, run_passes
+from autoshard.passes.manager import pass_name as pass_name_of
+from autoshard.passes.normalize import normalize
+from autoshard.passes.predict import predict
+from autoshard.passes.recompute import checkpoint as checkpoint_pass
+from autoshard.passes.solve import solve
+from autoshard.passes.strategies import strategies
+from autoshard.passes.zero import AllowPlannedZeroShards
+from autoshard.passes.zero import zero as zero_pass
+
+PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, checkpoint_pass, predict, check_hints,
+          codegen]
+
+
+def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan=None, pipeline=False):
+    """Trace and run the passes (cut_stages too for a pipeline's micro-batch program): (state, history).
+
+    >>> state, history = compile_state(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn,
+    ...                                False, {"profile": load_profile(None)})
+    >>> [entry.name for entry in history] == [p.name for p in PASSES]
+    True
+    """
+    passes = PASSES
+    if plan is not None:
+        plan, hints = resolve_plan(plan, mesh, hints)
+        passes = [q for p in PASSES for q in ([p, CheckPlan(plan)] if p is normalize else
+                                              [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
+    if pipeline:
+        passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
+    debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
+    traced = trace(model, example_inputs, loss_fn, options.get("mixed_precision"))
+    state = CompileState(traced.gm, mesh, traced, hints, options, model=model)
+    history = run_passes(state, passes, verify=debug, describe=describe_graph)
+    return state, history
+
+
+def state_before(pass_name: str, model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None,
+                 **options) -> CompileState:
+    """The CompileState that pass `pass_name` (one of PASSES) sees: `model` traced and the passes before it
+    run. For watching one pass at work on a small graph (the passes' docstring examples use it).
+
+    >>> state = state_before("insert_comm", model, (2,), inputs, hints={"input:0": {"dp": "S(0)"}},
+    ...                      axis_names=("dp",))
+    >>> next(n for n in state.gm.graph.nodes if n.op == "placeholder").meta["autoshard.spec"]
+    [R]
+    """
+    names = [pass_name_of(p) for p in PASSES]
+    if pass_name not in names:
+        raise UserInputError(f"no pass named {pass_name!r}; the passes are {names}")
+    policy = resolve_policy(options.get("mixed_precision"))
+    traced = trace(model, example_inputs, loss_fn, policy)
+    state = CompileState(traced.gm, Mesh.of(mesh, axis_names), traced, hints,
+                         {**options, "profile": load_profile(options.get("profile")), "mixed_precision": policy})
+    for pass_ in PASSES[:names.index(pass_name)]:
+        pass_(state)
+    return state
+
+
+def describe_graph(state) -> str:
+    """The graph's code with sharding-annotated types on every line that has a spec (`prog.history`'s text).
+
+    >>> print(next(line for line in describe_graph(prog.state).splitlines() if line.startswith("linear_default:")))
+    linear_default: f32[8@dp, 128] = call_function[target=torch.ops.aten.linear.default](args = (%inputs_0, ...)
+    """
+    lines = []
+    for node in state.gm.graph.nodes:
+        spec = node.meta.get(meta.SPEC)
+        val = node.meta.get("val")
+        if node.op == "output":
+            lines.append(f"return {node.args[0]}")
+            continue
+        typ = describe_type(tuple(val.shape), spec, state.mesh.names, val.dtype) if isinstance(val, torch.Tensor) \
+            else ""
+        call = node.format_node() or node.name
+        call = call.split(" = ", 1)[1] if " = " in call else call
+        lines.append(f"{node.name}: {typ} = {call}" if typ else f"{node.name} = {call}")
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""checkpoint: activation checkpointing — choose regions whose activations are recomputed in backward.
+
+Reads `state.options["checkpoint"]`: None, a list of module globs (`["layers.*"]`: every matching
+module instance is one region), or "auto" (checkpoint repeated layers — modules at `<list>.<index>` —
+while the predicted memory per rank exceeds `state.options["checkpoint_budget"]`, most bytes saved
+per second of recompute first). Writes `autoshard.weights.training_checkpoint` = the region's module path on every op
+and collective inside a region, and `state.checkpoint_regions` (paths, graph order).
+Runs after insert_comm/fuse_comm, so a region holds its collectives: recomputing the whole region
+re-runs them, in the same order on every rank (every rank has the same regions).
+`wrap_regions(gm)` (called by codegen on each rank's module) moves each region into a submodule
+called through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: only its inputs are
+saved for backward. predict counts the recompute (forward compute and forward collectives again) and
+the dropped activations.
+
+>>> import autoshard
+>>> from autoshard.zoo import gpt2
+>>> model, inputs, loss_fn = gpt2(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}}, checkpoint=["layers.*"])
+>>> prog.state.checkpoint_regions
+['layers.0', 'layers.1']
+>>> ops = [n for n in prog.state.gm.graph.nodes if n.op == "call_function"]
+>>> gm = prog.graph(0)  # codegen wrapped each region in a Recomputed submodule
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch
+import torch.utils.checkpoint
+from torch import fx
+
+from autoshard.cost.recompute_cost import region_savings
+from autoshard.ir import meta
+from autoshard.ir.errors import PlanError, UserInputError
+from autoshard.ir.meta import CHECKPOINT
+from autoshard.passes.predict import predict
+from autoshard.runtime.collectives import current, use_communicator
+from autoshard.runtime.rng import at_position, current_position
+
+_LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
+
+
+def checkpoint(state) -> None:
+    """The pass: mark every op of each region with `autoshard.weights.training_checkpoint` = the region's path.
+
+    >>> sorted({n.meta.get(CHECKPOINT, "-") for n in ops})
+    ['-', 'layers.0', 'layers.1']
+    """
+    option = state.options.get("checkpoint")
+    state.checkpoint_regions = []
+    if not option:
+        return
+    ops = [n for n in state.gm.graph.nodes if n.op == "call_function"]
+    paths = _module_paths(ops)
+    if option == "auto":
+        regions = _auto_regions(state, ops, sorted(p for p in paths if _LAYER_RE.match(p)))
+    else:
+        globs = [option] if isinstance(option, str) else list(option)
+        regions = []
+        for glob in globs:
+            matched = sorted(p for p in paths if fnmatch.fnmatchcase(p, glob))
+            if not matched:
+                raise UserInputError(f"checkpoint={glob!r} matches no module of the model; use module paths like "
+                                     f"'layers.*' (modules: {sorted(paths)[:8]}...)")
+            regions += matched
+    regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]  # outermost wins
+    for node in ops:
+        region = _region_of(node, regions)
+        if region is not None:
+            node.meta[CHECKPOINT] = region
+    state.checkpoint_regions = [r for r in dict.fromkeys(n.meta.get(CHECKPOINT) for n in ops) if r]
+
+
+checkpoint.name = "checkpoint"
+
+
+def _module_paths(ops) -> set[str]:
+    paths = set()
+    for node in ops:
+        parts = node.meta.get(meta.PATH, "").split(".")
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    paths.discard("")
+    return paths
+
+
+def _region_of(node, regions):
+    path = node.meta.get(meta.PATH, "")
+    return next((r for r in regions if path == r or path.startswith(r + ".")), None)
+
+
+def _auto_regions(state, ops, layers) -> list[str]:
+    """Repeated layers to checkpoint until the predicted memory fits the budget (greedy by bytes saved
+    per recompute second); none when it already fits."""
+    budget = state.options.get("checkpoint_budget")
+    if budget is None or not layers:
+        return []
+    predict(state)
+    memory = state.predicted["memory_bytes_per_rank"]
+    scored = []
+    for layer in layers:
+        nodes = [n for n in ops if _region_of(n, [layer]) is not None]
+        saved, seconds = region_savings(state, nodes)
+        scored.append((-saved / max(seconds, 1e-12), layer, saved))
+    chosen, savings = [], []
+    for _, layer, saved in sorted(scored):
+        if memory - sum(savings) + max(savings, default=0) <= budget:
+            break
+        chosen.append(layer)
+        savings.append(saved)
+    memory += max(savings, default=0) - sum(savings)  # one region's activations are live during its recompute
+    if memory > budget:
+        raise PlanError(f"checkpointing every repeated layer ({len(layers)}) leaves a predicted {memory / 2**20:.1f} "
+                        f"MiB per rank, above the memory budget {budget / 2**20:.1f} MiB; shard more (a larger "
+                        "mesh, ZeRO) or raise memory_budget")
+    return chosen
+
+
+def wrap_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move each checkpoint region of a rank's module into a submodule run under torch.utils.checkpoint.
+
+    >>> gm.checkpointed_0  # codegen called it for the module docstring's gm
+    Recomputed(
+      region='layers.0'
+      (body): Region()
+    )
+    """
+    regions = list(dict.fromkeys(n.meta[CHECKPOINT] for n in gm.graph.nodes if CHECKPOINT in n.meta))
+    for index, region in enumerate(regions):
+        _wrap_one(gm, region, f"checkpointed_{index}")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+class Recomputed(torch.nn.Module):
+    """A region's subgraph; forward saves only the region's inputs and recomputes the rest in backward.
+
+    >>> type(gm.checkpointed_1).__name__, gm.checkpointed_1.region
+    ('Recomputed', 'layers.1')
+    """
+
+    def __init__(self, body: fx.GraphModule, region: str):
+        super().__init__()
+        self.body = body
+        self.region = region
+
+    def forward(self, *inputs):
+        """The region's outputs; run by the rank module (its communicator is current), as here:
+
+        >>> loss, _ = prog.simulate(*inputs)
+        >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs), atol=1e-5)
+        True
+        """
+        comm = current()  # the recompute runs in backward, outside the rank module's forward
+        position = current_position()  # and draws the forward's random masks again
+
+        def run(*args):
+            with use_communicator(comm), at_position(position):
+                return self.body(*args)
+        # The whole region re-runs (no early stop), so every rank repeats every collective in it.
+        # Random ops draw from the rank's stream at the captured position, not from torch's generator, so
+        # its state need not be kept (restoring it would race with simulated ranks' seeded draws).
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False)
+
+    def extra_repr(self) -> str:
+        """The region's module path, in the module's repr.
+
+        >>> gm.checkpointed_0.extra_repr()
+        "region='layers.0'"
+        """
+        return f"region={self.region!r}"
+
+
+def _wrap_one(gm, region, name):
+    graph = gm.graph
+    inside = [n for n in graph.nodes if n.meta.get(CHECKPOINT) == region]
+    members = set(inside)
+    inputs = list(dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in members))
+    outputs = [n for n in inside if any(u not in members for u in n.users)]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first, last = order[inside[0]], inside[-1]
+    between = [n for n in graph.nodes if first < order[n] < order[last] and n not in members]
+    if any(a in members for n in between for a in n.all_input_nodes):
+        raise PlanError(f"checkpoint region {region!r} is not contiguous in the graph (an op outside it uses its "
+                        "values before it ends); checkpoint a smaller or a larger module")
+    body = fx.Graph()
+    env = {}
+    for value in inputs:
+        env[value] = body.placeholder(value.name)
+        env[value].meta = dict(value.meta)
+    for node in inside:
+        env[node] = body.node_copy(node, lambda n: env[n])
+    body.output(tuple(env[n] for n in outputs))
+    gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name="Region"), region))
+    with graph.inserting_after(last):
+        call = graph.call_module(name, tuple(inputs))
+    anchor = call
+    for i, out in enumerate(outputs):
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(_item, (call, i))
+        anchor.meta = dict(out.meta)
+        out.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in members)
+    for node in reversed(inside):
+        graph.erase_node(node)
+
+
+def _item(values, index):
+    return values[index]

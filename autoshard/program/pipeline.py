@@ -1,0 +1,245 @@
+"""Pipeline parallelism: options, the micro-batch program, and `parallelize_pipeline`.
+
+A pipelined program is an intra-op program on the mesh without the `pp` axis, traced at the
+micro-batch shape (batch / micro-batches), whose nodes `cut_stages` assigns to `pp size x virtual`
+stages; each rank of the pp axis runs its stages' GraphModules under a torch.distributed.pipelining
+schedule (autoshard/runtime/pipeline.py). Every micro-batch's loss is a mean over its own batch, so
+the step's loss is the mean over micro-batches and the gradients are summed then divided by their
+number: equal to one full-batch step for batch-mean losses (the default loss and cross-entropy).
+
+>>> import autoshard
+>>> from autoshard.cost.model import DEFAULT_PROFILE
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=3)
+>>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
+...                              pipeline={"microbatches": 2, "schedule": "gpipe"})
+>>> prog.plan.pipeline["stages"], prog.config.schedule
+(2, 'GPipe')
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from autoshard.cost.model import DEFAULT_PROFILE, Link
+from autoshard.frontend.stages import StageAnnotations, collect_annotations
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.mesh import Mesh
+
+# Our names -> torch.distributed.pipelining schedule class names (get_schedule_class).
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B", "loopedbfs": "LoopedBFS",
+             "interleavedzerobubble": "InterleavedZeroBubble", "zbvzerobubble": "ZBVZeroBubble"}
+MULTI_STAGE = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"}
+V_STYLE = {"ZBVZeroBubble"}  # stage s on pp rank s for s < p, then back: 2p-1-s
+SOLO_AXIS = "stage_device"  # the intra-op axis of a mesh that is only a pipeline
+_DEFAULT_LINK = Link(5e-6, 2.0e11)  # a pp axis's link when no profile says
+OPTION_KEYS = {"axis", "microbatches", "schedule", "virtual_stages", "balance", "split_points"}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the pipeline is: its mesh axis and size, stages per rank, schedule, micro-batches, cut.
+
+    >>> zbv = PipelineConfig("pp", pp_size=2, microbatches=4, schedule="ZBVZeroBubble", virtual=2)
+    >>> zbv.num_stages, [zbv.stage_rank(s) for s in range(4)]  # V-shaped: stages 0 and 3 on pp rank 0
+    (4, [0, 1, 1, 0])
+    """
+
+    axis: str
+    pp_size: int
+    microbatches: int
+    schedule: str = "1F1B"
+    virtual: int = 1
+    annotations: StageAnnotations | None = None
+    link: Link = _DEFAULT_LINK
+
+    @property
+    def num_stages(self) -> int:
+        """Stages in all: pp size x stages per rank.
+
+        >>> prog.config.num_stages
+        2
+        """
+        return self.pp_size * self.virtual
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp coordinate that runs `stage` (round robin; V-shaped for ZBVZeroBubble).
+
+        >>> [PipelineConfig("pp", 2, 4, "Interleaved1F1B", virtual=2).stage_rank(s) for s in range(4)]
+        [0, 1, 0, 1]
+        """
+        if self.schedule in V_STYLE:
+            block, pos = divmod(stage, self.pp_size)
+            return pos if block % 2 == 0 else self.pp_size - 1 - pos
+        return stage % self.pp_size
+
+    def stages_of(self, pp_coord: int) -> list[int]:
+        """The stages pp rank `pp_coord` runs, in order.
+
+        >>> PipelineConfig("pp", 2, 4, "ZBVZeroBubble", virtual=2).stages_of(0)
+        [0, 3]
+        """
+        return [s for s in range(self.num_stages) if self.stage_rank(s) == pp_coord]
+
+    def to_json(self) -> dict:
+        """The plan's `pipeline` record of the configuration.
+
+        >>> prog.config.to_json()  # doctest: +NORMALIZE_WHITESPACE
+        {'axis': 'pp', 'pp_size': 2, 'microbatches': 2, 'schedule': 'GPipe', 'virtual_stages': 1, 'stages': 2,
+         'cut': 'automatic'}
+        """
+        return {"axis": self.axis, "pp_size": self.pp_size, "microbatches": self.microbatches,
+                "schedule": self.schedule, "virtual_stages": self.virtual, "stages": self.num_stages,
+                "cut": self.annotations.source if self.annotations else "automatic"}
+
+
+def schedule_name(name) -> str:
+    """torch's schedule class name for a user's spelling (case, '_', '-' and spaces ignored; short names).
+
+    >>> schedule_name("1f1b"), schedule_name("zero-bubble"), schedule_name("Interleaved")
+    ('1F1B', 'InterleavedZeroBubble', 'Interleaved1F1B')
+    """
+    key = str(name).replace("_", "").replace("-", "").replace(" ", "").lower()
+    key = {"zerobubble": "interleavedzerobubble", "zb": "interleavedzerobubble", "zbv": "zbvzerobubble",
+           "interleaved": "interleaved1f1b"}.get(key, key)
+    if key not in SCHEDULES:
+        raise UserInputError(f"unknown pipeline schedule {name!r}; choose one of "
+                             f"{sorted(set(SCHEDULES.values()))} (case-insensitive)")
+    return SCHEDULES[key]
+
+
+def check_options(options) -> dict:
+    """The `pipeline=` argument as a dict of known options (None or True: defaults).
+
+    >>> check_options({"microbatches": 4}), check_options(True)
+    ({'microbatches': 4}, {})
+    >>> check_options({"micro_batches": 4})
+    Traceback (most recent call last):
+    ...
+    autoshard.ir.errors.UserInputError: unknown pipeline option(s) ['micro_batches']; known: ['axis', 'balance', ...]
+    """
+    if options is None or options is True:
+        return {}
+    if not isinstance(options, dict):
+        raise UserInputError("pipeline= takes a dict such as {'microbatches': 4, 'schedule': '1f1b'}; got "
+                             f"{type(options).__name__}")
+    unknown = set(options) - OPTION_KEYS
+    if unknown:
+        raise UserInputError(f"unknown pipeline option(s) {sorted(unknown)}; known: {sorted(OPTION_KEYS)}")
+    return dict(options)
+
+
+def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, profile) -> PipelineConfig:
+    """Check the user's pipeline options against the mesh and the batch; fill defaults (2 x pp size
+    micro-batches; 2 stages per rank for the interleaved schedules).
+
+    >>> config = make_config(prog.mesh, "pp", {"schedule": "interleaved"}, None, 8, DEFAULT_PROFILE)
+    >>> config.microbatches, config.virtual, config.num_stages
+    (4, 2, 4)
+    """
+    schedule = schedule_name(options.get("schedule", "1f1b"))
+    default_virtual = 2 if schedule in MULTI_STAGE else 1
+    virtual = options.get("virtual_stages", default_virtual)
+    if not isinstance(virtual, int) or virtual < 1:
+        raise UserInputError(f"virtual_stages must be an int >= 1, got {virtual!r}")
+    if schedule not in MULTI_STAGE and virtual != 1:
+        raise UserInputError(f"schedule {schedule} runs one stage per rank; virtual_stages={virtual} needs an "
+                             "interleaved schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)")
+    if schedule in V_STYLE and virtual != 2:
+        raise UserInputError(f"schedule {schedule} runs exactly 2 stages per rank; set virtual_stages=2")
+    p = mesh.shape[mesh.axis(axis)]
+    m = options.get("microbatches", 2 * p)
+    if not isinstance(m, int) or m < 1:
+        raise UserInputError(f"microbatches must be an int >= 1, got {m!r}")
+    if batch % m:
+        raise UserInputError(f"the batch of {batch} (dim 0 of the inputs) does not split into {m} micro-batches; "
+                             f"choose microbatches dividing {batch}")
+    if schedule in MULTI_STAGE and m % p:
+        raise UserInputError(f"schedule {schedule} needs the micro-batches ({m}) to be a multiple of the pp axis "
+                             f"size ({p})")
+    link = profile.link(mesh.shape, mesh.axis(axis))
+    return PipelineConfig(axis, p, m, schedule, virtual, annotations, link)
+
+
+def batch_size(example_inputs) -> int:
+    """Dim 0 of the inputs (every input must have the same): what micro-batches split.
+
+    >>> batch_size(inputs)
+    8
+    """
+    sizes = {tuple(x.shape)[:1] for x in example_inputs if isinstance(x, torch.Tensor)}
+    if len(sizes) != 1 or () in sizes:
+        raise UserInputError("pipelining splits every input along dim 0 into micro-batches, so every input needs "
+                             f"the same dim 0 (the batch); got shapes {[tuple(x.shape) for x in example_inputs]}")
+    return sizes.pop()[0]
+
+
+def microbatch_inputs(example_inputs, m: int) -> tuple:
+    """Example inputs of one micro-batch (the shape the pipelined program is traced at).
+
+    >>> microbatch_inputs(inputs, 4)[0].shape
+    torch.Size([2, 32])
+    """
+    return tuple(x[: x.shape[0] // m] for x in example_inputs)
+
+
+def inner_mesh(mesh: Mesh, axis: str) -> Mesh:
+    """The mesh without the pp axis (the intra-op plan's mesh); a pure pipeline gets one size-1 axis.
+
+    >>> inner_mesh(prog.mesh, "pp"), inner_mesh(Mesh((4,), ("pp",)), "pp")
+    (Mesh(dp=2), Mesh(stage_device=1))
+    """
+    keep = [i for i, name in enumerate(mesh.names) if name != axis]
+    if not keep:  # a pure pipeline: each stage on one device (a size-1 axis keeps the passes uniform)
+        return Mesh((1,), (SOLO_AXIS,))
+    return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.names[i] for i in keep))
+
+
+def inner_profile(profile, mesh: Mesh, axis: str):
+    """The profile for the mesh without the pp axis: each remaining axis keeps its link of the full mesh.
+
+    >>> inner_profile(DEFAULT_PROFILE, prog.mesh, "pp").axis_links == (DEFAULT_PROFILE.link((2, 2), 1),)
+    True
+    """
+    links = tuple(profile.link(mesh.shape, i) for i, name in enumerate(mesh.names) if name != axis) \
+        or (profile.intra_node,)
+    return dataclasses.replace(profile, axis_links=links)
+
+
+def _warn_batch_statistics(model, microbatches: int) -> None:
+    """BatchNorm in training normalises each micro-batch by its own statistics: not the full-batch step."""
+    norms = [path for path, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             and m.training] if isinstance(model, torch.nn.Module) else []
+    if norms and microbatches > 1:
+        warnings.warn(f"autoshard: {len(norms)} BatchNorm module(s) in training mode (e.g. {norms[0]!r}) see one "
+                      f"micro-batch at a time ({microbatches} per step), so their statistics and the step differ "
+                      "from a full-batch step; use microbatches=1, eval-mode norms, or LayerNorm/GroupNorm",
+                      stacklevel=3)
+
+
+def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, hints, loss_fn, debug,
+                         compile_options: dict, plan=None):
+    """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut.
+    `parallelize` calls it for a mesh axis named "pp" (or `pipeline={"axis": ...}`).
+
+    >>> piped = parallelize_pipeline(model, prog.mesh, inputs, "pp", {"microbatches": 4}, None, loss_fn, False,
+    ...                              {"profile": DEFAULT_PROFILE})
+    >>> piped.inner_mesh, piped.config.microbatches, piped.state.traced.gm.graph is not None
+    (Mesh(dp=2), 4, True)
+    """
+    from autoshard.passes.pipelines import compile_state
+    from autoshard.program.pipeline_program import PipelineProgram
+    options = check_options(options)
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    annotations = collect_annotations(model, hints, options.get("balance"), options.get("split_points"))
+    profile = compile_options.get("profile") or DEFAULT_PROFILE
+    config = make_config(mesh, axis, options, annotations, batch_size(example_inputs), profile)
+    _warn_batch_statistics(model, config.microbatches)
+    sub = inner_mesh(mesh, axis)
+    opts = dict(compile_options, profile=inner_profile(profile, mesh, axis), pipeline=config)
+    state, history = compile_state(model, sub, microbatch_inputs(example_inputs, config.microbatches), hints,
+                                   loss_fn, debug, opts, plan=plan, pipeline=True)
+    return PipelineProgram(state, history, mesh, config)

@@ -1,0 +1,2 @@
+"""What people look at: pictures of a plan, pipeline timelines (planned and measured) and progress bars.
+"""

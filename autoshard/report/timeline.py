@@ -1,0 +1,280 @@
+"""Pipeline timelines: planned (the schedule simulated on predicted stage times) and measured.
+
+A timeline is a list of events `(pp rank, stage, kind, micro-batch, start_s, end_s)` with kind "F"
+(forward), "B" (full backward), "I" (input-gradient backward) or "W" (weight-gradient backward) —
+the actions of torch.distributed.pipelining's schedules. `planned_timeline(program)` runs the
+schedule's action order per rank (torch's own `pipeline_order` for multi-stage schedules; GPipe and
+1F1B written out here) on the plan's per-stage forward/backward times with the stage-to-stage
+transfer time; the measured one comes from a real step (`PipelineRankModule.timeline`). Both print as
+text rows per rank and plot with `autoshard.report.viz.plot_timeline`.
+
+>>> t = Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0), (1, 1, "B", 0, 2.0, 4.0),
+...               (0, 0, "B", 0, 4.0, 6.0)])
+>>> round(t.bubble_fraction(), 3)
+0.5
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoshard.ir.errors import PlanError
+
+
+@dataclass
+class Timeline:
+    """Events `(rank, stage, kind, microbatch, start_s, end_s)` of one training step.
+
+    >>> Timeline([(0, 0, "F", 0, 0.0, 1.0), (0, 0, "B", 0, 1.0, 3.0)]).busy(0)
+    3.0
+    """
+
+    events: list = field(default_factory=list)
+    source: str = "planned"
+
+    @property
+    def ranks(self) -> list[int]:
+        """The pp ranks with events.
+
+        >>> Timeline([(1, 1, "F", 0, 0.0, 1.0), (0, 0, "F", 0, 0.0, 1.0)]).ranks
+        [0, 1]
+        """
+        return sorted({e[0] for e in self.events})
+
+    def span(self) -> float:
+        """First start to last end (seconds).
+
+        >>> Timeline([(0, 0, "F", 0, 2.0, 3.0), (1, 1, "F", 0, 3.0, 5.0)]).span()
+        3.0
+        """
+        return max(e[5] for e in self.events) - min(e[4] for e in self.events) if self.events else 0.0
+
+    def busy(self, rank: int) -> float:
+        """Seconds `rank` spent in forward/backward chunks.
+
+        >>> Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).busy(1)
+        1.0
+        """
+        return sum(e[5] - e[4] for e in self.events if e[0] == rank)
+
+    def bubble_fraction(self, span: float | None = None) -> float:
+        """Idle share of the step averaged over ranks: 1 - busy / (ranks x step span).
+
+        >>> Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).bubble_fraction()
+        0.5
+        """
+        span = self.span() if span is None else span
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(r) for r in self.ranks) / (len(self.ranks) * span)
+
+    def plot_events(self) -> list[tuple]:
+        """Events for `autoshard.report.viz.plot_timeline` (one row per pp rank; I counts as backward).
+
+        >>> Timeline([(0, 0, "I", 3, 1.0, 2.0)]).plot_events()
+        [('pp rank 0', 0.0, 1.0, 'B', 3)]
+        """
+        t0 = min(e[4] for e in self.events) if self.events else 0.0
+        return [(f"pp rank {r}", s0 - t0, s1 - t0, "B" if kind == "I" else kind, mb)
+                for r, _, kind, mb, s0, s1 in sorted(self.events, key=lambda e: (e[0], e[4]))]
+
+    def plot(self, title: str | None = None):
+        """A matplotlib Gantt chart of the step (one row per pp rank).
+
+        >>> figure = Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).plot()
+        """
+        from autoshard.report.viz import plot_timeline
+        return plot_timeline(self.plot_events(), title=title or f"{self.source} pipeline step")
+
+    def __repr__(self) -> str:
+        """One text row per rank: each column a slice of the step, the letter of what ran (. idle)."""
+        width, span = 72, self.span()
+        if not self.events or span <= 0:
+            return f"Timeline({self.source}: empty)"
+        t0 = min(e[4] for e in self.events)
+        lines = [f"{self.source} timeline: step {span:.3g} s, bubble {self.bubble_fraction():.1%}"]
+        for rank in self.ranks:
+            row = ["."] * width
+            for r, stage, kind, mb, s0, s1 in self.events:
+                if r == rank:
+                    for c in range(int((s0 - t0) / span * width), max(int((s1 - t0) / span * width),
+                                                                     int((s0 - t0) / span * width) + 1)):
+                        row[min(c, width - 1)] = kind
+            lines.append(f"  pp rank {rank}: {''.join(row)}")
+        return "\n".join(lines)
+
+
+def schedule_order(config) -> dict[int, list[tuple]]:
+    """{pp rank: [(stage, kind, microbatch), ...]} in the order the schedule runs them.
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> schedule_order(PipelineConfig("pp", 2, 2, "1F1B"))[0]
+    [(0, 'F', 0), (0, 'F', 1), (0, 'B', 0), (0, 'B', 1)]
+    """
+    p, m = config.pp_size, config.microbatches
+    if config.schedule == "GPipe":
+        return {r: [(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)}
+    if config.schedule == "1F1B":
+        orders = {}
+        for r in range(p):
+            warmup = min(p - 1 - r, m)
+            order = [(r, "F", i) for i in range(warmup)]
+            f, b = warmup, 0
+            while b < m:
+                if f < m:
+                    order.append((r, "F", f))
+                    f += 1
+                order.append((r, "B", b))
+                b += 1
+            orders[r] = order
+        return orders
+    return _torch_order(config)
+
+
+class _StageShape:
+    """What torch's multi-stage schedules read from a stage to compute their action order."""
+
+    def __init__(self, index, num_stages, pp_size, rank):
+        import torch
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp_size, rank
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.submod = torch.nn.Identity()
+        self.stage_index_to_group_rank = None
+        self.has_backward = True
+        self.dw_builder = None
+
+
+def _torch_order(config) -> dict[int, list[tuple]]:
+    """The action order torch.distributed.pipelining computes for a multi-stage schedule (the same code
+    the runtime runs), read from its `pipeline_order` with stand-in stages."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    cls = get_schedule_class(config.schedule)
+    stages = [_StageShape(s, config.num_stages, config.pp_size, 0) for s in config.stages_of(0)]
+    try:
+        schedule = cls(stages, config.microbatches, loss_fn=lambda out, target: out)
+        order = schedule.pipeline_order
+    except Exception as exc:  # torch internals changed: say so instead of guessing
+        raise PlanError(f"cannot read the action order of torch's {config.schedule} schedule ({exc}); the planned "
+                        "timeline needs torch.distributed.pipelining's pipeline_order") from exc
+    return {r: [(a.stage_index, str(a.computation_type).split(".")[-1].replace("FULL_BACKWARD", "B")
+                 .replace("FORWARD", "F").replace("BACKWARD_INPUT", "I").replace("BACKWARD_WEIGHT", "W")[0],
+                 a.microbatch_index) for a in actions if a is not None]
+            for r, actions in order.items()}
+
+
+def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
+    """Run the per-rank action orders as early as their dependencies allow.
+
+    `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split).
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> even = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}}
+    >>> round(simulate(PipelineConfig("pp", 2, 4, "1F1B"), even).bubble_fraction(), 3)  # (p-1)/(m+p-1)
+    0.2
+    """
+    orders = schedule_order(config)
+    done: dict = {}
+    position = {r: 0 for r in orders}
+    free = {r: 0.0 for r in orders}
+    events = []
+    last = config.num_stages - 1
+
+    def ready(stage, kind, mb):
+        if kind == "F":
+            deps = [(stage - 1, "F", mb)] if stage > 0 else []
+        elif kind in ("B", "I"):
+            deps = [(stage, "F", mb)] + ([] if stage == last else [(stage + 1, "B", mb), (stage + 1, "I", mb)])
+        else:
+            deps = [(stage, "I", mb)]
+        if kind in ("B", "I") and stage < last:  # the next stage ran either a full or an input backward
+            later = [done.get((stage + 1, k, mb)) for k in ("B", "I")]
+            later = [t for t in later if t is not None]
+            own = done.get((stage, "F", mb))
+            return None if not later or own is None else max(own, min(later) + transfer_s)
+        times = [done.get(d) for d in deps]
+        if any(t is None for t in times):
+            return None
+        return max(times, default=0.0) + (transfer_s if kind == "F" and stage > 0 else 0.0)
+
+    remaining = sum(len(o) for o in orders.values())
+    while remaining:
+        progressed = False
+        for r, order in orders.items():
+            if position[r] >= len(order):
+                continue
+            stage, kind, mb = order[position[r]]
+            t = ready(stage, kind, mb)
+            if t is None:
+                continue
+            seconds = durations[stage]["F"] if kind == "F" else durations[stage]["B"] * (1.0 if kind == "B" else 0.5)
+            start = max(t, free[r])
+            done[(stage, kind, mb)] = free[r] = start + seconds
+            events.append((r, stage, kind, mb, start, start + seconds))
+            position[r] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise PlanError(f"the {config.schedule} action order deadlocks in simulation (at "
+                            f"{ {r: orders[r][position[r]] for r in orders if position[r] < len(orders[r])} })")
+    return Timeline(events, source="planned")
+
+
+def planned_timeline(program) -> Timeline:
+    """The step the plan predicts for a pipelined program (its stage table and the pp link).
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+    ...                              pipeline={"microbatches": 2})
+    >>> planned = planned_timeline(pipe)  # == pipe.planned_timeline(); print it, or .plot() in a notebook
+    >>> planned.ranks, planned.span() == pipe.plan.pipeline["predicted_step_s"]
+    ([0, 1], True)
+    """
+    return pipeline_timeline(program.config, program.state.pipeline_stages)
+
+
+def pipeline_timeline(config, table) -> Timeline:
+    """The pipeline's predicted step: the schedule's actions run on the stage table's forward/backward
+    times with the stage-to-stage transfers, then each rank's gradient sync ("S"); its span is the one
+    predicted step the plan reports (`plan.pipeline["predicted_step_s"]`).
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> table = [{"stage": s, "fwd_s": 1.0, "bwd_s": 2.0, "send_bytes": 0, "sync_s": 0.5} for s in range(2)]
+    >>> round(pipeline_timeline(PipelineConfig("pp", 2, 4, "1F1B"), table).span(), 3)  # (m + p - 1) x 3 + 0.5
+    15.5
+    """
+    durations = {row["stage"]: {"F": row["fwd_s"], "B": row["bwd_s"]} for row in table}
+    boundary = max((row["send_bytes"] for row in table), default=0)
+    transfer = config.link.alpha + boundary / 2 / config.link.bandwidth
+    timeline = simulate(config, durations, transfer)
+    end = max((e[5] for e in timeline.events), default=0.0)
+    sync = {config.stage_rank(row["stage"]): 0.0 for row in table}
+    for row in table:
+        sync[config.stage_rank(row["stage"])] += row.get("sync_s", 0.0)
+    timeline.events += [(rank, -1, "S", -1, end, end + seconds) for rank, seconds in sorted(sync.items()) if seconds]
+    return timeline
+
+
+def measured_timeline(results: dict, program) -> Timeline:
+    """The measured step from rank results of `pipeline_rank_run` ({rank: {"timeline": [...]}}): one row
+    per pp rank (the rank with intra-op coordinate 0 of each pp coordinate).
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+    ...                              pipeline={"microbatches": 2})
+    >>> results = {0: {"timeline": [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 2.0, 4.0)]},  # what ranks report
+    ...            1: {"timeline": [(1, "F", 0, 1.0, 2.0)]}}
+    >>> print(measured_timeline(results, pipe))
+    measured timeline: step 4 s, bubble 50.0%
+      pp rank 0: FFFFFFFFFFFFFFFFFF..................BBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB
+      pp rank 1: ..................FFFFFFFFFFFFFFFFFF....................................
+    """
+    events = []
+    for rank, res in sorted(results.items()):
+        if res is None or program.inner_rank(rank) != 0:
+            continue
+        pp = program.pp_coord(rank)
+        events += [(pp, stage, kind, mb, s0, s1) for stage, kind, mb, s0, s1 in res["timeline"]]
+    return Timeline(events, source="measured")

@@ -1,0 +1,200 @@
+"""Whether to pipeline, over which axis, with how many micro-batches: decided by predicted step time.
+
+A named axis "pp" (or `pipeline={"axis": ...}`) fixes the axis; the micro-batch count, when not given,
+is the candidate (p, 2p, 4p that divide the batch) with the least predicted step time, estimated from
+one plan (see `estimate_step`) and re-planned once if another count wins. On an unnamed mesh without
+hints every axis of size >= 2 is a candidate pp axis besides not pipelining at all (one per class of equal size and
+links); each is planned (intra-op plan on the other axes + cut) and the fastest predicted step wins. The predicted
+step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1) x the slowest stage + the
+slowest stage's gradient sync; `plan.pipeline["search"]` keeps every candidate's figures (the why).
+
+On an unnamed mesh the planner compares pipelining over each axis with not pipelining:
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=3)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn)
+>>> [c["axis"] for c in prog.plan.search["candidates"]], prog.plan.search["chosen_pipeline_axis"] in (None, "a0")
+([None, 'a0'], True)
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from autoshard.ir.errors import AutoshardError, UserInputError
+from autoshard.program.pipeline import batch_size, check_options, parallelize_pipeline
+
+log = logging.getLogger(__name__)
+
+
+def predicted_step(stages: list[dict], m: int, virtual: int = 1) -> float:
+    """Step time of a pipeline whose stages take `stages[s]["seconds"]` per micro-batch.
+
+    >>> predicted_step([{"seconds": 1.0, "sync_s": 0.5}, {"seconds": 2.0, "sync_s": 0.0}], m=4)  # 3 + 3 x 2 + 0.5
+    9.5
+    """
+    per_rank = max(s["seconds"] for s in stages) * virtual
+    sync = max(s["sync_s"] for s in stages)
+    return sum(s["seconds"] for s in stages) + (m - 1) * per_rank + sync
+
+
+def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan, unnamed, debug=False):
+    """The pipelined Program when the user asked for one or the search prefers one; else None.
+    `parallelize` calls it first.
+
+    >>> from autoshard.cost.model import DEFAULT_PROFILE
+    >>> options = {"profile": DEFAULT_PROFILE}
+    >>> choose_pipeline(model, autoshard.Mesh((2,), ("dp",)), inputs, None, loss_fn, options, None, None, False)
+    >>> choose_pipeline(model, autoshard.Mesh((2,), ("pp",)), inputs, None, loss_fn, options, None, None, False)
+    ... # doctest: +ELLIPSIS
+    PipelineProgram(Mesh(pp=2), 2 stages over 'pp', 1F1B, ... micro-batches, fingerprint=...)
+    ...
+    """
+    if pipeline is False:
+        if "pp" in mesh.names:
+            raise UserInputError("pipeline=False but the mesh has an axis named 'pp'; rename the axis to shard "
+                                 "on it instead")
+        return None
+    if plan is not None:  # a saved plan decides; a flat one is applied by the normal path
+        from autoshard.plan.plan import Plan
+        saved = plan if isinstance(plan, Plan) else Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else None
+        if saved is None or not saved.pipeline:  # resolve_plan reports a plan= of the wrong type
+            return None
+        return _from_saved(model, mesh, example_inputs, saved, pipeline, hints, loss_fn, options, debug)
+    opts = check_options(pipeline)
+    axis = opts.get("axis") or ("pp" if "pp" in mesh.names else None)
+    if axis is None and pipeline is not None and not unnamed:
+        raise UserInputError(f"pipeline options given but no pipeline axis: name a mesh axis 'pp' or pass "
+                             f"pipeline={{'axis': ...}} (mesh axes: {list(mesh.names)})")
+    if axis is None and (not unnamed or hints or not isinstance(model, torch.nn.Module)):
+        return None  # hints name axis roles (the user has decided them); a non-module fails in the front end
+    if axis is not None:
+        if axis not in mesh.names:
+            raise UserInputError(f"pipeline axis {axis!r} is not a mesh axis; mesh axes: {list(mesh.names)}")
+        return _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, options, debug)
+    return _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug)
+
+
+def _from_saved(model, mesh, example_inputs, saved, pipeline, hints, loss_fn, options, debug):
+    """A saved pipelined plan: its axis, schedule and micro-batches, its intra-op decisions applied (no
+    solving); the cut is computed again from the same annotations (it is deterministic) and the plan's
+    fingerprint, which covers every row's stage, must come out the same."""
+    from autoshard.plan.io import PlanMismatchError
+    record = saved.pipeline
+    if record["axis"] not in mesh.names:
+        raise PlanMismatchError(f"the plan pipelines over axis {record['axis']!r}, which mesh {mesh!r} does not have; "
+                                "pass the mesh and axis_names the plan was made for")
+    opts = dict(check_options(pipeline), axis=record["axis"], schedule=record["schedule"],
+                microbatches=record["microbatches"], virtual_stages=record["virtual_stages"])
+    prog = parallelize_pipeline(model, mesh, example_inputs, record["axis"], opts, hints, loss_fn, debug, options,
+                                plan=saved)
+    prog.plan.search = dict(saved.search)  # the records of why this axis and micro-batch count (made where
+    if "microbatch_search" in record:       # the plan was made)
+        prog.plan.pipeline["microbatch_search"] = record["microbatch_search"]
+    if prog.plan.fingerprint != saved.fingerprint:
+        raise PlanMismatchError(f"the pipelined plan cuts the model differently here (fingerprint "
+                                f"{prog.plan.fingerprint} vs the plan's {saved.fingerprint}): give the same stage "
+                                f"annotations as when it was made (its cut: {record['cut']})")
+    return prog
+
+
+def _microbatch_candidates(p: int, batch: int) -> list[int]:
+    return [m for m in (p, 2 * p, 4 * p) if m <= batch and batch % m == 0] or [1]
+
+
+def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> float:
+    """The predicted step with `m` micro-batches from stage times measured at `m0`: the bandwidth and
+    compute parts scale with the micro-batch size, the latencies (collectives, stage sends) do not.
+
+    >>> from autoshard.cost.model import Link
+    >>> stages = [{"seconds": 1.0, "sync_s": 0.0}, {"seconds": 1.0, "sync_s": 0.0}]
+    >>> estimate_step(stages, m0=2, m=4, virtual=1, link=Link(0.0, 1e9))  # half the time per micro-batch, 4 + 1
+    2.5
+    """
+    scaled = []
+    for row in stages:
+        fixed = row.get("latency_s", 0.0) + 4 * link.alpha
+        scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed))
+    return predicted_step(scaled, m, virtual)
+
+
+def _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, options, debug):
+    """Plan at one micro-batch count, estimate the others, re-plan once if another count is better."""
+    if "microbatches" in opts:
+        return parallelize_pipeline(model, mesh, example_inputs, axis, opts, hints, loss_fn, debug, options)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    p = mesh.shape[mesh.axis(axis)]
+    candidates = _microbatch_candidates(p, batch_size(inputs))
+    m0 = max([m for m in candidates if m <= 2 * p] or candidates[:1])
+    prog = parallelize_pipeline(model, mesh, inputs, axis, dict(opts, microbatches=m0), hints, loss_fn, debug,
+                                options)
+    config = prog.config
+    estimates = {m: estimate_step(prog.state.pipeline_stages, m0, m, config.virtual, config.link) for m in candidates}
+    best = min(candidates, key=lambda m: (estimates[m], m))
+    if best != m0:
+        try:
+            prog = parallelize_pipeline(model, mesh, inputs, axis, dict(opts, microbatches=best), hints, loss_fn,
+                                        debug, options)
+        except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep m0
+            log.info("pipelining with %d micro-batches is not possible (%s); keeping %d", best, exc, m0)
+    prog.plan.pipeline["microbatch_search"] = {str(m): estimates[m] for m in candidates}
+    return prog
+
+
+def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug):
+    """No pipeline, or one axis of each (size, link) class as pp (equal classes plan alike)."""
+    from autoshard.cost.model import DEFAULT_PROFILE
+    from autoshard.passes.pipelines import compile_state
+    from autoshard.program.program import Program
+    try:
+        flat = Program(*compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options))
+        candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]
+        best_step = flat.plan.predicted["step_time_s"]
+    except AutoshardError as exc:  # e.g. no intra-op plan fits the memory budget: a pipeline may
+        flat, flat_error, best_step = None, exc, float("inf")
+        candidates = [{"axis": None, "error": str(exc).splitlines()[0]}]
+    best, seen = None, {}
+    profile = options.get("profile") or DEFAULT_PROFILE
+    for i, name in enumerate(mesh.names):
+        key = (mesh.shape[i], profile.link(mesh.shape, i))
+        if mesh.shape[i] < 2:
+            continue
+        if key in seen:
+            candidates.append({"axis": name, "same_as": seen[key]})
+            continue
+        seen[key] = name
+        try:
+            prog = _best_microbatches(model, mesh, example_inputs, name, opts, hints, loss_fn, options, debug)
+        except AutoshardError as exc:
+            candidates.append({"axis": name, "error": str(exc).splitlines()[0]})
+            continue
+        step = prog.plan.pipeline["predicted_step_s"]
+        candidates.append({"axis": name, "microbatches": prog.config.microbatches, "predicted_step_s": step})
+        if step < best_step:
+            best, best_step = prog, step
+    chosen = best.config.axis if best is not None else None
+    why = _why(candidates, chosen)
+    log.info(why)
+    if best is None and flat is None:
+        raise flat_error
+    target = best if best is not None else flat
+    target.plan.search = {"candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
+    return target
+
+
+def _why(candidates, chosen) -> str:
+    parts = []
+    for c in candidates:
+        label = "no pipeline" if c["axis"] is None else f"pipeline over {c['axis']}"
+        if "error" in c:
+            parts.append(f"{label}: not possible ({c['error']})")
+        elif "same_as" in c:
+            parts.append(f"{label}: same size and links as {c['same_as']}, same prediction")
+        else:
+            extra = f", {c['microbatches']} micro-batches" if c.get("microbatches") else ""
+            parts.append(f"{label}{extra}: predicted step {c['predicted_step_s']:.3g} s")
+    head = f"pipelined over axis {chosen!r}" if chosen else "no axis pipelined"
+    return f"{head} (fastest predicted step): " + "; ".join(parts)
