@@ -21,7 +21,16 @@ import json
 import sys
 import traceback
 
+from autoshard.api import parallelize
+from autoshard.cost.calibrate import calibrate_command
+from autoshard.cost.model import load_profile
+from autoshard.frontend.factory import make_case
+from autoshard.frontend.hints import Hints
 from autoshard.ir.errors import AutoshardError
+from autoshard.ir.mesh import Mesh
+from autoshard.runtime.communicator import CollectiveTimeout
+from autoshard.runtime.launch import FingerprintMismatch, RanksFailed
+from autoshard.verify.verify import verify_factory
 
 OK, MISMATCH, BAD_INPUT, COULD_NOT_RUN = 0, 1, 2, 3
 
@@ -135,27 +144,19 @@ def exit_code(exc: BaseException) -> int:
     >>> exit_code(UserInputError("bad mesh")), exit_code(died), exit_code(RuntimeError("simulated rank 0 failed"))
     (2, 3, 3)
     """
-    from autoshard.runtime.communicator import CollectiveTimeout
-    from autoshard.runtime.launch import FingerprintMismatch, RanksFailed
     if isinstance(exc, (RanksFailed, CollectiveTimeout, FingerprintMismatch)):
         return COULD_NOT_RUN
     return BAD_INPUT if isinstance(exc, AutoshardError) else COULD_NOT_RUN
 
 
 def _run(args) -> int:
-    from autoshard.cost.model import load_profile
-    from autoshard.frontend.hints import Hints
-    from autoshard.ir.mesh import Mesh
     if args.command == "calibrate":
-        from autoshard.cost.calibrate import calibrate_command
         return calibrate_command(args)
     hints = Hints.load(args.hints).to_json() if args.hints else None
     mesh = Mesh.of(args.mesh, args.axis_names)
     options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
                "pipeline": _pipeline(args)}
     if args.command == "plan":
-        from autoshard.api import parallelize
-        from autoshard.frontend.factory import make_case
         model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
         prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
         if args.json:
@@ -168,7 +169,6 @@ def _run(args) -> int:
                 graph = prog.graph(args.rank)
                 print(graph.print_readable(print_output=False) if hasattr(graph, "print_readable") else graph)
         return OK
-    from autoshard.verify.verify import verify_factory
     report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,
                                dtype=args.dtype, accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
                                rng=args.rng, seed=args.seed, mixed_precision=args.mixed_precision, **options)

@@ -20,11 +20,14 @@ import torch
 
 from autoshard.cost.model import load_profile
 from autoshard.frontend.hints import Hints
+from autoshard.frontend.tp_modes import apply_parallel_config
+from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.mixed_precision import resolve_policy
 from autoshard.passes.pipelines import compile_state
 from autoshard.program.program import Program
+from autoshard.search.pipeline_search import choose_pipeline
 
 
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
@@ -61,7 +64,6 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     [('all_reduce', 'tp', 'layers.1')]
     """
     if parallel is not None:
-        from autoshard.frontend.tp_modes import apply_parallel_config
         mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
     mesh = Mesh.of(mesh, axis_names)
     example_inputs = _traceable_inputs(model, example_inputs)
@@ -75,8 +77,6 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
                "rng": rng, "seed": seed, "mixed_precision": resolve_policy(mixed_precision)}
     if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
         options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
-    from autoshard.frontend.trace import reuse_exports
-    from autoshard.search.pipeline_search import choose_pipeline
     with reuse_exports():  # the pipeline search's candidates often trace the same shapes
         choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
                                  unnamed=unnamed, debug=debug)

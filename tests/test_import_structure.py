@@ -1,5 +1,6 @@
 """The package's import structure (issue 16): no import cycles among autoshard's modules -- imports inside
-functions count, since they only hide a cycle -- and no module imports another module's private name.
+functions count, since they only hide a cycle -- no module imports another module's private name, and no
+autoshard module is imported inside a function.
 """
 import ast
 import collections
@@ -74,3 +75,20 @@ def test_no_module_imports_another_modules_private_names():
     private = [(a, b, n) for a, b, n in _imports(modules) if n.startswith("_") and not n.startswith("__")
                and b in modules and b != a]
     assert private == []
+
+
+def _imports_autoshard(node) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return bool(node.level) or (node.module or "").startswith("autoshard")
+    return isinstance(node, ast.Import) and any(alias.name.startswith("autoshard") for alias in node.names)
+
+
+def test_no_function_level_imports_of_autoshard_modules():
+    """Imports inside functions hide cycles and import order; they are kept for optional dependencies only
+    (transformers, matplotlib, ...), never for autoshard's own modules."""
+    nested = []
+    for name, path in _modules().items():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                nested += [f"{name}:{node.lineno}" for node in ast.walk(fn) if _imports_autoshard(node)]
+    assert sorted(set(nested)) == []

@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from autoshard.cost.model import CPU_PROFILE, HardwareProfile, Link
 from autoshard.ir.mesh import Mesh
+from autoshard.runtime.launch import communicator_for, run_distributed
 
 REPEATS = 5
 
 
 def _time_axis_task(rank, world, mesh_json, sizes):
-    from autoshard.runtime.launch import communicator_for
     mesh = Mesh.from_json(mesh_json)
     comm = communicator_for(mesh)
     out = {}
@@ -67,7 +67,6 @@ def calibrate_command(args) -> int:
     {...}
     0
     """
-    from autoshard.runtime.launch import run_distributed
     mesh = Mesh.of(args.mesh, args.axis_names)
     sizes = [int(s) for s in args.sizes.split(",")]
     results = run_distributed(_time_axis_task, mesh.size, mesh.to_json(), sizes)

@@ -13,7 +13,9 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import Partial, Placement, Replicate, Shard
+from autoshard.solver.redistribute import plan_redistribute
 
 INF = float("inf")
 
@@ -69,7 +71,6 @@ class HardwareProfile:
         >>> HardwareProfile.from_json({"name": "x", "peak_flops": 1e12}).peak_flops
         1000000000000.0
         """
-        from autoshard.ir.errors import UserInputError
         known = set(cls.__dataclass_fields__)
         if not isinstance(data, dict) or set(data) - known:
             raise UserInputError(f"a hardware profile is a JSON object with keys {sorted(known)}; got "
@@ -114,7 +115,6 @@ def load_profile(spec) -> HardwareProfile:
     """
     import json
 
-    from autoshard.ir.errors import UserInputError
     if spec is None or isinstance(spec, HardwareProfile):
         return spec
     if spec in PROFILES:
@@ -237,7 +237,6 @@ def fused_gather_saving(src, dst, partial_axes, global_bytes: float, mesh_shape,
     >>> math.isclose(saving, all_reduce_time(5e5, 2, link) - reduce_scatter_time(5e5, 2, link))
     True
     """
-    from autoshard.solver.redistribute import plan_redistribute
     steps, spec, blocks = plan_redistribute(src, dst), src, []
     for step in steps:
         spec = step.apply(spec)
@@ -264,7 +263,6 @@ def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: Hard
     >>> redistribution_time(Spec([S(0), R]), Spec([R, R]), 1e6, (2, 2), HardwareProfile())
     7.500000000000001e-06
     """
-    from autoshard.solver.redistribute import plan_redistribute
     try:
         steps = plan_redistribute(src, dst)
     except Exception:  # noqa: BLE001  (an impossible conversion, e.g. to a partial sum)

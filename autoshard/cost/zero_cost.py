@@ -25,7 +25,12 @@ import math
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
-from autoshard.cost.model import all_gather_time, all_reduce_time, reduce_scatter_time
+from autoshard.cost.model import (
+    DEFAULT_PROFILE,
+    all_gather_time,
+    all_reduce_time,
+    reduce_scatter_time,
+)
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard
 
@@ -147,7 +152,6 @@ def apply_zero(state) -> None:
     if zero is None:
         return
     mesh, profile, predicted = state.mesh, state.options.get("profile"), state.predicted
-    from autoshard.cost.model import DEFAULT_PROFILE
     profile = profile or DEFAULT_PROFILE
     axis = mesh.axis(zero.axis)
     k, link = mesh.shape[axis], profile.link(mesh.shape, axis)

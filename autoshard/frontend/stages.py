@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from autoshard.frontend.hints import Hints
 from autoshard.ir.errors import UserInputError
 
 STAGE_ATTR = "_autoshard_stage"
@@ -83,7 +84,6 @@ def collect_annotations(model: nn.Module, hints=None, balance=None, split_points
     if attrs:
         found.append(StageAnnotations(attrs, source="module stage attributes (pipeline_stage / autoshard.stage)"))
     if isinstance(hints, dict):
-        from autoshard.frontend.hints import Hints
         hints = Hints.parse(hints)
     from_hints = {e.pattern: e.split_counts[0] for e in getattr(hints, "entries", []) if e.target_kind == "stage"}
     if from_hints:

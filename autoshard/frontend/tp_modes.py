@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from autoshard.ir.errors import UserInputError
+from autoshard.zoo.hints import MEGATRON_LAYERS
 
 MODES = ("1d", "2d", "2.5d", "3d")
 
@@ -108,7 +109,6 @@ def linear_roles(model) -> tuple[list[str], list[str]]:
     >>> linear_roles("gpt2")
     (['layers.*.attn.[qkv]', 'layers.*.mlp.fc1'], ['layers.*.attn.proj', 'layers.*.mlp.fc2'])
     """
-    from autoshard.zoo.hints import MEGATRON_LAYERS
     name = model if isinstance(model, str) else type(model).__name__.lower()
     if name not in MEGATRON_LAYERS or name == "resnet":
         raise UserInputError(f"colossal_hints knows the linear layers of the zoo models {sorted(set(MEGATRON_LAYERS) - {'resnet'})}"

@@ -16,6 +16,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoshard.ir import meta
+from autoshard.ir.placement import Shard
 
 
 def new_node(graph: fx.Graph, target, args, kwargs=None, like: fx.Node | None = None) -> fx.Node:
@@ -67,6 +68,5 @@ def data_parallel_axes(nodes) -> set:
     >>> data_parallel_axes(gm.graph.nodes)  # no hints in this graph
     set()
     """
-    from autoshard.ir.placement import Shard
     return {axis for n in nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"
             for axis, p in n.meta.get(meta.HINT, {}).items() if isinstance(p, Shard)}

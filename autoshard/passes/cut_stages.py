@@ -29,7 +29,8 @@ import operator
 
 import torch
 
-from autoshard.cost.model import collective_latency
+from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.model import DEFAULT_PROFILE, collective_latency
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import NODE_COST
@@ -248,7 +249,6 @@ class CutCosts:
     """
 
     def __init__(self, state, nodes, config):
-        from autoshard.cost.axis_cost import needs_grad
         state.grad_flags = needs_grad(state.gm.graph)
         self.n = len(nodes)
         self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
@@ -330,9 +330,7 @@ def stage_summary(state, config) -> list[dict]:
     >>> [(s["stage"], s["ops"], s["first_module"], s["last_module"]) for s in stage_summary(state, config)]
     [(0, 7, 'layers.0', 'layers.2'), (1, 4, 'layers.2', 'layers.2')]
     """
-    from autoshard.cost.axis_cost import needs_grad
     grads = getattr(state, "grad_flags", None) or needs_grad(state.gm.graph)
-    from autoshard.cost.model import DEFAULT_PROFILE
     profile = state.options.get("profile") or DEFAULT_PROFILE
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
             "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0}

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autoshard.ir import meta
 from autoshard.ir.mesh import Mesh
+from autoshard.passes.verifier import verify_state
+from autoshard.report.progress import StepProgress
 
 
 @dataclass
@@ -49,7 +52,6 @@ class CompileState:
         >>> state.semi_auto, CompileState(state.gm, state.mesh, traced, hints={"input:0": {"dp": "S(0)"}}).semi_auto
         (False, True)
         """
-        from autoshard.ir import meta
         return bool(self.hints) or any(meta.HINT in n.meta or "autoshard.input_hint" in n.meta
                                        for n in self.gm.graph.nodes)
 
@@ -98,8 +100,6 @@ def run_passes(state: CompileState, passes: list[Callable], verify: bool = False
     >>> [entry.name for entry in run_passes(state, [normalize])]
     ['normalize']
     """
-    from autoshard.passes.verifier import verify_state
-    from autoshard.report.progress import StepProgress
     history = History()
     with StepProgress(len(passes), "autoshard planning") as progress:  # a bar only for passes over 1 s
         for pass_ in passes:

@@ -49,6 +49,7 @@ from autoshard.cost.model import (
     fused_gather_saving,
     redistribution_time,
 )
+from autoshard.cost.zero_cost import memory_scale
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.mixed_precision import cast_parameter
@@ -353,7 +354,6 @@ def _zero_memory_scale(node, combo, prior, state, models) -> float:
     zero = getattr(state, "zero_for_memory", None)
     if zero is None or node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not models[0].grad.get(node):
         return 1.0
-    from autoshard.cost.zero_cost import memory_scale
     axis = state.mesh.axis(zero.axis)
     placement = combo[axis].output if axis in combo else prior[axis].output if axis < len(prior) else Replicate()
     return memory_scale(zero.stage, state.mesh.shape[axis], models[0].optimizer_state_factor,

@@ -30,6 +30,7 @@ from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.placement import Replicate, Shard
 from autoshard.passes.choice import record_choice
+from autoshard.solver.ilp import MemoryBudgetError
 from autoshard.strategies import AxisStrategy
 
 
@@ -165,7 +166,6 @@ def solve_with_zero(state, solve_once) -> bool:
         axes = batch_axes(state)
     if not axes:
         return False
-    from autoshard.solver.ilp import MemoryBudgetError
     for stage in ZERO_STAGES:
         state.zero_for_memory = ZeroConfig(axes[0], stage, "memory budget")
         try:

@@ -35,6 +35,8 @@ from autoshard.ir.errors import PlanError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.meta import COMM_COST, NODE_COST
 from autoshard.ir.placement import Shard, Spec, describe_type, dtype_name
+from autoshard.plan.diff import diff_plans
+from autoshard.plan.explain import explain_nodes
 from autoshard.plan.io import (
     PLAN_VERSION,
     check_fingerprint,
@@ -42,6 +44,7 @@ from autoshard.plan.io import (
     read_plan_file,
     save_plan,
 )
+from autoshard.report.viz import draw_graph, draw_mesh
 
 
 @dataclass
@@ -180,7 +183,6 @@ class Plan:
         """
         if self._state is None:
             raise PlanError("explain needs the compiled program; a plan loaded from JSON keeps only decisions")
-        from autoshard.plan.explain import explain_nodes
         return explain_nodes(self._state, path)
 
     def to_json(self) -> dict:
@@ -401,7 +403,6 @@ class Plan:
         >>> bool(plan.diff(plan))  # nothing changed; print it, or display it in a notebook (HTML)
         False
         """
-        from autoshard.plan.diff import diff_plans
         return diff_plans(self, other)
 
     def draw(self, collapse=(), color_by: str = "auto"):
@@ -414,7 +415,6 @@ class Plan:
         >>> "<svg" in picture.svg and "layers.1" in repr(picture)
         True
         """
-        from autoshard.report.viz import draw_graph
         return draw_graph(self, collapse=collapse, color_by=color_by)
 
     def to_svg(self, collapse=(), color_by: str = "auto") -> str:
@@ -435,7 +435,6 @@ class Plan:
         >>> "<svg" in plan.draw_mesh().svg
         True
         """
-        from autoshard.report.viz import draw_mesh
         return draw_mesh(self.mesh, self.axis_roles())
 
     def _repr_html_(self) -> str:

@@ -28,6 +28,8 @@ from autoshard.cost.model import DEFAULT_PROFILE, Link
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
+from autoshard.passes.pipelines import compile_state
+from autoshard.program.pipeline_program import PipelineProgram
 
 # Our names -> torch.distributed.pipelining schedule class names (get_schedule_class).
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B", "loopedbfs": "LoopedBFS",
@@ -230,8 +232,6 @@ def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, 
     >>> piped.inner_mesh, piped.config.microbatches, piped.state.traced.gm.graph is not None
     (Mesh(dp=2), 4, True)
     """
-    from autoshard.passes.pipelines import compile_state
-    from autoshard.program.pipeline_program import PipelineProgram
     options = check_options(options)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     annotations = collect_annotations(model, hints, options.get("balance"), options.get("split_points"))

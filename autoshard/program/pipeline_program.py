@@ -28,6 +28,13 @@ from autoshard.passes.codegen import build_rank_module
 from autoshard.passes.cut_stages import STAGE
 from autoshard.passes.split_stages import split_stages
 from autoshard.program.program import Program
+from autoshard.report.timeline import planned_timeline
+from autoshard.runtime.pipeline import (
+    PipelineRankModule,
+    SequentialStages,
+    simulated_rank_step,
+)
+from autoshard.runtime.simulator import run_ranks
 
 
 class StageGraphs(list):
@@ -119,7 +126,6 @@ class PipelineProgram(Program):
         >>> timeline.span() > 0, 0 < timeline.bubble_fraction() < 1
         (True, True)
         """
-        from autoshard.report.timeline import planned_timeline
         return planned_timeline(self)
 
     def _tied_params(self) -> dict:
@@ -225,7 +231,6 @@ class PipelineProgram(Program):
         >>> from autoshard.runtime.launch import communicator_for
         >>> module = prog.module(rank, communicator_for(prog.mesh))  # doctest: +SKIP
         """
-        from autoshard.runtime.pipeline import PipelineRankModule
         return PipelineRankModule(self, rank, comm, weights=weights, init_fn=init_fn, seed=seed, strict=strict)
 
     # ---------------------------------------------------------------------------------------- data
@@ -281,8 +286,6 @@ class PipelineProgram(Program):
         >>> torch.allclose(loss, loss_fn(model(*inputs), *inputs)), torch.allclose(out, model(*inputs), atol=1e-6)
         (True, True)
         """
-        from autoshard.runtime.pipeline import simulated_rank_step
-        from autoshard.runtime.simulator import run_ranks
         self.check_inputs(inputs)
         results = run_ranks(InnerRanks(self), lambda module: simulated_rank_step(module, inputs, train=False),
                             timeout_s=timeout_s)
@@ -319,5 +322,4 @@ class InnerRanks:
         >>> type(run_ranks(InnerRanks(prog), lambda module: module)[0]).__name__
         'SequentialStages'
         """
-        from autoshard.runtime.pipeline import SequentialStages
         return SequentialStages(self.program, inner_rank, comm, **weights)

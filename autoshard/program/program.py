@@ -40,6 +40,9 @@ from autoshard.passes.random_ops import describe_random_ops
 from autoshard.plan.plan import Plan
 from autoshard.runtime.rank_module import RankModule
 from autoshard.runtime.rng import RankRng
+from autoshard.runtime.simulator import run_ranks
+from autoshard.weights import DcpWeights, open_weights, rank_weights
+from autoshard.weights.training_checkpoint import load_checkpoint
 
 
 class Program:
@@ -141,12 +144,10 @@ class Program:
         >>> torch.allclose(losses[0] + losses[1], loss)          # batch-sharded: each rank holds a partial sum
         True
         """
-        from autoshard.weights import DcpWeights, open_weights
         source = open_weights(weights) if weights is not None else None
         local = self.rank_tensors(rank, source, init_fn=init_fn, seed=seed, strict=strict)
         module = RankModule(build_rank_module(self.state, rank, local=local), comm, self)
         if isinstance(source, DcpWeights):  # DCP reads each rank's pieces into the module's shards in place
-            from autoshard.weights.training_checkpoint import load_checkpoint
             load_checkpoint(source.path, module)
         return module
 
@@ -157,7 +158,6 @@ class Program:
         >>> prog.rank_tensors(0, None) is None   # a model with real weights: cut from them
         True
         """
-        from autoshard.weights import DcpWeights, open_weights, rank_weights
         if weights is None:
             meta_tensors = [f for f, t in {**self.traced.params, **self.traced.buffers}.items()
                             if t.device.type == "meta" and (keep is None or f in keep)]
@@ -269,7 +269,6 @@ class Program:
         """
         import torch.utils._pytree as pytree
 
-        from autoshard.runtime.simulator import run_ranks
         self.check_inputs(inputs)
 
         def step(module):

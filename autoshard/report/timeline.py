@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoshard.ir.errors import PlanError
+from autoshard.report.viz import plot_timeline
 
 
 @dataclass
@@ -82,7 +83,6 @@ class Timeline:
 
         >>> figure = Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).plot()
         """
-        from autoshard.report.viz import plot_timeline
         return plot_timeline(self.plot_events(), title=title or f"{self.source} pipeline step")
 
     def __repr__(self) -> str:

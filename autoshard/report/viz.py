@@ -27,6 +27,7 @@ from html import escape
 
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
+from autoshard.ir.placement import describe_type
 
 STAGE = "autoshard.stage"  # written by the pipeline's cut_stages pass
 PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#bebada", "#fccde5",
@@ -159,7 +160,6 @@ def graph_boxes(state, collapse=(), color_by: str = "auto", cluster_depth: int =
 def _type_of(node, mesh) -> str:
     import torch
 
-    from autoshard.ir.placement import describe_type
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return ""

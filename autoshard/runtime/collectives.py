@@ -38,6 +38,7 @@ import threading
 import torch
 
 from autoshard.runtime.communicator import Communicator
+from autoshard.runtime.zero_gather import ParamAllGather
 
 _LOCAL = threading.local()
 
@@ -260,7 +261,6 @@ def param_all_gather(x: torch.Tensor, axis: str, dim: int, reduce_grad: bool, dt
     >>> run_on_mesh(mesh, lambda comm: param_all_gather(torch.tensor([comm.rank + 0.0]), "tp", 0, reduce_grad=True))
     {0: tensor([0., 1.]), 1: tensor([0., 1.])}
     """
-    from autoshard.runtime.zero_gather import ParamAllGather
     return ParamAllGather.apply(x, current(), axis, dim, reduce_grad, dtype)
 
 

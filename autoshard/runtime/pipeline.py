@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from autoshard.cost.axis_cost import needs_grad
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import local_shape, shard_tensor
 from autoshard.runtime.collectives import use_communicator
@@ -244,7 +245,6 @@ class PipelineRankModule(_StagesModule):
             get_schedule_class,
         )
 
-        from autoshard.cost.axis_cost import needs_grad
         config = self._program.config
         flags = needs_grad(self._program.state.gm.graph)
         device = torch.device("cuda", torch.cuda.current_device()) if not self.comm.exact else torch.device("cpu")

@@ -24,8 +24,13 @@ import os
 
 import torch
 
+from autoshard.cost.model import DEFAULT_PROFILE
 from autoshard.ir.errors import AutoshardError, UserInputError
+from autoshard.passes.pipelines import compile_state
+from autoshard.plan.io import PlanMismatchError
+from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import batch_size, check_options, parallelize_pipeline
+from autoshard.program.program import Program
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +64,6 @@ def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeli
                                  "on it instead")
         return None
     if plan is not None:  # a saved plan decides; a flat one is applied by the normal path
-        from autoshard.plan.plan import Plan
         saved = plan if isinstance(plan, Plan) else Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else None
         if saved is None or not saved.pipeline:  # resolve_plan reports a plan= of the wrong type
             return None
@@ -82,7 +86,6 @@ def _from_saved(model, mesh, example_inputs, saved, pipeline, hints, loss_fn, op
     """A saved pipelined plan: its axis, schedule and micro-batches, its intra-op decisions applied (no
     solving); the cut is computed again from the same annotations (it is deterministic) and the plan's
     fingerprint, which covers every row's stage, must come out the same."""
-    from autoshard.plan.io import PlanMismatchError
     record = saved.pipeline
     if record["axis"] not in mesh.names:
         raise PlanMismatchError(f"the plan pipelines over axis {record['axis']!r}, which mesh {mesh!r} does not have; "
@@ -146,9 +149,6 @@ def _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, 
 
 def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug):
     """No pipeline, or one axis of each (size, link) class as pp (equal classes plan alike)."""
-    from autoshard.cost.model import DEFAULT_PROFILE
-    from autoshard.passes.pipelines import compile_state
-    from autoshard.program.program import Program
     try:
         flat = Program(*compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options))
         candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]

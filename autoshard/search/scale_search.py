@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import is_matmul_like, node_flops
 from autoshard.cost.model import (
     HardwareProfile,
@@ -56,9 +57,11 @@ from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.meta import NODE_COST
+from autoshard.passes.codegen import codegen
 from autoshard.passes.cut_stages import boundary_bytes
 from autoshard.passes.manager import CompileState, run_passes
 from autoshard.passes.normalize import normalize
+from autoshard.passes.pipelines import PASSES
 from autoshard.passes.predict import collective_bytes, local_bytes
 from autoshard.search.pipeline_search import estimate_step
 from autoshard.solver.layers import layer_key
@@ -73,8 +76,6 @@ MIXED_PRECISION_ADAM = 6.0
 
 
 def _plan_passes():
-    from autoshard.passes.codegen import codegen
-    from autoshard.passes.pipelines import PASSES
     return [p for p in PASSES if p not in (normalize, codegen)]
 
 
@@ -428,7 +429,6 @@ def _layer_instance(node) -> str:
 
 def _units(state, profile) -> tuple[list[Unit], list]:
     """Units of the planned graph in order (embedding, each traced layer, head) and the shared parameters."""
-    from autoshard.cost.axis_cost import needs_grad
     graph, mesh = state.gm.graph, state.mesh
     ops = [n for n in graph.nodes if n.op == "call_function"]
     instances = list(dict.fromkeys(i for i in map(_layer_instance, ops) if i))

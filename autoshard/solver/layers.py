@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 
+from autoshard.cost.flops import is_matmul_like
 from autoshard.ir import meta
 
 _INDEX = re.compile(r"(^|\.)(\d+)(?=\.|$)")
@@ -50,7 +51,6 @@ def decision_classes(nodes, signature) -> tuple[list[list], dict]:
     >>> q0.meta["autoshard.path"], q1.meta["autoshard.path"], index[q0] == index[q1]
     ('layers.0.attn.q', 'layers.1.attn.q', True)
     """
-    from autoshard.cost.flops import is_matmul_like
     classes: list[list] = []
     index: dict = {}
     by_key: dict = {}

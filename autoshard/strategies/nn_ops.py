@@ -9,6 +9,7 @@ import torch
 
 from autoshard.ir.placement import P, R, Shard
 from autoshard.strategies.base import REGISTRY, AxisStrategy
+from autoshard.strategies.pointwise import broadcast_strategies
 
 aten = torch.ops.aten
 
@@ -146,7 +147,6 @@ REGISTRY.register([aten.scatter.src, aten.index_put.default, aten.index_put_.def
 
 def _in_place(ctx):
     """In-place updates shard like elementwise ops; solve never reshards the mutated operand."""
-    from autoshard.strategies.pointwise import broadcast_strategies
     return broadcast_strategies(ctx)
 
 

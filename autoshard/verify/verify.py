@@ -28,8 +28,23 @@ import os
 import torch
 import torch.utils._pytree as pytree
 
+from autoshard.api import parallelize
+from autoshard.frontend.factory import make_case
+from autoshard.frontend.trace import default_loss
 from autoshard.ir.errors import UserInputError
+from autoshard.ir.mesh import Mesh
+from autoshard.plan.plan import Plan
+from autoshard.program.pipeline_program import InnerRanks
+from autoshard.runtime.launch import (
+    check_fingerprint,
+    communicator_for,
+    remember_warnings,
+    run_distributed,
+)
 from autoshard.runtime.loss_scale import LossScaler, optimizer_step
+from autoshard.runtime.pipeline import pipeline_rank_run
+from autoshard.runtime.simulator import run_ranks
+from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.verify.report import compare
 from autoshard.verify.tolerance import (
     coarsest_dtype,
@@ -40,6 +55,7 @@ from autoshard.verify.tolerance import (
     to_dtype,
 )
 from autoshard.verify.training import PLAIN, Training
+from autoshard.weights import default_init_fn, replay_init
 
 
 def to_double(model, inputs):
@@ -65,7 +81,6 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offlo
         return None
     opt = OPTIMIZERS[optimizer](params, lr=lr)
     if module is not None and getattr(module._program, "zero", None) is not None:
-        from autoshard.runtime.zero import ZeroOptimizer
         return ZeroOptimizer(module, opt, offload=offload)
     return opt
 
@@ -87,7 +102,6 @@ def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str 
 
 
 def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> dict:
-    from autoshard.frontend.trace import default_loss
     params = dict(model.named_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer)
     scaler = torch.amp.GradScaler("cpu") if training.loss_scaling and opt is not None else None
@@ -176,7 +190,6 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
     {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 4096}
     """
     if getattr(module, "pipelined", False):
-        from autoshard.runtime.pipeline import pipeline_rank_run
         return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm, training.accumulate,
                                  training.loss_scaling)
     passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
@@ -236,7 +249,6 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     >>> low.ok, low.dtype, low.tolerances["grads"] >= 10 * torch.finfo(torch.float32).eps
     (True, 'float32', True)
     """
-    from autoshard.api import parallelize
     dtype = resolve_dtype(dtype)
     model, inputs = to_dtype(model, inputs, dtype)
     training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed,
@@ -256,10 +268,8 @@ def simulate_ranks(program, fn) -> dict:
     >>> simulate_ranks(program, lambda module: module.rank)
     {0: 0, 1: 1, 2: 2, 3: 3}
     """
-    from autoshard.runtime.simulator import run_ranks
     if getattr(program, "config", None) is None:
         return run_ranks(program, fn)
-    from autoshard.program.pipeline_program import InnerRanks
     results = run_ranks(InnerRanks(program), fn)
     return {program.mesh.rank(program._full_coord(r)): res for r, res in results.items()}
 
@@ -272,7 +282,6 @@ def build_case(factory_spec: str, dtype=torch.float64):
     >>> case_inputs[0].dtype, case_loss.__name__
     (torch.float64, 'mlp_loss')
     """
-    from autoshard.frontend.factory import make_case
     model, inputs, loss_fn = make_case(factory_spec)
     model, inputs = to_dtype(model, inputs, resolve_dtype(dtype))
     return model, inputs, loss_fn
@@ -313,11 +322,7 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
     >>> dist.destroy_process_group()
     """
     if shared_plan is not None:
-        from autoshard.plan.plan import Plan
         options = dict(options or {}, plan=Plan.from_json(shared_plan, "the launcher's plan"))
-    from autoshard.api import parallelize
-    from autoshard.ir.mesh import Mesh
-    from autoshard.runtime.launch import check_fingerprint, communicator_for
     mesh = Mesh.from_json(mesh_json)
     comm = communicator_for(mesh, strict_world=False)
     if comm is None:
@@ -358,7 +363,6 @@ def _weights_for_ranks(model, weights, simulate: bool):
         raise UserInputError("verify with weights= runs on real ranks (it builds the model on the meta device on "
                              "each); drop --simulate")
     if weights == "init":
-        from autoshard.weights import default_init_fn, replay_init
         targets = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
         with torch.no_grad():
@@ -392,9 +396,6 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     >>> checked.ok, checked.collectives["dp"]["all_reduce"]["sync"]
     (True, 1)
     """
-    from autoshard.api import parallelize
-    from autoshard.ir.mesh import Mesh
-    from autoshard.runtime.launch import remember_warnings, run_distributed
     mesh = Mesh.of(mesh, axis_names)
     dtype = resolve_dtype(dtype)
     training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed,

@@ -41,6 +41,7 @@ import torch
 
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import Partial, Replicate, shard_slices
+from autoshard.runtime.communicator import CollectiveTimeout
 from autoshard.weights.layout import INDEX, block_runs, weights_layout
 from autoshard.weights.training_checkpoint import CheckpointError, tensor_specs
 
@@ -183,7 +184,6 @@ def _agree(full, error, what: str, payload=None) -> list:
     try:
         dist.all_gather_object(gathered, (None if error is None else str(error), payload), group=full.mesh_group)
     except RuntimeError as exc:
-        from autoshard.runtime.communicator import CollectiveTimeout
         raise CollectiveTimeout(full.failure(f"save_weights ({what})", None, exc, time.monotonic() - start)) from exc
     if error is not None:
         raise error

@@ -34,9 +34,11 @@ import warnings
 
 import torch
 
+from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.json_files import read_json_file
 from autoshard.ir.placement import Partial, Shard
+from autoshard.runtime.launch import device_mesh
 
 SIDECAR = "autoshard_checkpoint.json"
 FORMAT = 1
@@ -148,7 +150,6 @@ def tensor_specs(program) -> dict:
     >>> tensor_specs(prog)["layers.0.weight"], tensor_specs(prog)["layers.1.bias"]
     ([S(0)], [R])
     """
-    from autoshard.ir import meta
     return {n.meta[meta.PATH]: n.meta[meta.SPEC] for n in program.state.gm.graph.nodes
             if n.op == "placeholder" and n.meta.get(meta.KIND) in ("param", "buffer")}
 
@@ -164,7 +165,6 @@ def _dtensor(local, spec, program, comm):
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor import Shard as DShard
 
-    from autoshard.runtime.launch import device_mesh
     if any(isinstance(p, Partial) for p in spec):
         raise AutoshardError(f"a parameter or buffer with spec {spec!r} holds partial sums; checkpoints need "
                              "sharded or replicated tensors (re-plan without 'P' hints on parameters)")

@@ -7,6 +7,9 @@
 """
 from __future__ import annotations
 
+from autoshard.zoo.gpt2 import gpt2
+from autoshard.zoo.llama import llama
+
 NUM_INPUTS = {"mlp": 1, "gpt2": 1, "llama": 1, "bert": 2, "resnet": 2, "vit": 2}
 
 _COLUMN, _ROW = "S(0)", "S(1)"
@@ -108,7 +111,6 @@ def gpt2_wide():
     >>> model.wte.weight.shape, ids.shape
     (torch.Size([64, 512]), torch.Size([2, 16]))
     """
-    from autoshard.zoo.gpt2 import gpt2
     return gpt2(batch=2, seq=16, dim=512)
 
 
@@ -119,5 +121,4 @@ def llama_wide():
     >>> model.layers[0].mlp.w1.weight.shape
     torch.Size([1024, 512])
     """
-    from autoshard.zoo.llama import llama
     return llama(batch=2, seq=16, dim=512, ffn_dim=1024)
