@@ -10,7 +10,7 @@ import torch
 import autoshard
 from autoshard import Plan, PlanError, UserInputError
 from autoshard.plan.io import PlanFileError, PlanMismatchError
-from autoshard.plan.plan import io as plan_io
+from autoshard.plan import io as plan_io
 from autoshard.zoo import gpt2, mlp
 from autoshard.zoo.hints import plan_hints
 
