@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.cost.model import load_profile
 from autoshard.frontend.hints import Hints
+from autoshard.frontend.options import CompileOptions
 from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
-from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.ir.mixed_precision import resolve_policy
 from autoshard.passes.pipelines import compile_state
 from autoshard.program.program import Program
 from autoshard.search.pipeline_search import choose_pipeline
@@ -70,13 +68,9 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     unnamed = not mesh.named
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
-    options = {"profile": load_profile(profile), "memory_budget": memory_budget,
-               "optimizer_state_factor": optimizer_state_factor, "zero": zero, "checkpoint": checkpoint,
-               "rng": rng, "seed": seed, "mixed_precision": resolve_policy(mixed_precision)}
-    if checkpoint == "auto":  # the ILP plans with activations kept; checkpointing brings them under the budget
-        options.update(memory_budget=float("inf"), checkpoint_budget=memory_budget)
+    options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
+                                   seed=seed, mixed_precision=mixed_precision, zero=zero,
+                                   optimizer_state_factor=optimizer_state_factor)
     with reuse_exports():  # the pipeline search's candidates often trace the same shapes
         choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
                                  unnamed=unnamed, debug=debug)

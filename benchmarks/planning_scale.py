@@ -148,7 +148,7 @@ def report(results) -> tuple[str, list, list]:
         "embedding is held by the first and the last stage), plus the saved activations (every value with a "
         "gradient that the plan keeps, as predict counts them) of min(pp - s, m) micro-batches in flight on "
         "stage s (1F1B; one without a pipeline), plus one layer's activations while it is recomputed; layers "
-        "are checkpointed (passes/recompute_cost.region_savings: only the layer's inputs kept, its forward run "
+        "are checkpointed (cost/recompute_cost.region_savings: only the layer's inputs kept, its forward run "
         "again) only while the stage does not fit. MFU = 3 x forward matmul FLOPs (attention included) x "
         "batch / (step x GPUs x 312 TFLOP/s).\n\n"
         "What is approximated: the cost model, not a measurement (matmuls at peak FLOP/s, other ops at HBM "

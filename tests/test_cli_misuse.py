@@ -8,10 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+import autoshard.__main__ as cli
 import autoshard.verify.verify
 from autoshard import ExportError, UserInputError, parallelize
 from autoshard.__main__ import BAD_INPUT, COULD_NOT_RUN, MISMATCH, OK, main
 from autoshard.frontend.factory import make_case
+from autoshard.runtime.launch import RanksFailed
 from autoshard.zoo import mlp
 
 
@@ -261,12 +263,11 @@ def test_exit_3_when_a_rank_crashes(monkeypatch, capsys):
 
 
 def test_exit_3_when_ranks_fail_or_time_out(monkeypatch, capsys):
-    from autoshard.runtime.launch import RanksFailed
 
     def ranks_failed(*args, **kwargs):
         raise RanksFailed("2 of 2 ranks failed; rank 1 reported nothing 4 s after the first failure", {}, {}, [1])
 
-    monkeypatch.setattr(autoshard.verify.verify, "verify_factory", ranks_failed)
+    monkeypatch.setattr(cli, "verify_factory", ranks_failed)  # the name the CLI calls
     assert main(["verify", "test_cli_misuse:small", "--mesh", "2"]) == COULD_NOT_RUN
     assert capsys.readouterr().err.startswith("autoshard: could not run: 2 of 2 ranks failed")
 

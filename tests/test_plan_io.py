@@ -9,8 +9,8 @@ import torch
 
 import autoshard
 from autoshard import Plan, PlanError, UserInputError
-from autoshard.plan.io import PlanFileError, PlanMismatchError
 from autoshard.plan import io as plan_io
+from autoshard.plan.io import PlanFileError, PlanMismatchError
 from autoshard.zoo import gpt2, mlp
 from autoshard.zoo.hints import plan_hints
 

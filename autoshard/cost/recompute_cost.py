@@ -1,20 +1,20 @@
 """What recomputation costs and saves: predict's figures adjusted for the checkpoint regions (the regions
-themselves are chosen by the checkpoint pass, autoshard/passes/recompute.py). Reads predict's NODE_COST and
-COMM_COST and the regions' `autoshard.weights.training_checkpoint` marks.
+themselves are chosen by the recompute pass, autoshard/passes/recompute.py). Reads predict's NODE_COST and
+COMM_COST and the regions' `autoshard.recompute` marks.
 
 >>> import autoshard
->>> from autoshard.ir.meta import CHECKPOINT
+>>> from autoshard.ir.meta import RECOMPUTE
 >>> from autoshard.zoo import gpt2
 >>> model, inputs, loss_fn = gpt2(n_layers=2)
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
 ...                              hints={"input:0": {"dp": "S(0)"}}, checkpoint=["layers.*"])
->>> region = [n for n in prog.state.gm.graph.nodes if n.meta.get(CHECKPOINT) == "layers.0"]
+>>> region = [n for n in prog.state.gm.graph.nodes if n.meta.get(RECOMPUTE) == "layers.0"]
 """
 from __future__ import annotations
 
-from autoshard.cost.model import DEFAULT_PROFILE, collective_time
+from autoshard.cost.model import collective_time
 from autoshard.ir import meta
-from autoshard.ir.meta import CHECKPOINT, COMM_COST, NODE_COST
+from autoshard.ir.meta import COMM_COST, NODE_COST, RECOMPUTE
 
 
 def recompute_seconds(state, node) -> tuple[float, dict]:
@@ -28,7 +28,7 @@ def recompute_seconds(state, node) -> tuple[float, dict]:
         return node.meta[NODE_COST]["seconds"] / 3, {}  # NODE_COST counts forward + backward (x3)
     info, mesh = node.meta[meta.COMM], state.mesh
     axis = mesh.axis(info["axis"])
-    link = (state.options.get("profile") or DEFAULT_PROFILE).link(mesh.shape, axis)
+    link = state.options.profile.link(mesh.shape, axis)
     fwd = node.meta[COMM_COST]["fwd_bytes"]
     return collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
 
@@ -53,14 +53,14 @@ def account_recompute(state) -> None:
     >>> prog.plan.predicted["recompute_s"] > 0  # predict called it
     True
     """
-    regions = getattr(state, "checkpoint_regions", [])
+    regions = state.recompute_regions
     if not regions:
         return
     predicted = state.predicted
     by_region: dict = {}
     for node in state.gm.graph.nodes:
-        if CHECKPOINT in node.meta:
-            by_region.setdefault(node.meta[CHECKPOINT], []).append(node)
+        if RECOMPUTE in node.meta:
+            by_region.setdefault(node.meta[RECOMPUTE], []).append(node)
     largest = 0.0
     for nodes in by_region.values():
         saved, _ = region_savings(state, nodes)

@@ -104,8 +104,8 @@ def memory_breakdown(state) -> dict:
     >>> memory_breakdown(prog.state)
     {'params': 16704, 'grads': 16704, 'optimizer': 33408, 'gathered': 16384}
     """
-    mesh, zero = state.mesh, getattr(state, "zero", None)
-    f = state.options.get("optimizer_state_factor", 2.0)
+    mesh, zero = state.mesh, state.zero
+    f = state.options.optimizer_state_factor
     axis = mesh.axis(zero.axis) if zero is not None else None
     out = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
     for node, spec, numel, itemsize, kept in _trained_param_shards(state):
@@ -148,14 +148,14 @@ def apply_zero(state) -> None:
     >>> prog.plan.predicted["memory_bytes_per_rank"] < plain.plan.predicted["memory_bytes_per_rank"]
     True
     """
-    zero = getattr(state, "zero", None)
+    zero = state.zero
     if zero is None:
         return
-    mesh, profile, predicted = state.mesh, state.options.get("profile"), state.predicted
+    mesh, profile, predicted = state.mesh, state.options.profile, state.predicted
     profile = profile or DEFAULT_PROFILE
     axis = mesh.axis(zero.axis)
     k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
-    f = state.options.get("optimizer_state_factor", 2.0)
+    f = state.options.optimizer_state_factor
     sync = predicted["comm_bytes_per_step"][zero.axis]
     seconds = 0.0
     memory = 0

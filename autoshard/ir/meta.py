@@ -11,6 +11,11 @@
   grad_partial [tuple of axes] per tensor input position where the gradient comes back partial (solve)
   comm         for inserted collectives: {"op", "axis", ...} (insert_comm)
   rng_index    a random op's number in the single device's order of draws (normalize)
+  input_hint   {axis: {position: Placement}} wanted of an op's inputs by a hint on a module output (annotate)
+  recompute    the recompute region (module path) a node belongs to (recompute)
+  comm_cost    {"fwd_bytes", "bwd_bytes", "seconds"} on a collective (predict)
+  node_cost    {"seconds", "memory_bytes", "sync_s"}: what one node adds (predict)
+  stage        the pipeline stage of a node (cut_stages)
 
 (The axes on which a parameter's gradient is reduced after backward are `state.grad_reduce`, by FQN.)
 
@@ -34,9 +39,11 @@ IN_SPECS = "autoshard.in_specs"
 GRAD_PARTIAL = "autoshard.grad_partial"
 COMM = "autoshard.comm"
 RNG_INDEX = "autoshard.rng_index"
-CHECKPOINT = "autoshard.checkpoint"  # the recompute region (module path) a node belongs to
-COMM_COST = "autoshard.comm_cost"  # predict's {"fwd_bytes", "bwd_bytes", "seconds"} on a collective
-NODE_COST = "autoshard.node_cost"  # predict's {"seconds", "memory_bytes", "sync_s"}: what one node adds
+INPUT_HINT = "autoshard.input_hint"
+RECOMPUTE = "autoshard.recompute"
+COMM_COST = "autoshard.comm_cost"
+NODE_COST = "autoshard.node_cost"
+STAGE = "autoshard.stage"
 
 
 def module_path(node) -> str:

@@ -6,5 +6,5 @@ CompileState; its docstring says what it reads, what it writes and the invariant
 
 >>> from autoshard.passes.pipelines import PASSES
 >>> [p.name for p in PASSES]
-['normalize', 'annotate', 'strategies', 'solve', 'zero', 'insert_comm', 'fuse_comm', 'checkpoint', 'predict', 'check_hints', 'codegen']
+['normalize', 'annotate', 'strategies', 'solve', 'zero', 'insert_comm', 'fuse_comm', 'recompute', 'predict', 'check_hints', 'codegen']
 """

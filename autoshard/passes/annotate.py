@@ -31,12 +31,13 @@ from autoshard.frontend.hints import (
 from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.placement import R, Shard
+from autoshard.passes.contract import NORMALIZED, compiler_pass
 from autoshard.strategies import candidates_for, tensor_inputs
 from autoshard.strategies.base import output_shapes
 
-INPUT_HINT = "autoshard.input_hint"
 
-
+@compiler_pass("annotate", reads=(NORMALIZED, meta.KIND, meta.PATH, "state.hints"),
+               writes=(meta.HINT, meta.INPUT_HINT, "state.hints"))
 def annotate(state) -> None:
     """The pass: parse `state.hints` and write each hinted node's `autoshard.hint` {axis index: placement}.
 
@@ -66,7 +67,7 @@ def annotate(state) -> None:
             _apply_module_input(entry, ops, state, sources)
         elif entry.target_kind == "shard":
             _apply_split_counts(entry, ops, state, sources)
-        elif entry.target_kind == "stage" and "pipeline" not in state.options:  # cut_stages reads them
+        elif entry.target_kind == "stage" and state.options.pipeline is None:  # cut_stages reads them
             raise HintError(f"hint {entry.key!r} puts modules into a pipeline stage but the mesh has no pipeline "
                             f"axis; name a mesh axis 'pp' (mesh axes: {list(state.mesh.names)}) or remove the "
                             "':stage' keys")
@@ -77,8 +78,6 @@ def annotate(state) -> None:
         if meta.HINT in node.meta:
             _check_nested_divisibility(node, state.mesh, sources)
 
-
-annotate.name = "annotate"
 
 
 def _set(node, entry_key: str, axis_name: str, placement, state, sources, what: str):
@@ -180,7 +179,7 @@ def _apply_module_input(entry, ops, state, sources):
                     axis = mesh.axis(axis_name)
                     where = f"input {pos} of {_describe(node)}"
                     placement = check_placement_for(entry.key, "input", axis_name, placement, shape, where)
-                    wanted = node.meta.setdefault(INPUT_HINT, {}).setdefault(axis, {})
+                    wanted = node.meta.setdefault(meta.INPUT_HINT, {}).setdefault(axis, {})
                     if wanted.get(pos, placement) != placement:
                         raise HintError(f"hints {sources[(node, axis, pos)]!r} and {entry.key!r} contradict on {where} "
                                         f"axis {axis_name!r}: {wanted[pos]!r} vs {placement!r}; keep one of them")
@@ -213,7 +212,7 @@ def _apply_split_counts(entry, ops, state, sources):
                             f"onto the axes of {state.mesh!r} is a sharding that the op of module {module!r} "
                             f"({node.target}, node {node.name!r}) supports; check that dims the op combines (e.g. "
                             "a matmul's contracted dim) get equal counts")
-        wanted = node.meta.setdefault(INPUT_HINT, {})
+        wanted = node.meta.setdefault(meta.INPUT_HINT, {})
         for pos, (producer, assignment) in enumerate(zip(inputs, chosen)):
             for axis, placement in assignment.items():
                 wanted.setdefault(axis, {})[pos] = placement

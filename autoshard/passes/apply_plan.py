@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +36,7 @@ from autoshard.ir.json_files import short
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import describe_type, dtype_name
 from autoshard.passes.choice import axis_candidates, record_choice
+from autoshard.passes.contract import NORMALIZED, Contract
 from autoshard.passes.solve import plan_objective
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan, op_name
@@ -106,6 +108,7 @@ class CheckPlan:
 
     plan: Plan
     name: str = "check_plan"
+    contract: ClassVar[Contract] = Contract(reads=(NORMALIZED,))
 
     def __call__(self, state) -> None:
         match_rows(self.plan, state.gm.graph)
@@ -124,6 +127,9 @@ class ApplyPlan:
 
     plan: Plan
     name: str = "apply_plan"
+    contract: ClassVar[Contract] = Contract(
+        reads=(meta.CANDIDATES, meta.HINT), writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL,
+                                                    "state.ilp_stats", "state.objective_s"))
 
     def __call__(self, state) -> None:
         mesh = state.mesh

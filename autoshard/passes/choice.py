@@ -18,7 +18,6 @@ from __future__ import annotations
 from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.placement import Replicate, Shard, Spec
-from autoshard.passes.annotate import INPUT_HINT
 from autoshard.strategies import tensor_inputs
 from autoshard.strategies.base import RuleContext, feasible, output_shapes
 
@@ -69,7 +68,7 @@ def axis_candidates(node, axis, mesh, choices):
     hint = node.meta.get(meta.HINT, {}).get(axis)
     if hint is not None:
         found = [c for c in found if c.output == hint]
-    for pos, placement in node.meta.get(INPUT_HINT, {}).get(axis, {}).items():
+    for pos, placement in node.meta.get(meta.INPUT_HINT, {}).get(axis, {}).items():
         found = [c for c in found if c.inputs[pos] == placement]
     if not found:
         what = f"hint {hint!r}" if hint is not None else "the split counts given for it"

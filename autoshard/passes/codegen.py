@@ -22,11 +22,13 @@ from torch import fx
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
 from autoshard.ir.placement import local_shape, shard_tensor
+from autoshard.passes.contract import compiler_pass
 from autoshard.passes.recompute import wrap_regions
 from autoshard.runtime.rng import random_op
 from autoshard.strategies.base import REGISTRY
 
 
+@compiler_pass("codegen", reads=(meta.SPEC, meta.COMM, "state.grad_reduce"), writes=())
 def codegen(state) -> None:
     """The pass: checks that every rank's module can be built (local shapes divide); modules are built
     lazily by `build_rank_module` (`prog.graph(rank)`).
@@ -40,8 +42,6 @@ def codegen(state) -> None:
             except ValueError as exc:
                 raise PlanError(f"node {node.name!r} ({node.meta.get(meta.PATH)}): {exc}") from None
 
-
-codegen.name = "codegen"
 
 
 def attr_names(state) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """cut_stages: the pipeline stage of every node, from the user's annotations or a cost-balanced cut.
 
-Reads `state.options["pipeline"]` (a PipelineConfig: number of stages, micro-batches, schedule, the
+Reads `state.options.pipeline` (a PipelineConfig: number of stages, micro-batches, schedule, the
 user's StageAnnotations or None) and, for the automatic cut, `autoshard.node_cost` written by
 `predict` (so the communication that insert_comm actually emitted is balanced too). Writes
 `autoshard.stage` on every node and `state.pipeline_stages` (one summary dict per stage).
@@ -30,23 +30,25 @@ import operator
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
-from autoshard.cost.model import DEFAULT_PROFILE, collective_latency
+from autoshard.cost.model import collective_latency
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import NODE_COST
+from autoshard.passes.contract import compiler_pass
 from autoshard.passes.predict import collective_bytes, local_bytes
 
-STAGE = "autoshard.stage"
 AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidate cut; above, module boundaries
 
 
+@compiler_pass("cut_stages", reads=(meta.NODE_COST, meta.COMM_COST, "state.predicted"),
+               writes=(meta.STAGE, "state.pipeline_stages", "state.grad_flags"))
 def cut_stages(state) -> None:
     """The pass: write `autoshard.stage` on every node and `state.pipeline_stages`.
 
-    >>> [(n.name, n.meta[STAGE]) for n in nodes][::3]
+    >>> [(n.name, n.meta[meta.STAGE]) for n in nodes][::3]
     [('linear_default', 0), ('linear_default_1', 0), ('linear_default_2', 0), ('sum_dim_int_list', 1)]
     """
-    config = state.options["pipeline"]
+    config = state.options.pipeline
     nodes = [n for n in state.gm.graph.nodes if n.op == "call_function"]
     if config.annotations is not None:
         stage = _from_annotations(nodes, config.annotations, config.num_stages)
@@ -55,8 +57,6 @@ def cut_stages(state) -> None:
     _fill_and_check(state.gm.graph, nodes, stage, config.num_stages)
     state.pipeline_stages = stage_summary(state, config)
 
-
-cut_stages.name = "cut_stages"
 
 
 def module_stack(node) -> list[str]:
@@ -163,12 +163,12 @@ def _fill_and_check(graph, nodes, stage, num_stages) -> None:
                              "stages, use a smaller pp axis, or let autoshard cut automatically")
     for node in graph.nodes:
         if node.op == "call_function":
-            node.meta[STAGE] = stage[node]
+            node.meta[meta.STAGE] = stage[node]
         elif node.op == "placeholder":
             users = [stage[u] for u in node.users if u in stage]
-            node.meta[STAGE] = min(users) if users and node.meta.get(meta.KIND) != "input" else 0
+            node.meta[meta.STAGE] = min(users) if users and node.meta.get(meta.KIND) != "input" else 0
         elif node.op == "output":
-            node.meta[STAGE] = num_stages - 1
+            node.meta[meta.STAGE] = num_stages - 1
 
 
 def _where(node) -> str:
@@ -293,7 +293,7 @@ def auto_cut(state, nodes, config) -> dict:
     """Contiguous stages minimising (max stage time, total crossing bytes) by dynamic programming over
     the candidate positions (exact over them: O(stages x positions^2)).
 
-    >>> auto_cut(state, nodes, config) == {n: n.meta[STAGE] for n in nodes}  # what cut_stages chose
+    >>> auto_cut(state, nodes, config) == {n: n.meta[meta.STAGE] for n in nodes}  # what cut_stages chose
     True
     """
     costs = CutCosts(state, nodes, config)
@@ -330,8 +330,8 @@ def stage_summary(state, config) -> list[dict]:
     >>> [(s["stage"], s["ops"], s["first_module"], s["last_module"]) for s in stage_summary(state, config)]
     [(0, 7, 'layers.0', 'layers.2'), (1, 4, 'layers.2', 'layers.2')]
     """
-    grads = getattr(state, "grad_flags", None) or needs_grad(state.gm.graph)
-    profile = state.options.get("profile") or DEFAULT_PROFILE
+    grads = state.grad_flags or needs_grad(state.gm.graph)
+    profile = state.options.profile
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
             "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0}
            for s in range(config.num_stages)]
@@ -339,13 +339,13 @@ def stage_summary(state, config) -> list[dict]:
         cost = node.meta.get(NODE_COST, {})
         if node.op == "placeholder":
             if node.meta.get(meta.KIND) in ("param", "buffer"):
-                for s in sorted({u.meta[STAGE] for u in node.users if STAGE in u.meta}):
+                for s in sorted({u.meta[meta.STAGE] for u in node.users if meta.STAGE in u.meta}):
                     out[s]["param_bytes"] += cost.get("memory_bytes", 0)
                     out[s]["sync_s"] += cost.get("sync_s", 0.0)
             continue
         if node.op != "call_function":
             continue
-        row = out[node.meta[STAGE]]
+        row = out[node.meta[meta.STAGE]]
         row["ops"] += 1
         row["seconds"] += cost.get("seconds", 0.0)
         row["activation_bytes"] += cost.get("memory_bytes", 0)
@@ -359,7 +359,7 @@ def stage_summary(state, config) -> list[dict]:
         if stack:
             row["first_module"] = row["first_module"] or stack[-1]
             row["last_module"] = stack[-1]
-        later = [u for u in node.users if u.meta.get(STAGE, -1) > node.meta[STAGE]]
+        later = [u for u in node.users if u.meta.get(meta.STAGE, -1) > node.meta[meta.STAGE]]
         if later and isinstance(node.meta.get("val"), torch.Tensor):
             row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
     for row in out:

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 from autoshard.ir import meta
 from autoshard.ir.mixed_precision import downcast_dtype
+from autoshard.passes.contract import compiler_pass
 from autoshard.runtime.collectives import COLLECTIVES
 
 
+@compiler_pass("fuse_comm", reads=(meta.COMM,), writes=(meta.COMM,))
 def fuse_comm(state) -> None:
     """The pass: fuse every all_gather with the grad_all_reduce on its axis that follows it.
 
@@ -54,8 +56,6 @@ def fuse_comm(state) -> None:
     graph.lint()
     state.gm.recompile()
 
-
-fuse_comm.name = "fuse_comm"
 
 
 def _gather_on_axis(value, axis):

@@ -40,6 +40,7 @@ from autoshard.cost.flops import node_bytes
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST
 from autoshard.ir.placement import Shard
+from autoshard.passes.contract import compiler_pass
 from autoshard.strategies import tensor_inputs
 from autoshard.strategies.base import REGISTRY
 
@@ -123,6 +124,7 @@ def unrealised_hints(state) -> list[UnrealisedHint]:
             for (op, reason, axis, hint), g in groups.items()]
 
 
+@compiler_pass("check_hints", reads=(meta.SPEC, meta.HINT, meta.CANDIDATES, meta.COMM), writes=())
 def check_hints(state) -> None:
     """The check: warn (once per process for each distinct message) about every unrealised hint. Call it
     after predict, so the warnings carry predicted seconds.
@@ -141,8 +143,6 @@ def check_hints(state) -> None:
             _WARNED.add(message)
             warnings.warn(message, stacklevel=2)
 
-
-check_hints.name = "check_hints"
 
 
 def _carried_hints(graph: fx.Graph) -> dict:

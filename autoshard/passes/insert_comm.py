@@ -28,12 +28,16 @@ from torch import fx
 from autoshard.ir import meta
 from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Shard, Spec
+from autoshard.passes.contract import compiler_pass
 from autoshard.runtime.collectives import COLLECTIVES
 from autoshard.solver.redistribute import plan_redistribute
 from autoshard.strategies import tensor_inputs
 from autoshard.strategies.base import is_tensor_value
 
 
+@compiler_pass("insert_comm", reads=(meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL, "state.zero"),
+               writes=(meta.COMM, "state.grad_reduce"),
+               ensures=("edges_match",))
 def insert_comm(state) -> None:
     """The pass: a chain of collectives on every edge whose placements differ (see the module docstring).
     The row-parallel output is partial; its bias is replicated (added once), so it is all-reduced:
@@ -80,8 +84,6 @@ def insert_comm(state) -> None:
                 _replace_input(node, pos, producer, new_input)
 
 
-insert_comm.name = "insert_comm"
-
 
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)  # export's dtype checks: no values flow out
 
@@ -121,7 +123,7 @@ def _deferred_axes(producer, src, producer_uses, through_cast: bool = False) -> 
 
 def _zero_gather_axis(state, producer, src: Spec):
     """The ZeRO-3 axis when `producer` is a parameter stored sharded there (gathered per use), else None."""
-    zero = getattr(state, "zero", None)
+    zero = state.zero
     if zero is None or zero.stage != 3 or producer.op != "placeholder" or producer.meta.get(meta.KIND) != "param":
         return None
     axis = state.mesh.axis(zero.axis)

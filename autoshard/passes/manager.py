@@ -1,8 +1,11 @@
-"""The pass manager: runs named passes in order, times them, keeps each pass's graph text, verifies.
+"""The pass manager: checks a pipeline's order, runs its passes, times them, keeps each pass's graph
+text, verifies.
 
-A pass is a callable `pass_(state) -> None` with a `name`; it reads and writes
-`node.meta["autoshard.*"]` of `state.gm` (and `state` fields the docstring names). In tests and debug
-runs `verify_state` checks the invariants between passes and names the node, placement and axis.
+A pass is a callable `pass_(state) -> None` with a `name` and a Contract (autoshard/passes/contract.py):
+what it reads and writes of `node.meta["autoshard.*"]` and of the CompileState's declared fields, and the
+invariants it establishes. Before running, the manager checks that every pass reads only what trace or an
+earlier pass wrote; in tests and debug runs `verify_state` checks the established invariants after every
+pass and names the node, placement and axis.
 
 >>> import torch
 >>> from autoshard.frontend.trace import trace
@@ -20,28 +23,42 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autoshard.frontend.options import CompileOptions
 from autoshard.ir import meta
 from autoshard.ir.mesh import Mesh
+from autoshard.passes.contract import TRACED, check_order, established_invariants
 from autoshard.passes.verifier import verify_state
 from autoshard.report.progress import StepProgress
 
 
-@dataclass
+@dataclass(slots=True)
 class CompileState:
-    """What the passes share: the graph, the mesh, the user's hints and options (passes add fields such as
-    `grad_reduce`, `predicted`, `zero`).
+    """What the passes share: the graph, the mesh, the user's hints and options, and the fields passes
+    write (each pass's contract names the ones it reads and writes; slots: no field is added from outside).
 
-    >>> state.mesh, state.grad_reduce
-    (Mesh(dp=2), {})
+    >>> state.mesh, state.grad_reduce, state.options.rng
+    (Mesh(dp=2), {}, 'placement')
     """
 
     gm: fx.GraphModule
     mesh: Mesh
-    traced: object
-    hints: object = None
-    options: dict = field(default_factory=dict)
-    grad_reduce: dict = field(default_factory=dict)  # param FQN -> axes its gradient is reduced on
+    traced: object  # frontend.trace.Traced
+    hints: object = None  # the user's hints (dict or Hints); annotate parses them into Hints
+    options: CompileOptions = field(default_factory=CompileOptions)
     model: object = None  # the user's nn.Module: weights="init" replays its initialisation, buffers come from it
+    grad_reduce: dict = field(default_factory=dict)  # insert_comm: param FQN -> axes its gradient is reduced on
+    ilp_stats: list = field(default_factory=list)  # solve: one entry per ILP solved
+    objective_s: float | None = None  # solve / apply_plan: the plan's objective
+    zero_for_memory: object = None  # solve: the ZeroConfig the memory row assumes (a requested or forced ZeRO)
+    auto_zero: object = None  # solve: the ZeroConfig chosen because only it fits the memory budget
+    zero: object = None  # zero: ZeroConfig or None
+    recompute_regions: list = field(default_factory=list)  # recompute: module paths, graph order
+    predicted: dict | None = None  # predict: step time, communication, memory
+    pipeline_stages: list | None = None  # cut_stages: one summary dict per stage
+    grad_flags: dict | None = None  # cut_stages / scale search: which nodes need a gradient
+
+    def __post_init__(self):
+        self.options = CompileOptions.of(self.options)
 
     @property
     def semi_auto(self) -> bool:
@@ -52,7 +69,7 @@ class CompileState:
         >>> state.semi_auto, CompileState(state.gm, state.mesh, traced, hints={"input:0": {"dp": "S(0)"}}).semi_auto
         (False, True)
         """
-        return bool(self.hints) or any(meta.HINT in n.meta or "autoshard.input_hint" in n.meta
+        return bool(self.hints) or any(meta.HINT in n.meta or meta.INPUT_HINT in n.meta
                                        for n in self.gm.graph.nodes)
 
 
@@ -93,16 +110,19 @@ class History(list):
 
 
 def run_passes(state: CompileState, passes: list[Callable], verify: bool = False,
-               describe: Callable | None = None) -> History:
-    """Run `passes` on `state`; return their history. `describe(state)` renders the graph text; `verify`
-    checks the invariants after each pass (`verify_state`).
+               describe: Callable | None = None, provided=TRACED) -> History:
+    """Check the passes' order against their contracts (`provided`: what the state holds before the first),
+    run them on `state` and return their history. `describe(state)` renders the graph text; `verify` checks
+    the established invariants after each pass (`verify_state`).
 
     >>> [entry.name for entry in run_passes(state, [normalize])]
     ['normalize']
     """
+    check_order(passes, provided)
+    invariants = established_invariants(passes)
     history = History()
     with StepProgress(len(passes), "autoshard planning") as progress:  # a bar only for passes over 1 s
-        for pass_ in passes:
+        for pass_, held in zip(passes, invariants):
             start = time.perf_counter()
             with progress.step(pass_name(pass_)):
                 pass_(state)
@@ -110,7 +130,7 @@ def run_passes(state: CompileState, passes: list[Callable], verify: bool = False
             text = describe(state) if describe is not None else state.gm.graph.python_code("self").src
             history.append(HistoryEntry(pass_name(pass_), seconds, text))
             if verify:
-                verify_state(state, after=pass_name(pass_))
+                verify_state(state, after=pass_name(pass_), invariants=held)
     return history
 
 

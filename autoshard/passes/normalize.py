@@ -28,11 +28,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import new_node, refresh_vals, val_of
+from autoshard.passes.contract import NORMALIZED, compiler_pass
 from autoshard.passes.random_ops import number_random_ops
 
 aten = torch.ops.aten
 
 
+@compiler_pass("normalize", reads=("val", meta.KIND), writes=(NORMALIZED, meta.RNG_INDEX))
 def normalize(state) -> None:
     """The pass: rewrite `state.gm` in place (see the module docstring). A linear's bias becomes an add
     and the default loss's mean a sum divided by the global count:
@@ -59,10 +61,8 @@ def normalize(state) -> None:
     if changed:
         gm.graph.lint()
         refresh_vals(gm)
-    number_random_ops(gm.graph, state.options.get("rng", "placement"))
+    number_random_ops(gm.graph, state.options.rng)
 
-
-normalize.name = "normalize"
 
 
 def _fill_input_vals(node: fx.Node, mode) -> None:

@@ -1,5 +1,7 @@
-"""The compiler's pass pipeline: PASSES in order, `compile_state` (trace, then run them; with a plan or a
-pipeline the declared variants) and `state_before` (the state a pass sees, for watching one pass at work).
+"""The compiler's pass pipelines, declared by name: PASSES in order ("plan"), and the variants that apply a
+saved plan, plan a pipeline's micro-batch program, or plan the scale search's already normalized graph;
+`compile_state` (trace, then run a pipeline) and `state_before` (the state a pass sees, for watching one
+pass at work).
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
@@ -13,18 +15,18 @@ import os
 
 import torch
 
-from autoshard.cost.model import load_profile
+from autoshard.frontend.options import CompileOptions
 from autoshard.frontend.trace import trace
 from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.ir.mixed_precision import resolve_policy
 from autoshard.ir.placement import (
     describe_type,
 )
 from autoshard.passes.annotate import annotate
 from autoshard.passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
 from autoshard.passes.codegen import codegen
+from autoshard.passes.contract import TRACED
 from autoshard.passes.cut_stages import cut_stages
 from autoshard.passes.fuse_comm import fuse_comm
 from autoshard.passes.hint_check import check_hints
@@ -33,33 +35,62 @@ from autoshard.passes.manager import CompileState, run_passes
 from autoshard.passes.manager import pass_name as pass_name_of
 from autoshard.passes.normalize import normalize
 from autoshard.passes.predict import predict
-from autoshard.passes.recompute import checkpoint as checkpoint_pass
+from autoshard.passes.recompute import recompute
 from autoshard.passes.solve import solve
 from autoshard.passes.strategies import strategies
 from autoshard.passes.zero import AllowPlannedZeroShards
 from autoshard.passes.zero import zero as zero_pass
 
-PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, checkpoint_pass, predict, check_hints,
+PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, recompute, predict, check_hints,
           codegen]
+
+
+PIPELINES = {
+    "plan": "PASSES: solve every node's strategy by the ILP",
+    "apply_plan": "PASSES with a saved plan's decisions in solve's place (checked against the graph first)",
+    "microbatch": "PASSES with cut_stages after predict: a pipeline's micro-batch program and its stage cut",
+    "microbatch_apply_plan": "both: a saved pipeline plan",
+    "scale": "PASSES without normalize and codegen, on a graph normalized once (the scale search)",
+}
+
+
+def declared_pipeline(name: str, plan=None) -> tuple[list, tuple]:
+    """(passes, what the state holds before the first) of pipeline `name` (one of PIPELINES); the
+    apply_plan variants need the `plan`.
+
+    >>> passes, provided = declared_pipeline("microbatch")
+    >>> [p.name for p in passes][-4:]
+    ['predict', 'cut_stages', 'check_hints', 'codegen']
+    """
+    if name not in PIPELINES:
+        raise UserInputError(f"no pass pipeline named {name!r}; the pipelines are {sorted(PIPELINES)}")
+    passes, provided = list(PASSES), TRACED
+    if name.endswith("apply_plan"):
+        passes = [q for p in passes for q in ([p, CheckPlan(plan)] if p is normalize else
+                                              [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
+    if name.startswith("microbatch"):
+        passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
+    if name == "scale":
+        passes = [p for p in passes if p not in (normalize, codegen)]
+        provided = TRACED + normalize.contract.writes
+    return passes, provided
 
 
 def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan=None, pipeline=False):
     """Trace and run the passes (cut_stages too for a pipeline's micro-batch program): (state, history).
 
     >>> state, history = compile_state(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn,
-    ...                                False, {"profile": load_profile(None)})
+    ...                                False, CompileOptions())
     >>> [entry.name for entry in history] == [p.name for p in PASSES]
     True
     """
-    passes = PASSES
     if plan is not None:
         plan, hints = resolve_plan(plan, mesh, hints)
-        passes = [q for p in PASSES for q in ([p, CheckPlan(plan)] if p is normalize else
-                                              [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
-    if pipeline:
-        passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
+    name = ("microbatch_" if pipeline else "") + ("apply_plan" if plan is not None else "plan")
+    passes, _ = declared_pipeline(name.replace("microbatch_plan", "microbatch"), plan)
     debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
-    traced = trace(model, example_inputs, loss_fn, options.get("mixed_precision"))
+    options = CompileOptions.of(options)
+    traced = trace(model, example_inputs, loss_fn, options.mixed_precision)
     state = CompileState(traced.gm, mesh, traced, hints, options, model=model)
     history = run_passes(state, passes, verify=debug, describe=describe_graph)
     return state, history
@@ -78,10 +109,9 @@ def state_before(pass_name: str, model, mesh, example_inputs, hints=None, loss_f
     names = [pass_name_of(p) for p in PASSES]
     if pass_name not in names:
         raise UserInputError(f"no pass named {pass_name!r}; the passes are {names}")
-    policy = resolve_policy(options.get("mixed_precision"))
-    traced = trace(model, example_inputs, loss_fn, policy)
-    state = CompileState(traced.gm, Mesh.of(mesh, axis_names), traced, hints,
-                         {**options, "profile": load_profile(options.get("profile")), "mixed_precision": policy})
+    options = CompileOptions.parse(**options)
+    traced = trace(model, example_inputs, loss_fn, options.mixed_precision)
+    state = CompileState(traced.gm, Mesh.of(mesh, axis_names), traced, hints, options)
     for pass_ in PASSES[:names.index(pass_name)]:
         pass_(state)
     return state

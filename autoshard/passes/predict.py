@@ -23,12 +23,13 @@ import math
 
 from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
 from autoshard.cost.flops import node_bytes
-from autoshard.cost.model import DEFAULT_PROFILE, all_reduce_time, collective_time
+from autoshard.cost.model import all_reduce_time, collective_time
 from autoshard.cost.recompute_cost import account_recompute
 from autoshard.cost.zero_cost import apply_zero, gather_bytes
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST, NODE_COST
 from autoshard.ir.placement import Shard
+from autoshard.passes.contract import compiler_pass
 
 
 def local_bytes(node, spec, mesh) -> int:
@@ -61,6 +62,8 @@ def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
     return fwd, bwd if has_grad else 0
 
 
+@compiler_pass("predict", reads=(meta.SPEC, meta.CHOICE, meta.COMM, "state.grad_reduce"),
+               writes=(meta.NODE_COST, meta.COMM_COST, "state.predicted"))
 def predict(state) -> None:
     """The pass: write `state.predicted` and each node's `autoshard.node_cost` (collectives also
     `autoshard.comm_cost`), per step and rank.
@@ -71,8 +74,8 @@ def predict(state) -> None:
     (['comm_bytes_per_step', 'comm_s', 'compute_s', 'memory_bytes_per_rank', 'step_time_s'], {'fwd': 1024, 'bwd': 0, 'sync': 0})
     """
     mesh = state.mesh
-    profile = state.options.get("profile") or DEFAULT_PROFILE
-    opt_factor = state.options.get("optimizer_state_factor", 2.0)
+    profile = state.options.profile
+    opt_factor = state.options.optimizer_state_factor
     grad = needs_grad(state.gm.graph)
     per_axis = {name: {"fwd": 0, "bwd": 0, "sync": 0} for name in mesh.names}
     compute = comm = memory = 0.0
@@ -114,5 +117,3 @@ def predict(state) -> None:
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
     account_recompute(state)  # activation checkpointing: recompute time, activations not kept
 
-
-predict.name = "predict"

@@ -34,9 +34,7 @@ def number_random_ops(graph: fx.Graph, mode: str = "placement") -> int:
     >>> number_random_ops(prog.state.gm.graph)
     1
     """
-    if mode not in MODES:
-        raise UserInputError(f"rng={mode!r} is not a random-number mode: use 'placement' (masks follow "
-                             "placements) or 'exact' (each rank's block of the single device's masks)")
+    assert mode in MODES, mode  # checked where the options enter (CompileOptions.parse)
     count = 0
     for node in graph.nodes:
         if node.op != "call_function" or not is_random(node.target, node.args, node.kwargs):

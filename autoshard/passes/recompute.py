@@ -1,10 +1,10 @@
-"""checkpoint: activation checkpointing — choose regions whose activations are recomputed in backward.
+"""recompute: activation checkpointing — choose regions whose activations are recomputed in backward.
 
-Reads `state.options["checkpoint"]`: None, a list of module globs (`["layers.*"]`: every matching
+Reads `state.options.checkpoint`: None, a list of module globs (`["layers.*"]`: every matching
 module instance is one region), or "auto" (checkpoint repeated layers — modules at `<list>.<index>` —
-while the predicted memory per rank exceeds `state.options["checkpoint_budget"]`, most bytes saved
-per second of recompute first). Writes `autoshard.weights.training_checkpoint` = the region's module path on every op
-and collective inside a region, and `state.checkpoint_regions` (paths, graph order).
+while the predicted memory per rank exceeds `state.options.checkpoint_budget`, most bytes saved
+per second of recompute first). Writes `autoshard.recompute` = the region's module path on every op
+and collective inside a region, and `state.recompute_regions` (paths, graph order).
 Runs after insert_comm/fuse_comm, so a region holds its collectives: recomputing the whole region
 re-runs them, in the same order on every rank (every rank has the same regions).
 `wrap_regions(gm)` (called by codegen on each rank's module) moves each region into a submodule
@@ -17,7 +17,7 @@ the dropped activations.
 >>> model, inputs, loss_fn = gpt2(n_layers=2)
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
 ...                              hints={"input:0": {"dp": "S(0)"}}, checkpoint=["layers.*"])
->>> prog.state.checkpoint_regions
+>>> prog.state.recompute_regions
 ['layers.0', 'layers.1']
 >>> ops = [n for n in prog.state.gm.graph.nodes if n.op == "call_function"]
 >>> gm = prog.graph(0)  # codegen wrapped each region in a Recomputed submodule
@@ -34,7 +34,8 @@ from torch import fx
 from autoshard.cost.recompute_cost import region_savings
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
-from autoshard.ir.meta import CHECKPOINT
+from autoshard.ir.meta import RECOMPUTE
+from autoshard.passes.contract import compiler_pass
 from autoshard.passes.predict import predict
 from autoshard.runtime.collectives import current, use_communicator
 from autoshard.runtime.rng import at_position, current_position
@@ -42,14 +43,15 @@ from autoshard.runtime.rng import at_position, current_position
 _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
 
 
-def checkpoint(state) -> None:
-    """The pass: mark every op of each region with `autoshard.weights.training_checkpoint` = the region's path.
+@compiler_pass("recompute", reads=(meta.COMM, meta.SPEC), writes=(meta.RECOMPUTE, "state.recompute_regions"))
+def recompute(state) -> None:
+    """The pass: mark every op of each region with `autoshard.recompute` = the region's path.
 
-    >>> sorted({n.meta.get(CHECKPOINT, "-") for n in ops})
+    >>> sorted({n.meta.get(RECOMPUTE, "-") for n in ops})
     ['-', 'layers.0', 'layers.1']
     """
-    option = state.options.get("checkpoint")
-    state.checkpoint_regions = []
+    option = state.options.checkpoint
+    state.recompute_regions = []
     if not option:
         return
     ops = [n for n in state.gm.graph.nodes if n.op == "call_function"]
@@ -69,11 +71,9 @@ def checkpoint(state) -> None:
     for node in ops:
         region = _region_of(node, regions)
         if region is not None:
-            node.meta[CHECKPOINT] = region
-    state.checkpoint_regions = [r for r in dict.fromkeys(n.meta.get(CHECKPOINT) for n in ops) if r]
+            node.meta[RECOMPUTE] = region
+    state.recompute_regions = [r for r in dict.fromkeys(n.meta.get(RECOMPUTE) for n in ops) if r]
 
-
-checkpoint.name = "checkpoint"
 
 
 def _module_paths(ops) -> set[str]:
@@ -93,7 +93,7 @@ def _region_of(node, regions):
 def _auto_regions(state, ops, layers) -> list[str]:
     """Repeated layers to checkpoint until the predicted memory fits the budget (greedy by bytes saved
     per recompute second); none when it already fits."""
-    budget = state.options.get("checkpoint_budget")
+    budget = state.options.checkpoint_budget
     if budget is None or not layers:
         return []
     predict(state)
@@ -126,7 +126,7 @@ def wrap_regions(gm: fx.GraphModule) -> fx.GraphModule:
       (body): Region()
     )
     """
-    regions = list(dict.fromkeys(n.meta[CHECKPOINT] for n in gm.graph.nodes if CHECKPOINT in n.meta))
+    regions = list(dict.fromkeys(n.meta[RECOMPUTE] for n in gm.graph.nodes if RECOMPUTE in n.meta))
     for index, region in enumerate(regions):
         _wrap_one(gm, region, f"checkpointed_{index}")
     gm.graph.lint()
@@ -176,7 +176,7 @@ class Recomputed(torch.nn.Module):
 
 def _wrap_one(gm, region, name):
     graph = gm.graph
-    inside = [n for n in graph.nodes if n.meta.get(CHECKPOINT) == region]
+    inside = [n for n in graph.nodes if n.meta.get(RECOMPUTE) == region]
     members = set(inside)
     inputs = list(dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in members))
     outputs = [n for n in inside if any(u not in members for u in n.users)]

@@ -42,7 +42,6 @@ import torch
 from autoshard.cost.axis_cost import AxisCostModel, needs_grad
 from autoshard.cost.flops import node_bytes
 from autoshard.cost.model import (
-    DEFAULT_PROFILE,
     INF,
     all_gather_time,
     all_reduce_time,
@@ -54,8 +53,8 @@ from autoshard.ir import meta
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Replicate, Shard, Spec
-from autoshard.passes.annotate import INPUT_HINT
 from autoshard.passes.choice import axis_candidates, record_choice
+from autoshard.passes.contract import compiler_pass
 from autoshard.passes.zero import planned_zero, solve_with_zero
 from autoshard.solver.ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from autoshard.solver.layers import decision_classes
@@ -91,6 +90,9 @@ def mutated_positions(node) -> tuple[int, ...]:
 JOINT_MAX_VARIABLES = 150_000
 
 
+@compiler_pass("solve", reads=(meta.CANDIDATES, meta.HINT, meta.INPUT_HINT),
+               writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL, "state.ilp_stats",
+                       "state.objective_s", "state.zero_for_memory", "state.auto_zero"))
 def solve(state) -> None:
     """The pass: one strategy per node and mesh axis (see the module docstring). The column-parallel
     layer's unhinted bias follows its weight's sharding; the row-parallel one's is added once, replicated:
@@ -109,12 +111,12 @@ def solve(state) -> None:
 
 def _solve(state) -> None:
     graph = state.gm.graph
-    profile = state.options.get("profile") or DEFAULT_PROFILE
+    profile = state.options.profile
     nodes = [n for n in graph.nodes if meta.CANDIDATES in n.meta]
     grad = needs_grad(graph)
     semi_auto = state.semi_auto
     mesh = state.mesh
-    models = [AxisCostModel(mesh, a, profile, grad, state.options.get("optimizer_state_factor", 2.0))
+    models = [AxisCostModel(mesh, a, profile, grad, state.options.optimizer_state_factor)
               for a in range(mesh.ndim)]
     state.ilp_stats = []
     choices: dict = {n: [] for n in nodes}
@@ -129,8 +131,6 @@ def _solve(state) -> None:
         record_choice(node, choices[node], grad)
     state.objective_s = plan_objective(state)
 
-
-solve.name = "solve"
 
 
 # How much of the later axes' size an earlier axis may count on to shrink memory: all of it first; when
@@ -351,7 +351,7 @@ def _conversion_charges(conversions, edges) -> list:
 def _zero_memory_scale(node, combo, prior, state, models) -> float:
     """A parameter's memory under the ZeRO stage being planned for (`state.zero_for_memory`), relative to
     without; its placement on the ZeRO axis is the candidate's, the earlier decision's, or R (undecided)."""
-    zero = getattr(state, "zero_for_memory", None)
+    zero = state.zero_for_memory
     if zero is None or node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not models[0].grad.get(node):
         return 1.0
     axis = state.mesh.axis(zero.axis)
@@ -382,9 +382,9 @@ def plan_objective(state) -> float:
     10.001
     """
     nodes = [n for n in state.gm.graph.nodes if meta.CANDIDATES in n.meta]
-    profile = state.options.get("profile") or DEFAULT_PROFILE
+    profile = state.options.profile
     grad = needs_grad(state.gm.graph)
-    models = [AxisCostModel(state.mesh, a, profile, grad, state.options.get("optimizer_state_factor", 2.0))
+    models = [AxisCostModel(state.mesh, a, profile, grad, state.options.optimizer_state_factor)
               for a in range(state.mesh.ndim)]
     combos = {n: [dict(enumerate(n.meta[meta.CHOICE]))] for n in nodes}
     problem, _, _ = _build_problem(nodes, tuple(range(state.mesh.ndim)), combos, {n: [] for n in nodes}, state,
@@ -416,7 +416,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
         for s, per_axis in enumerate(breakdowns[n]):
             costs[c][s] += per_axis[0].compute * _SCALE  # compute and memory are per node, not per axis
             memory[c][s] += per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n], state, models)
-    pipeline = state.options.get("pipeline")
+    pipeline = state.options.pipeline
     sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
     shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share)
     edges: dict = {}
@@ -444,7 +444,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
             wants = [tuple(cv[a].inputs[pos] for a in axes) for cv in combos[v]]
             partials = [_partial_axes(u, pos, {**dict(enumerate(choices[v])), **cv}, models) for cv in combos[v]]
             # A conversion into an input placement the user asked for (`<module>:input`) is not penalized.
-            penalize = semi_auto and not any(pos in wanted for wanted in v.meta.get(INPUT_HINT, {}).values())
+            penalize = semi_auto and not any(pos in wanted for wanted in v.meta.get(meta.INPUT_HINT, {}).values())
             want_ids = [interned.setdefault(want, len(interned)) for want in wants]
             for a, have in enumerate(outs[u]):
                 have_id, row = out_ids[u][a], matrix[a]
@@ -470,7 +470,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
                                                          ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
-    budget = state.options.get("memory_budget")
+    budget = state.options.memory_budget
     if budget is None:
         budget = profile.memory_bytes
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism

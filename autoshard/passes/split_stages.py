@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoshard.passes.cut_stages import STAGE
+from autoshard.ir import meta
 
 
 @dataclass
@@ -59,11 +59,11 @@ def split_stages(gm: fx.GraphModule, num_stages: int) -> list[StageGraph]:
     ops = [n for n in nodes if n.op == "call_function"]
 
     def defined(node) -> int:
-        return node.meta[STAGE] if node.op == "call_function" else -1
+        return node.meta[meta.STAGE] if node.op == "call_function" else -1
 
     last_use = {}
     for node in inputs + ops:
-        uses = [num_stages if u.op == "output" else u.meta[STAGE] for u in node.users if u.op != "get_attr"]
+        uses = [num_stages if u.op == "output" else u.meta[meta.STAGE] for u in node.users if u.op != "get_attr"]
         last_use[node] = max(uses, default=-1)
     carried = [[v for v in inputs + ops if defined(v) <= s < last_use[v]] for s in range(num_stages)]
 
@@ -71,7 +71,7 @@ def split_stages(gm: fx.GraphModule, num_stages: int) -> list[StageGraph]:
     for s in range(num_stages):
         entering = inputs if s == 0 else carried[s - 1]
         leaving = list(output.args[0]) if s == num_stages - 1 else carried[s]
-        stages.append(_build_stage(gm, s, entering, [n for n in ops if n.meta[STAGE] == s], leaving))
+        stages.append(_build_stage(gm, s, entering, [n for n in ops if n.meta[meta.STAGE] == s], leaving))
     return stages
 
 

@@ -14,10 +14,12 @@ import warnings
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.placement import R, Shard
+from autoshard.passes.contract import NORMALIZED, compiler_pass
 from autoshard.strategies import AxisStrategy, candidates_for, tensor_inputs
 from autoshard.strategies.base import is_tensor_value, output_shapes
 
 
+@compiler_pass("strategies", reads=(NORMALIZED, meta.KIND, meta.HINT), writes=(meta.CANDIDATES,))
 def strategies(state) -> None:
     """The pass: write `autoshard.candidates` (per mesh axis, the feasible AxisStrategy list) on every
     placeholder and op. A linear on an axis of size 2 may shard the batch (S(0)), the output features
@@ -56,8 +58,6 @@ def strategies(state) -> None:
                       f"{' ...' if len(names) > 5 else ''}); they run replicated on every rank. Register a rule "
                       "in autoshard/strategies to shard them.", stacklevel=2)
 
-
-strategies.name = "strategies"
 _WARNED: set[str] = set()  # ops already reported as having no rule
 
 

@@ -4,7 +4,7 @@
 >>> from autoshard.passes.pipelines import state_before
 >>> from autoshard.ir.placement import Spec, S
 >>> state = state_before("codegen", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
->>> verify_state(state, after="predict")  # a state the passes left: nothing to report
+>>> verify_state(state, after="predict", invariants=("edges_match",))  # as the passes left it: fine
 """
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ class VerifierError(AssertionError):
     """
 
 
-def verify_state(state, after: str) -> None:
+def verify_state(state, after: str, invariants=()) -> None:
     """Raise VerifierError naming the node, placement and axis where the graph breaks an invariant after
-    pass `after`: a node without a FakeTensor value or candidates, a partial placeholder, a shard of a
-    dim the tensor lacks, an edge whose producer's spec is not what its consumer needs.
+    pass `after`: always that every node has a FakeTensor value and candidates, no placeholder is partial
+    and no shard names a dim the tensor lacks; then each named one of INVARIANTS (those the passes so far
+    ensure, declared in their contracts).
 
-    >>> verify_state(state, after="codegen")  # the module docstring's state: fine
+    >>> verify_state(state, after="codegen", invariants=("edges_match",))  # the module docstring's state: fine
     """
     graph = state.gm.graph
     graph.lint()
@@ -59,10 +60,23 @@ def verify_state(state, after: str) -> None:
                 if isinstance(p, Shard) and not 0 <= p.dim < val.dim():
                     raise VerifierError(f"after {after}: node {node.name!r} placement {p!r} on axis "
                                         f"{names[axis]!r} names a dim of a {val.dim()}-d tensor")
-        if after in ("insert_comm", "predict", "codegen") and node.op == "call_function" and meta.IN_SPECS in node.meta:
+    for name in invariants:
+        INVARIANTS[name](state, after)
+
+
+def edges_match(state, after: str) -> None:
+    """Every edge's producer spec is what its consumer's strategy needs (insert_comm establishes it).
+
+    >>> edges_match(state, after="insert_comm")
+    """
+    for node in state.gm.graph.nodes:
+        if node.op == "call_function" and meta.IN_SPECS in node.meta:
             for pos, producer in enumerate(tensor_inputs(node)):
                 want = node.meta[meta.IN_SPECS][pos]
                 have = producer.meta.get(meta.SPEC)
                 if have != want:
                     raise VerifierError(f"after {after}: node {node.name!r} input {pos} ({producer.name!r}) is "
                                         f"{have!r} but the op's strategy needs {want!r}")
+
+
+INVARIANTS = {"edges_match": edges_match}  # by the name a pass's contract `ensures`

@@ -1,6 +1,6 @@
 """zero: ZeRO stage 1/2/3 on the data-parallel axis (the mesh axis the batch is split on).
 
-Reads the request (`parallelize(zero=...)` in `state.options["zero"]`, `{"zero": {"dp": 3}}` in the hint
+Reads the request (`parallelize(zero=...)` in `state.options.zero`, `{"zero": {"dp": 3}}` in the hint
 file, or `state.auto_zero` written by solve when only ZeRO fits the memory budget), the input specs
 (which axis carries the batch) and the parameters' specs. Writes `state.zero` (ZeroConfig or None) and
 `state.hints.zero` (so the plan's hints record the stage and a saved plan reproduces it). Stage 3 also
@@ -23,6 +23,7 @@ The examples ask for ZeRO-3 on the data-parallel axis of a two-layer MLP:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.frontend.hints import ZERO_STAGES, Hints, parse_zero
@@ -30,6 +31,7 @@ from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.placement import Replicate, Shard
 from autoshard.passes.choice import record_choice
+from autoshard.passes.contract import Contract, compiler_pass
 from autoshard.solver.ilp import MemoryBudgetError
 from autoshard.strategies import AxisStrategy
 
@@ -57,7 +59,7 @@ def requested_zero(state) -> dict:
     >>> requested_zero(state)  # zero=3 names no axis: the batch axis, whichever it is
     {None: 3}
     """
-    option = state.options.get("zero")
+    option = state.options.zero
     if option is None:
         from_option = {}
     elif isinstance(option, bool) or not isinstance(option, (int, dict)):
@@ -98,7 +100,7 @@ def resolve_zero(state) -> ZeroConfig | None:
     >>> resolve_zero(state)
     ZeRO-3 on 'dp'
     """
-    auto = getattr(state, "auto_zero", None)
+    auto = state.auto_zero
     if auto is not None:
         return auto
     request = requested_zero(state)
@@ -157,12 +159,12 @@ def solve_with_zero(state, solve_once) -> bool:
     """
     axes = _hinted_batch_axes(state)
     if not axes:  # where does the unbounded plan put the batch?
-        budget = state.options.get("memory_budget")
-        state.options["memory_budget"] = float("inf")
+        options = state.options
+        state.options = options.replace(memory_budget=float("inf"))
         try:
             solve_once(state)
         finally:
-            state.options["memory_budget"] = budget
+            state.options = options
         axes = batch_axes(state)
     if not axes:
         return False
@@ -178,6 +180,8 @@ def solve_with_zero(state, solve_once) -> bool:
     return False
 
 
+@compiler_pass("zero", reads=(meta.SPEC, meta.IN_SPECS, meta.CHOICE, "state.hints"),
+               writes=("state.zero", "state.hints", meta.SPEC, meta.CHOICE))
 def zero(state) -> None:
     """The pass: write `state.zero`; ZeRO-3 shards each replicated parameter on the ZeRO axis.
 
@@ -193,8 +197,6 @@ def zero(state) -> None:
     if config.stage == 3:
         _shard_parameters(state, state.mesh.axis(config.axis))
 
-
-zero.name = "zero"
 
 
 def shard_dim(shape, spec, axis: int, k: int) -> int | None:
@@ -246,6 +248,7 @@ class AllowPlannedZeroShards:
 
     plan: object
     name: str = "allow_planned_zero_shards"
+    contract: ClassVar[Contract] = Contract(reads=(meta.CANDIDATES,), writes=(meta.CANDIDATES,))
 
     def __call__(self, state) -> None:
         zero_axes = [a for a, s in (self.plan.hints or {}).get("zero", {}).items() if s == 3]

@@ -13,7 +13,6 @@ its inputs and outputs would need given what the neighbours chose. The chosen on
 from __future__ import annotations
 
 from autoshard.cost.axis_cost import AxisCostModel, needs_grad
-from autoshard.cost.model import DEFAULT_PROFILE
 from autoshard.ir import meta
 from autoshard.strategies import tensor_inputs
 
@@ -45,7 +44,7 @@ def explain_nodes(state, path: str) -> str:
     "no op under module path 'no.such.module'; module paths in this plan: input:0, layers.0, ..."
     """
     mesh = state.mesh
-    profile = state.options.get("profile") or DEFAULT_PROFILE
+    profile = state.options.profile
     grad = needs_grad(state.gm.graph)
     models = [AxisCostModel(mesh, a, profile, grad) for a in range(mesh.ndim)]
     nodes = [n for n in state.gm.graph.nodes if n.op == "call_function" and meta.CHOICE in n.meta

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autoshard.cost.model import DEFAULT_PROFILE, Link
+from autoshard.cost.model import Link
+from autoshard.frontend.options import CompileOptions
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
@@ -223,23 +224,23 @@ def _warn_batch_statistics(model, microbatches: int) -> None:
 
 
 def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, hints, loss_fn, debug,
-                         compile_options: dict, plan=None):
+                         compile_options: CompileOptions, plan=None):
     """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut.
     `parallelize` calls it for a mesh axis named "pp" (or `pipeline={"axis": ...}`).
 
     >>> piped = parallelize_pipeline(model, prog.mesh, inputs, "pp", {"microbatches": 4}, None, loss_fn, False,
-    ...                              {"profile": DEFAULT_PROFILE})
+    ...                              CompileOptions())
     >>> piped.inner_mesh, piped.config.microbatches, piped.state.traced.gm.graph is not None
     (Mesh(dp=2), 4, True)
     """
     options = check_options(options)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     annotations = collect_annotations(model, hints, options.get("balance"), options.get("split_points"))
-    profile = compile_options.get("profile") or DEFAULT_PROFILE
+    profile = compile_options.profile
     config = make_config(mesh, axis, options, annotations, batch_size(example_inputs), profile)
     _warn_batch_statistics(model, config.microbatches)
     sub = inner_mesh(mesh, axis)
-    opts = dict(compile_options, profile=inner_profile(profile, mesh, axis), pipeline=config)
+    opts = compile_options.replace(profile=inner_profile(profile, mesh, axis), pipeline=config)
     state, history = compile_state(model, sub, microbatch_inputs(example_inputs, config.microbatches), hints,
                                    loss_fn, debug, opts, plan=plan, pipeline=True)
     return PipelineProgram(state, history, mesh, config)

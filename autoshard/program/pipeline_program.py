@@ -25,7 +25,6 @@ from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import unshard_tensors
 from autoshard.passes.codegen import build_rank_module
-from autoshard.passes.cut_stages import STAGE
 from autoshard.passes.split_stages import split_stages
 from autoshard.program.program import Program
 from autoshard.report.timeline import planned_timeline
@@ -65,7 +64,7 @@ class PipelineProgram(Program):
         self.config = config
         self.pp_axis = mesh.axis(config.axis)
         self.tied_params = self._tied_params()
-        if state.options.get("rng") == "exact":
+        if state.options.rng == "exact":
             self._check_batch_first_draws()
 
     def _check_batch_first_draws(self) -> None:
@@ -110,7 +109,7 @@ class PipelineProgram(Program):
                          "tied_params": {k: list(v) for k, v in sorted(self.tied_params.items())},
                          "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)]}
         for row, node in zip(plan.rows, (n for n in self.state.gm.graph.nodes if meta.SPEC in n.meta)):
-            row.stage = node.meta.get(STAGE)
+            row.stage = node.meta.get(meta.STAGE)
         return plan
 
     def __repr__(self) -> str:
@@ -133,7 +132,7 @@ class PipelineProgram(Program):
         out = {}
         for node in self.state.gm.graph.nodes:
             if node.op == "placeholder" and node.meta.get(meta.KIND) == "param":
-                stages = sorted({u.meta[STAGE] for u in node.users if STAGE in u.meta})
+                stages = sorted({u.meta[meta.STAGE] for u in node.users if meta.STAGE in u.meta})
                 if len(stages) > 1:
                     out[node.meta[meta.PATH]] = tuple(stages)
         return out
@@ -207,7 +206,7 @@ class PipelineProgram(Program):
         ['layers.2.bias']
         """
         return {n.meta[meta.PATH] for n in self.state.gm.graph.nodes if n.op == "placeholder"
-                and n.meta.get(meta.KIND) in ("param", "buffer") and any(u.meta.get(STAGE) in stages for u in n.users)}
+                and n.meta.get(meta.KIND) in ("param", "buffer") and any(u.meta.get(meta.STAGE) in stages for u in n.users)}
 
     def all_stage_graphs(self, inner_rank: int, stages=None, local=None) -> list:
         """Every stage of one intra-op rank, sharing one fresh set of parameter shards; with `stages`, only

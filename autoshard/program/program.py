@@ -59,7 +59,7 @@ class Program:
         self.traced = state.traced
         self.history = history
         self.grad_reduce = state.grad_reduce
-        self.zero = getattr(state, "zero", None)  # ZeroConfig: the runtime shards optimizer state (and more)
+        self.zero = state.zero  # ZeroConfig: the runtime shards optimizer state (and more)
         self.attr_names = attr_names(state)
         self._graphs: dict = {}
         self.output_spec = self.traced.output_spec
@@ -99,7 +99,7 @@ class Program:
         'placement'
         """
         options = self.state.options
-        return RankRng(self.random_ops, options.get("rng", "placement"), options.get("seed"), coord,
+        return RankRng(self.random_ops, options.rng, options.seed, coord,
                        self.state.mesh.shape, microbatches=self.microbatch_count, needed=needed)
 
     def draw(self, collapse=(), color_by: str = "auto"):

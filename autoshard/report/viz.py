@@ -29,7 +29,6 @@ from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.placement import describe_type
 
-STAGE = "autoshard.stage"  # written by the pipeline's cut_stages pass
 PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#bebada", "#fccde5",
            "#d9d9d9", "#80b1d3", "#ccebc5")
 REPLICATED, COLLECTIVE, COLLAPSED = "#f0f0f0", "#d62728", "#e0e0e0"
@@ -114,7 +113,7 @@ def graph_boxes(state, collapse=(), color_by: str = "auto", cluster_depth: int =
     if color_by not in ("auto", "placement", "stage"):
         raise UserInputError(f"color_by={color_by!r}: use 'auto', 'placement' or 'stage'")
     if color_by == "auto":
-        color_by = "stage" if any(STAGE in n.meta for n in state.gm.graph.nodes) else "placement"
+        color_by = "stage" if any(meta.STAGE in n.meta for n in state.gm.graph.nodes) else "placement"
     collapse = [collapse] if isinstance(collapse, str) else list(collapse)
     colours: dict = {}
     boxes: dict = {}
@@ -134,10 +133,10 @@ def graph_boxes(state, collapse=(), color_by: str = "auto", cluster_depth: int =
             continue
         cluster = ".".join(module.split(".")[:cluster_depth]) if module else ""
         if folded:
-            boxes[key] = Box(key, [folded, "1 nodes"], cluster, COLLAPSED, node.meta.get(STAGE), inputs=inputs)
+            boxes[key] = Box(key, [folded, "1 nodes"], cluster, COLLAPSED, node.meta.get(meta.STAGE), inputs=inputs)
             continue
         comm = node.meta.get(meta.COMM)
-        stage = node.meta.get(STAGE)
+        stage = node.meta.get(meta.STAGE)
         label = "stage" if color_by == "stage" else "spec"
         value = (f"stage {stage}" if stage is not None else "no stage") if label == "stage" else repr(spec)
         if comm:

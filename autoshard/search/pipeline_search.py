@@ -24,7 +24,6 @@ import os
 
 import torch
 
-from autoshard.cost.model import DEFAULT_PROFILE
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.passes.pipelines import compile_state
 from autoshard.plan.io import PlanMismatchError
@@ -50,8 +49,8 @@ def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeli
     """The pipelined Program when the user asked for one or the search prefers one; else None.
     `parallelize` calls it first.
 
-    >>> from autoshard.cost.model import DEFAULT_PROFILE
-    >>> options = {"profile": DEFAULT_PROFILE}
+    >>> from autoshard.frontend.options import CompileOptions
+    >>> options = CompileOptions()
     >>> choose_pipeline(model, autoshard.Mesh((2,), ("dp",)), inputs, None, loss_fn, options, None, None, False)
     >>> choose_pipeline(model, autoshard.Mesh((2,), ("pp",)), inputs, None, loss_fn, options, None, None, False)
     ... # doctest: +ELLIPSIS
@@ -157,7 +156,7 @@ def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, deb
         flat, flat_error, best_step = None, exc, float("inf")
         candidates = [{"axis": None, "error": str(exc).splitlines()[0]}]
     best, seen = None, {}
-    profile = options.get("profile") or DEFAULT_PROFILE
+    profile = options.profile
     for i, name in enumerate(mesh.names):
         key = (mesh.shape[i], profile.link(mesh.shape, i))
         if mesh.shape[i] < 2:

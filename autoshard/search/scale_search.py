@@ -15,7 +15,7 @@ the full (pp, dp, tp) mesh (slow -> fast). That plan serves every (dp, tp, pp) w
   layer's planned costs (repeated layers share one ILP decision, autoshard/solver/layers.py);
 - units (embedding; each layer; final norm, head and loss) carry their predicted compute + collective
   seconds per micro-batch of one sequence and its fixed part (latencies, weights' collectives), saved
-  activations, what checkpointing a layer saves and costs (`passes/recompute_cost.region_savings`),
+  activations, what checkpointing a layer saves and costs (`cost/recompute_cost.region_savings`),
   parameters with gradients and optimizer state, gradient bytes, and the bytes crossing a stage
   boundary before the unit (`cut_stages.boundary_bytes`);
 - pipeline: units cut into pp contiguous stages balanced by time ("balanced") or L/pp layers each
@@ -52,16 +52,16 @@ from autoshard.cost.model import (
     collective_latency,
 )
 from autoshard.cost.recompute_cost import region_savings
+from autoshard.frontend.options import CompileOptions
 from autoshard.frontend.trace import Traced, trace
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.meta import NODE_COST
-from autoshard.passes.codegen import codegen
 from autoshard.passes.cut_stages import boundary_bytes
 from autoshard.passes.manager import CompileState, run_passes
 from autoshard.passes.normalize import normalize
-from autoshard.passes.pipelines import PASSES
+from autoshard.passes.pipelines import declared_pipeline
 from autoshard.passes.predict import collective_bytes, local_bytes
 from autoshard.search.pipeline_search import estimate_step
 from autoshard.solver.layers import layer_key
@@ -73,10 +73,6 @@ A100_80GB = HardwareProfile(name="A100-80GB", peak_flops=312e12, memory_bandwidt
 MICROBATCH_SIZES = (1, 2, 4, 8)
 # bf16 weights and gradients (2 + 2 bytes) + fp32 master weights and Adam moments (12 bytes = 6 x 2).
 MIXED_PRECISION_ADAM = 6.0
-
-
-def _plan_passes():
-    return [p for p in PASSES if p not in (normalize, codegen)]
 
 
 def candidate_degrees(devices: int, devices_per_node: int, n_layers: int) -> list[tuple[int, int, int]]:
@@ -293,9 +289,10 @@ class ScaleSearch:
             # No memory bound here: the ILP sees a few layers and one sequence; a stage's memory (its layers x
             # the micro-batches in flight) is counted by `evaluate`, which recomputes layers to fit.
             state = CompileState(gm, Mesh((tp,), ("tp",)), traced, None,
-                                 {"profile": profile, "memory_budget": float("inf"),
-                                  "optimizer_state_factor": self.factor})
-            run_passes(state, _plan_passes())
+                                 CompileOptions(profile=profile, memory_budget=float("inf"),
+                                                optimizer_state_factor=self.factor))
+            passes, provided = declared_pipeline("scale")
+            run_passes(state, passes, provided=provided)
             self._plans[tp] = _scaled(*_units(state, profile), self.n_layers)
         return self._plans[tp]
 

@@ -47,7 +47,7 @@ def rank_weights(state, rank: int, weights, keep=None, init_fn=None, seed: int =
     entries = _entries(state)
     keep = set(entries) if keep is None else set(keep) & set(entries)
     coord, mesh_shape = state.mesh.coord(rank), state.mesh.shape
-    model = getattr(state, "model", None)
+    model = state.model
     init_fn = init_fn if init_fn is not None else (default_init_fn(model) if model is not None else None)
     out: dict = {}
 

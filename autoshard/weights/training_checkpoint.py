@@ -234,7 +234,7 @@ def _check_keys(path, sidecar, index, params: set, buffers: set, shapes: dict, w
         meta = index.get(key)
         if not hasattr(meta, "size"):
             raise CheckpointError(f"{where}: {key!r} is not a tensor in the checkpoint; it was not written by "
-                                  "autoshard.weights.training_checkpoint.save_checkpoint for this model")
+                                  "autoshard.save_checkpoint for this model")
         if tuple(meta.size) != shape:
             raise CheckpointError(f"{where}: {key!r} has shape {tuple(meta.size)} in the checkpoint but "
                                   f"{shape} in the model: it was saved from a model of another size; build "
@@ -253,7 +253,7 @@ def _some(keys) -> str:
 def _optimizer_slots(path, index, params: dict, shapes: dict, specs, program, comm) -> dict:
     """{checkpoint key: (parameter, state name, tensor to load into)} for the saved optimizer state."""
     slots = {}
-    for key, meta in sorted(index.items()):
+    for key, saved in sorted(index.items()):
         if not key.startswith(OPTIMIZER_PREFIX):
             continue
         fqn, _, name = key[len(OPTIMIZER_PREFIX):].rpartition(".")
@@ -261,10 +261,10 @@ def _optimizer_slots(path, index, params: dict, shapes: dict, specs, program, co
             raise CheckpointError(f"checkpoint {str(path)!r} has optimizer state for {fqn!r}, which the model does "
                                   "not have; load a checkpoint of this model")
         param = params[fqn]
-        if tuple(meta.size) == shapes[fqn] and specs is not None:  # shaped like the parameter: sharded like it
-            target = _dtensor(torch.zeros_like(param, dtype=meta.properties.dtype), specs[fqn], program, comm)
+        if tuple(saved.size) == shapes[fqn] and specs is not None:  # shaped like the parameter: sharded like it
+            target = _dtensor(torch.zeros_like(param, dtype=saved.properties.dtype), specs[fqn], program, comm)
         else:
-            target = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+            target = torch.zeros(tuple(saved.size), dtype=saved.properties.dtype)
         slots[key] = (param, name, target)
     return slots
 
@@ -276,7 +276,7 @@ def _read_sidecar(path) -> dict:
     sidecar_path = os.path.join(path, SIDECAR)
     if not os.path.exists(sidecar_path):
         raise CheckpointError(f"{str(path)!r} has no {SIDECAR}: it is not a checkpoint written by "
-                              "autoshard.weights.training_checkpoint.save_checkpoint; check the path")
+                              "autoshard.save_checkpoint; check the path")
     data = read_json_file(sidecar_path, "checkpoint index", MAX_SIDECAR_BYTES, CheckpointError)
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("params"), list):
         raise CheckpointError(f"{sidecar_path!r} is not a format-{FORMAT} autoshard checkpoint index; save the "

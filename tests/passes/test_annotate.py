@@ -9,7 +9,7 @@ from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import P, R, S
-from autoshard.passes.annotate import INPUT_HINT, annotate, module_outputs
+from autoshard.passes.annotate import annotate, module_outputs
 from autoshard.passes.manager import CompileState
 from autoshard.passes.normalize import normalize
 from autoshard.zoo import gpt2, mlp
@@ -119,7 +119,7 @@ def test_negative_dim_is_normalised():
 
 
 def split_node(state):
-    (node,) = [n for n in state.gm.graph.nodes if INPUT_HINT in n.meta]
+    (node,) = [n for n in state.gm.graph.nodes if meta.INPUT_HINT in n.meta]
     return node
 
 
@@ -128,7 +128,7 @@ def test_split_counts_become_input_hints():
     state = annotated(model, inputs, {"layers.0:shard": {"in_strategy": [[2, 1], [1, 1]]}}, loss_fn=loss_fn)
     node = split_node(state)
     assert node.target is torch.ops.aten.linear.default and node.meta[meta.PATH] == "layers.0"
-    assert node.meta[INPUT_HINT] == {0: {0: S(0)}}  # {axis: {input position: placement}}
+    assert node.meta[meta.INPUT_HINT] == {0: {0: S(0)}}  # {axis: {input position: placement}}
     assert hints_by_path(state) == {}
 
 
@@ -143,7 +143,7 @@ def test_split_counts_become_input_hints():
 def test_split_counts_map_onto_axes_the_op_supports(counts, wanted, weight):
     model, inputs, loss_fn = mlp(batch=4, in_dim=8, hidden=16, out_dim=8)
     state = annotated(model, inputs, {"layers.0:shard": {"in_strategy": counts}}, loss_fn=loss_fn)
-    assert split_node(state).meta[INPUT_HINT] == wanted
+    assert split_node(state).meta[meta.INPUT_HINT] == wanted
     assert hints_by_path(state) == ({"layers.0.weight": weight} if weight else {})
 
 

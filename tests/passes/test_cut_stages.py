@@ -9,7 +9,7 @@ import autoshard
 from autoshard.ir import meta
 from autoshard.ir.errors import HintError, UserInputError
 from autoshard.passes import cut_stages as cut_mod
-from autoshard.passes.cut_stages import STAGE, CutCosts
+from autoshard.passes.cut_stages import CutCosts
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.staged import gpt2_staged, llama_staged
 
@@ -22,7 +22,7 @@ def _plan(model, inputs, loss_fn, pipeline=None, hints=DP, mesh=(2, 2), names=("
 
 
 def _stages(prog):
-    return {n.name: n.meta[STAGE] for n in prog.state.gm.graph.nodes if n.op == "call_function"}
+    return {n.name: n.meta[meta.STAGE] for n in prog.state.gm.graph.nodes if n.op == "call_function"}
 
 
 def test_every_notation_gives_the_same_cut():
@@ -158,7 +158,7 @@ def test_automatic_cut_is_optimal_over_every_position(stages):
     prog = _auto(stages)
     nodes = [n for n in prog.state.gm.graph.nodes if n.op == "call_function"]
     costs = CutCosts(prog.state, nodes, prog.config)
-    cuts = [i for i in range(1, len(nodes)) if nodes[i].meta[STAGE] != nodes[i - 1].meta[STAGE]]
+    cuts = [i for i in range(1, len(nodes)) if nodes[i].meta[meta.STAGE] != nodes[i - 1].meta[meta.STAGE]]
     assert len(cuts) == stages - 1
     assert costs.max_stage_time(cuts) <= _brute_force(costs, stages) * (1 + 1e-12)
 
@@ -171,7 +171,7 @@ def test_module_boundary_cut_within_ten_percent_of_optimal(monkeypatch, stages):
     nodes = [n for n in prog.state.gm.graph.nodes if n.op == "call_function"]
     monkeypatch.setattr(cut_mod, "AUTO_CUT_ALL_POSITIONS", 10**6)
     costs = CutCosts(prog.state, nodes, prog.config)
-    cuts = [i for i in range(1, len(nodes)) if nodes[i].meta[STAGE] != nodes[i - 1].meta[STAGE]]
+    cuts = [i for i in range(1, len(nodes)) if nodes[i].meta[meta.STAGE] != nodes[i - 1].meta[meta.STAGE]]
     optimum = _brute_force(costs, stages)
     assert costs.max_stage_time(cuts) <= 1.10 * optimum, (costs.max_stage_time(cuts), optimum)
 

@@ -6,7 +6,6 @@ import autoshard
 from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.placement import R
-from autoshard.passes.annotate import INPUT_HINT
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import data_parallel, megatron_sp
@@ -51,7 +50,7 @@ def test_module_input_hint_constrains_what_ops_inside_consume():
                                  hints={"layers.*.mlp.fc1:input": {"tp": "R"}, "layers.*.ln2:output": {"tp": "S(1)"}})
     fc1 = [n for n in prog.state.gm.graph.nodes if n.meta.get(meta.PATH) == "layers.0.mlp.fc1"
            and n.target is torch.ops.aten.linear.default]
-    assert fc1 and fc1[0].meta[INPUT_HINT] == {0: {0: R}}  # the activation, not the weight
+    assert fc1 and fc1[0].meta[meta.INPUT_HINT] == {0: {0: R}}  # the activation, not the weight
     assert fc1[0].meta[meta.IN_SPECS][0] == (R,)
 
 

@@ -4,7 +4,7 @@ import torch
 
 import autoshard
 from autoshard.ir.errors import UserInputError
-from autoshard.ir.meta import CHECKPOINT
+from autoshard.ir.meta import RECOMPUTE
 from autoshard.passes.recompute import Recomputed
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify.verify import to_double, verify_simulated
@@ -51,7 +51,7 @@ def _saved_bytes_and_grads(prog, inputs):
 def test_checkpointing_every_block_saves_memory_and_changes_nothing(factory, name):
     plain, inputs = _plan(factory, name)
     ckpt, _ = _plan(factory, name, checkpoint=["layers.*"])
-    assert ckpt.state.checkpoint_regions == [f"layers.{i}" for i in range(factory()[0].cfg.n_layers)]
+    assert ckpt.state.recompute_regions == [f"layers.{i}" for i in range(factory()[0].cfg.n_layers)]
     before, after = _saved_bytes_and_grads(plain, inputs), _saved_bytes_and_grads(ckpt, inputs)
     for rank in before:
         assert after[rank][0] < 0.7 * before[rank][0], (rank, before[rank][0], after[rank][0])
@@ -78,15 +78,15 @@ def test_recomputed_collectives_are_counted_as_predicted():
 def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
     four_layers = lambda: gpt2(n_layers=4)
     free, _ = _plan(four_layers, "gpt2", checkpoint="auto")
-    assert free.state.checkpoint_regions == []  # no budget given: nothing to save
+    assert free.state.recompute_regions == []  # no budget given: nothing to save
     high = _plan(four_layers, "gpt2")[0].plan.predicted["memory_bytes_per_rank"]
     low = _plan(four_layers, "gpt2", checkpoint=["layers.*"])[0].plan.predicted["memory_bytes_per_rank"]
     budget = (high + 2 * low) / 3 + 1  # room for all activations but two layers' (the recompute peak is one layer)
     tight, _ = _plan(four_layers, "gpt2", checkpoint="auto", memory_budget=budget)
-    assert len(tight.state.checkpoint_regions) == 3
+    assert len(tight.state.recompute_regions) == 3
     assert low < tight.plan.predicted["memory_bytes_per_rank"] <= budget
-    nodes = [n for n in tight.state.gm.graph.nodes if CHECKPOINT in n.meta]
-    assert {n.meta[CHECKPOINT] for n in nodes} == set(tight.state.checkpoint_regions)
+    nodes = [n for n in tight.state.gm.graph.nodes if RECOMPUTE in n.meta]
+    assert {n.meta[RECOMPUTE] for n in nodes} == set(tight.state.recompute_regions)
 
 
 def test_checkpoint_glob_matching_nothing_says_so():

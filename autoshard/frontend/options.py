@@ -1,0 +1,89 @@
+"""The compile options every pass reads, parsed and checked once where they enter (parallelize,
+`state_before`, the searches): the hardware profile resolved, the mixed-precision policy resolved, the
+random-number mode and seed checked.
+
+>>> options = CompileOptions.parse(profile="cpu", mixed_precision="bf16", seed=3)
+>>> options.profile.name, options.mixed_precision.name, options.seed, options.rng
+('cpu-gloo', 'bf16', 3, 'placement')
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autoshard.cost.model import DEFAULT_PROFILE, HardwareProfile, load_profile
+from autoshard.ir.errors import UserInputError
+from autoshard.ir.mixed_precision import Policy, resolve_policy
+from autoshard.runtime.rng import MODES
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What `parallelize`'s keyword options become for the passes (see `parallelize` for each one's
+    meaning). `checkpoint_budget` is the memory bound automatic recomputation aims at; `pipeline` is the
+    PipelineConfig of a micro-batch program (autoshard/program/pipeline.py), None otherwise.
+
+    >>> CompileOptions().profile is DEFAULT_PROFILE
+    True
+    """
+
+    profile: HardwareProfile = DEFAULT_PROFILE
+    memory_budget: float | None = None
+    optimizer_state_factor: float = 2.0
+    zero: object = None
+    checkpoint: object = None
+    checkpoint_budget: float | None = None
+    rng: str = "placement"
+    seed: int | None = None
+    mixed_precision: Policy | None = None
+    pipeline: object = None
+
+    @classmethod
+    def parse(cls, profile=None, mixed_precision=None, rng: str = "placement", seed=None, checkpoint=None,
+              memory_budget=None, **others) -> CompileOptions:
+        """Check and resolve user-facing values: a profile name or file, a policy name, the rng mode and seed.
+        `checkpoint="auto"` plans with activations kept and recomputes layers until `memory_budget` holds.
+
+        >>> CompileOptions.parse(checkpoint="auto", memory_budget=1e9).memory_budget
+        inf
+        >>> CompileOptions.parse(rng="fast")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        autoshard.ir.errors.UserInputError: rng='fast' is not a random-number mode: use 'placement' (masks follow ...
+        """
+        if rng not in MODES:
+            raise UserInputError(f"rng={rng!r} is not a random-number mode: use 'placement' (masks follow "
+                                 "placements) or 'exact' (each rank's block of the single device's masks)")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
+        unknown = sorted(set(others) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UserInputError(f"unknown compile option(s) {unknown}; the options are "
+                                 f"{[f.name for f in dataclasses.fields(cls)]}")
+        if checkpoint == "auto":  # the ILP plans with activations kept; recomputation brings them under the budget
+            others.setdefault("checkpoint_budget", memory_budget)
+            memory_budget = float("inf")
+        return cls(profile=load_profile(profile) or DEFAULT_PROFILE, mixed_precision=resolve_policy(mixed_precision),
+                   rng=rng, seed=seed, checkpoint=checkpoint, memory_budget=memory_budget, **others)
+
+    @classmethod
+    def of(cls, value) -> CompileOptions:
+        """CompileOptions as given, or parsed from a dict of option names (tests and tools pass dicts).
+
+        >>> CompileOptions.of({"profile": "cpu"}).profile.name
+        'cpu-gloo'
+        """
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise UserInputError(f"compile options must be a dict of option names or CompileOptions, not "
+                                 f"{type(value).__name__}")
+        return cls.parse(**value)
+
+    def replace(self, **changes) -> CompileOptions:
+        """A copy with `changes` (the options are frozen: a pass that plans under other options uses a copy).
+
+        >>> CompileOptions().replace(memory_budget=float("inf")).memory_budget
+        inf
+        """
+        return dataclasses.replace(self, **changes)
