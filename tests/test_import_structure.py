@@ -92,3 +92,14 @@ def test_no_function_level_imports_of_autoshard_modules():
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 nested += [f"{name}:{node.lineno}" for node in ast.walk(fn) if _imports_autoshard(node)]
     assert sorted(set(nested)) == []
+
+
+def test_lower_layers_do_not_import_the_compiler():
+    """ir/ is the vocabulary every stage shares and imports nothing else of autoshard; runtime/ runs on the
+    ranks and needs only ir/, cost/ and itself (never the passes, the plan or the program)."""
+    allowed = {"autoshard.ir": ("autoshard.ir",), "autoshard.runtime": ("autoshard.ir", "autoshard.cost",
+                                                                     "autoshard.runtime")}
+    modules = _modules()
+    wrong = [(a, b) for a, b, _ in _imports(modules) for layer, ok in allowed.items()
+             if a.startswith(layer) and not any(b == p or b.startswith(p + ".") for p in ok)]
+    assert wrong == []

@@ -29,7 +29,7 @@ def test_twenty_bf16_steps_follow_the_single_device_loss_curve():
     assert report.ok, str(report)
     assert report.max_diff["loss"] <= 2 * BF16_ULP, str(report)
     assert "bf16 mixed precision" in str(report)
-    assert program.state.options["mixed_precision"].compute_dtype == torch.bfloat16
+    assert program.state.options.mixed_precision.compute_dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("mesh,names,options", [

@@ -8,6 +8,7 @@ import matplotlib
 import pytest
 
 import autoshard
+from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.plan.plan import Plan
@@ -55,7 +56,7 @@ def test_stages_colour_the_graph_when_present():
     model, inputs, loss_fn = mlp(n_layers=2)
     prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",))
     for node in prog.state.gm.graph.nodes:  # what the pipeline's cut_stages pass writes
-        node.meta[viz.STAGE] = 1 if node.meta.get("autoshard.path", "").startswith("layers.1") else 0
+        node.meta[meta.STAGE] = 1 if node.meta.get("autoshard.path", "").startswith("layers.1") else 0
     boxes, legend = viz.graph_boxes(prog.state)
     assert set(legend) == {"stage 0", "stage 1", "no stage"}
     assert {b.fill for b in boxes if "stage 1" in b.lines} == {legend["stage 1"]}

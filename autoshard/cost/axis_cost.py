@@ -26,7 +26,7 @@ import torch
 from autoshard.cost.flops import is_matmul_like, node_bytes, node_flops
 from autoshard.cost.model import INF, all_reduce_time, conversion_time
 from autoshard.ir import meta
-from autoshard.ir.placement import Replicate, Shard
+from autoshard.ir.placement import Shard
 from autoshard.strategies import tensor_inputs
 
 aten = torch.ops.aten
@@ -151,7 +151,7 @@ class AxisCostModel:
         comm_bwd = sync = 0.0
         if cand.splits_work:
             for pos, producer in enumerate(tensor_inputs(node)):
-                if isinstance(cand.inputs[pos], Replicate) and self.grad.get(producer, False):
+                if cand.partial_grad(pos) and self.grad.get(producer, False):
                     t = all_reduce_time(self.input_bytes(producer, pos, other), self.k, self.link)
                     if producer.op == "placeholder":
                         sync += t

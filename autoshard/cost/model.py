@@ -13,8 +13,9 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from autoshard.ir.collective_table import TABLE, collective_for, direction_bytes
 from autoshard.ir.errors import UserInputError
-from autoshard.ir.placement import Partial, Placement, Replicate, Shard
+from autoshard.ir.placement import Partial, Placement, Shard
 from autoshard.solver.redistribute import plan_redistribute
 
 INF = float("inf")
@@ -157,14 +158,10 @@ def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
     return 0.0 if k == 1 else (k - 1) / k * local_bytes / link.bandwidth + (k - 1) * link.alpha
 
 
-# The collective table: each collective op the planner emits (autoshard.comm's "op") as the ring
-# collective it runs in forward and the one its backward runs, each priced on that direction's bytes (the
-# runtime's convention, see the module docstring). The ILP, predict, the stage table and the scale search
-# all price communication through `collective_time`.
-COLLECTIVES = {"all_reduce": ("all_reduce", None), "grad_all_reduce": (None, "all_reduce"),
-               "all_gather": ("all_gather", None), "chunk": (None, "all_gather"),
-               "param_all_gather": ("all_gather", "reduce_scatter"), "reduce_scatter": ("reduce_scatter", "all_gather"),
-               "all_gather_sum_grad": ("all_gather", "reduce_scatter"), "all_to_all": ("all_to_all", "all_to_all")}
+# Each emitted collective (autoshard.comm's "op") as the ring collectives its forward and backward run
+# (ir/collective_table.py); the ILP, predict, the stage table and the scale search all price
+# communication through `collective_time`.
+COLLECTIVES = {name: (row.forward, row.backward) for name, row in TABLE.items()}
 _RING = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
          "all_to_all": all_to_all_time}
 
@@ -212,16 +209,9 @@ def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link:
         return INF  # making a partial sum out of a full tensor is never needed (even on a size-1 axis)
     if k == 1:
         return 0.0
-    bwd = nbytes if with_backward else 0.0
-    if isinstance(src, Partial):
-        if isinstance(dst, Replicate):
-            return collective_time("all_reduce", nbytes, 0, k, link)
-        return collective_time("reduce_scatter", nbytes, bwd, k, link)
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return collective_time("all_gather", nbytes, 0, k, link)
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return collective_time("chunk", 0, bwd, k, link)  # free forward chunk, gathered gradient
-    return collective_time("all_to_all", nbytes / k, bwd / k, k, link)
+    name = collective_for(src, dst)
+    src_bytes, dst_bytes = (nbytes / k if isinstance(p, Shard) else nbytes for p in (src, dst))
+    return collective_time(name, *direction_bytes(name, src_bytes, dst_bytes, with_backward), k, link)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -271,9 +261,8 @@ def redistribution_time(src, dst, global_bytes: float, mesh_shape, profile: Hard
     for step in steps:
         local = global_bytes / math.prod(mesh_shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
         k, link = mesh_shape[step.axis], profile.link(mesh_shape, step.axis)
-        bwd = local if with_backward else 0.0
-        fwd_bwd = {"all_reduce": (local, 0), "all_gather": (local * k, 0), "chunk": (0, bwd),
-                   "reduce_scatter": (local, bwd), "all_to_all": (local, bwd)}[step.op]
-        total += collective_time(step.op, *fwd_bwd, k, link)
-        spec = step.apply(spec)
+        after = step.apply(spec)
+        out = global_bytes / math.prod(mesh_shape[a] for a, p in enumerate(after) if isinstance(p, Shard))
+        total += collective_time(step.op, *direction_bytes(step.op, local, out, with_backward), k, link)
+        spec = after
     return total

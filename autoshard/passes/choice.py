@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from autoshard.ir import meta
 from autoshard.ir.errors import HintError
-from autoshard.ir.placement import Replicate, Shard, Spec
+from autoshard.ir.placement import Shard, Spec
 from autoshard.strategies import tensor_inputs
 from autoshard.strategies.base import RuleContext, feasible, output_shapes
 
@@ -35,7 +35,7 @@ def record_choice(node, chosen, grad) -> None:
     node.meta[meta.IN_SPECS] = [Spec(c.inputs[i] for c in chosen) for i in range(n_in)]
     inputs = tensor_inputs(node) if node.op == "call_function" else []
     node.meta[meta.GRAD_PARTIAL] = [
-        tuple(a for a, c in enumerate(chosen) if isinstance(c.inputs[i], Replicate) and c.splits_work)
+        tuple(a for a, c in enumerate(chosen) if c.partial_grad(i))
         if grad.get(inputs[i], False) else () for i in range(n_in)]
 
 

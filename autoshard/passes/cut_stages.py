@@ -36,6 +36,7 @@ from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import NODE_COST
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.predict import collective_bytes, local_bytes
+from autoshard.solver.balanced_cut import min_max_cut
 
 AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidate cut; above, module boundaries
 
@@ -297,30 +298,11 @@ def auto_cut(state, nodes, config) -> dict:
     True
     """
     costs = CutCosts(state, nodes, config)
-    positions, n, stages = costs.positions, costs.n, config.num_stages
+    positions, stages = costs.positions, config.num_stages
     if len(positions) - 1 < stages:
         raise PlanError(f"the model has {len(positions) - 1} places to cut but the pipeline needs {stages} stages; "
                         "use fewer stages (a smaller pp axis or fewer virtual stages)")
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * len(positions) for _ in range(stages + 1)]
-    back = [[0] * len(positions) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0)
-    for s in range(1, stages + 1):
-        for j in range(s, len(positions)):
-            b = positions[j]
-            crossing = costs.fwd_bytes[b] if b < n else 0
-            for i in range(s - 1, j):
-                prev = best[s - 1][i]
-                if prev == inf:
-                    continue
-                cand = (max(prev[0], costs.stage_time(positions[i], b)), prev[1] + crossing)
-                if cand < best[s][j]:
-                    best[s][j], back[s][j] = cand, i
-    cuts, j = [], len(positions) - 1
-    for s in range(stages, 0, -1):
-        j = back[s][j]
-        cuts.append(positions[j])
-    cuts = sorted(cuts)[1:]
+    cuts = min_max_cut(costs.stage_time, positions, stages, crossing=lambda b: costs.fwd_bytes[b])
     return stages_from_cuts(nodes, cuts)
 
 

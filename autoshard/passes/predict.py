@@ -27,6 +27,7 @@ from autoshard.cost.model import all_reduce_time, collective_time
 from autoshard.cost.recompute_cost import account_recompute
 from autoshard.cost.zero_cost import apply_zero, gather_bytes
 from autoshard.ir import meta
+from autoshard.ir.collective_table import direction_bytes
 from autoshard.ir.meta import COMM_COST, NODE_COST
 from autoshard.ir.placement import Shard
 from autoshard.passes.contract import compiler_pass
@@ -57,9 +58,7 @@ def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:
     if op == "param_all_gather":
         fwd, bwd = gather_bytes(node, dst)
         return fwd, bwd if has_grad else 0
-    fwd, bwd = {"all_reduce": (src, 0), "grad_all_reduce": (0, src), "all_gather": (dst, 0), "chunk": (0, src),
-                "reduce_scatter": (src, src), "all_to_all": (src, dst), "all_gather_sum_grad": (dst, dst)}[op]
-    return fwd, bwd if has_grad else 0
+    return direction_bytes(op, src, dst, has_grad)
 
 
 @compiler_pass("predict", reads=(meta.SPEC, meta.CHOICE, meta.COMM, "state.grad_reduce"),

@@ -266,7 +266,7 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
                 model = models[axis]
                 for t, cv in enumerate(combos[v]):
                     strategy = cv[axis]
-                    if not (strategy.splits_work and isinstance(strategy.inputs[pos], Replicate)):
+                    if not strategy.partial_grad(pos):
                         continue
                     nbytes = model.input_bytes(u, pos, others(v, cv, axis))
                     if master is not None:
@@ -306,8 +306,7 @@ def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partia
     refund = 0.0
     for i, axis in enumerate(axes):
         strategy = cv[axis]
-        if (isinstance(have[i], Shard) and isinstance(want[i], Replicate) and strategy.splits_work
-                and isinstance(strategy.inputs[pos], Replicate)):
+        if isinstance(have[i], Shard) and isinstance(want[i], Replicate) and strategy.partial_grad(pos):
             model = models[axis]
             nbytes = model.input_bytes(u, pos, others(v, cv, axis))
             refund += all_reduce_time(nbytes, model.k, model.link) - all_gather_time(nbytes, model.k, model.link)
@@ -320,7 +319,7 @@ def _partial_axes(u, pos, strategies, models) -> tuple:
     wanted placement, these axes)."""
     if not models[0].grad.get(u, False):
         return ()
-    return tuple(sorted(a for a, s in strategies.items() if s.splits_work and isinstance(s.inputs[pos], Replicate)))
+    return tuple(sorted(a for a, s in strategies.items() if s.partial_grad(pos)))
 
 
 def _conversion_charges(conversions, edges) -> list:

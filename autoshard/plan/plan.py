@@ -22,6 +22,7 @@ parameters replicated there):
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -68,6 +69,18 @@ class PlanRow:
     bytes_fwd: int = 0
     bytes_bwd: int = 0
     choice: list = field(default_factory=list)  # per mesh axis: AxisStrategy.to_json()
+    stage: int | None = None  # the pipeline stage (pipelined plans only)
+
+    def to_json(self) -> dict:
+        """The row as a plan file's node entry (`stage` only in pipelined plans).
+
+        >>> sorted(row.to_json())[:4]
+        ['axis', 'bytes_bwd', 'bytes_fwd', 'choice']
+        """
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.stage is None:
+            del out["stage"]
+        return out
 
 
 @dataclass
@@ -163,15 +176,10 @@ class Plan:
         >>> Plan.from_parts(plan_parts(json.loads(plan.dumps()) | {"fingerprint": None})).dumps() == plan.dumps()
         True
         """
-        rows = []
-        for fields in parts["rows"]:
-            row = PlanRow(**{k: v for k, v in fields.items() if k != "stage"})
-            if "stage" in fields:
-                row.stage = fields["stage"]
-            rows.append(row)
-        plan = cls(parts["mesh"], rows, parts["grad_reduce"], parts["hints"], parts["predicted"])
-        for key, value in parts["records"].items():  # pipelined plans: records only (not applied by plan=)
-            setattr(plan, key, value)
+        rows = [PlanRow(**fields) for fields in parts["rows"]]
+        records = parts["records"]  # pipelined plans and mesh searches: records only (not applied by plan=)
+        plan = cls(parts["mesh"], rows, parts["grad_reduce"], parts["hints"], parts["predicted"],
+                   pipeline=records.get("pipeline", {}), search=records.get("search", {}))
         check_fingerprint(plan, parts["fingerprint"], parts["source"])
         return plan
 
@@ -192,7 +200,7 @@ class Plan:
         {'shape': [2, 2], 'names': ['dp', 'tp'], 'named': True}
         """
         return {"version": PLAN_VERSION, "mesh": self.mesh.to_json(), "hints": self.hints,
-                "nodes": [r.__dict__ for r in self.rows],
+                "nodes": [r.to_json() for r in self.rows],
                 "grad_reduce": {k: list(v) for k, v in self.grad_reduce.items()},
                 "predicted": self.predicted,
                 **({"pipeline": self.pipeline} if self.pipeline else {}),
@@ -249,7 +257,7 @@ class Plan:
         body = []
         for r in rows:
             cost = costs.get(r.name)
-            stage = getattr(r, "stage", None)  # rows carry a stage only in pipeline plans
+            stage = r.stage  # rows carry a stage only in pipeline plans
             body.append([r.name, r.op, r.path, r.type, *[repr(p) for p in Spec.parse(r.spec)],
                          "" if stage is None else str(stage), f"{r.collective}@{r.axis}" if r.collective else "",
                          str(r.bytes_fwd or ""), str(r.bytes_bwd or ""),

@@ -37,6 +37,7 @@ the full (pp, dp, tp) mesh (slow -> fast). That plan serves every (dp, tp, pp) w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from autoshard.passes.normalize import normalize
 from autoshard.passes.pipelines import declared_pipeline
 from autoshard.passes.predict import collective_bytes, local_bytes
 from autoshard.search.pipeline_search import estimate_step
+from autoshard.solver.balanced_cut import min_max_cut
 from autoshard.solver.layers import layer_key
 
 # A100-80GB nodes of 8: 312 TFLOP/s bf16, ~2 TB/s HBM, NVLink ~300 GB/s per GPU inside a node, one
@@ -177,9 +179,10 @@ class SearchResult:
 
 def balanced_cut(times, transfer, stages: int) -> list[tuple[int, int]]:
     """`stages` contiguous (start, end) groups of units minimising the slowest group's time; a group pays
-    `transfer[i]` for a boundary before unit i (at its start and at its end).
+    `transfer[i]` for a boundary before unit i (at its start and at its end); among equally slow cuts, the
+    one with the least transfer time (solver/balanced_cut.py, the routine cut_stages uses).
 
-    >>> balanced_cut([1, 3, 3, 3, 1], [0] * 5, 2)
+    >>> balanced_cut([1, 3, 3, 3, 1], [0, 0, 0.5, 0, 0], 2)  # without transfers, cutting at 2 or 3 ties (7 s)
     [(0, 3), (3, 5)]
     """
     n = len(times)
@@ -187,31 +190,11 @@ def balanced_cut(times, transfer, stages: int) -> list[tuple[int, int]]:
     for t in times:
         prefix.append(prefix[-1] + t)
 
-    def cost(a, z):
+    def stage_time(a, z):
         return prefix[z] - prefix[a] + (transfer[a] if a > 0 else 0.0) + (transfer[z] if z < n else 0.0)
 
-    def pack(limit):
-        bounds, a = [], 0
-        for s in range(stages):
-            z = n if s == stages - 1 else a + 1
-            while z < n - (stages - s - 1) and cost(a, z + 1) <= limit:
-                z += 1
-            if cost(a, z) > limit:
-                return None
-            bounds.append((a, z))
-            a = z
-        return bounds
-
-    lo, hi = max(times), prefix[-1] + 2 * max(transfer, default=0.0)
-    best = pack(hi)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        found = pack(mid)
-        if found is None:
-            lo = mid
-        else:
-            best, hi = found, mid
-    return best
+    cuts = min_max_cut(stage_time, list(range(n + 1)), stages, crossing=lambda b: transfer[b])
+    return list(itertools.pairwise([0, *cuts, n]))
 
 
 def even_cut(units: list[Unit], stages: int) -> list[tuple[int, int]]:

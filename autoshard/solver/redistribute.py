@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoshard.ir.collective_table import TABLE, collective_for
 from autoshard.ir.errors import PlanError
 from autoshard.ir.placement import Partial, R, Replicate, Shard, Spec
 
@@ -48,11 +49,10 @@ class Step:
         >>> Step("chunk", axis=0, dim=1).apply(Spec([R, S(0)]))
         [S(1), S(0)]
         """
-        if self.op in ("all_gather", "all_reduce"):
+        target = TABLE[self.op].change[1]
+        if target == "R":
             return spec.with_axis(self.axis, R)
-        if self.op in ("chunk", "reduce_scatter"):
-            return spec.with_axis(self.axis, Shard(self.dim))
-        return spec.with_axis(self.axis, Shard(self.to_dim))
+        return spec.with_axis(self.axis, Shard(self.to_dim if self.op == "all_to_all" else self.dim))
 
 
 def _axes_of(spec, dim):
@@ -102,12 +102,12 @@ def plan_redistribute(src: Spec, dst: Spec) -> list[Step]:
     for dim in dims:  # 3. shards in dst order
         s_axes, d_axes, n = prefix(dim)
         for axis in d_axes[n:]:
-            step = Step("reduce_scatter" if isinstance(cur[axis], Partial) else "chunk", axis, dim)
+            step = Step(collective_for(cur[axis], Shard(dim)), axis, dim)
             steps.append(step)
             cur = step.apply(cur)
     for axis, (c, d) in enumerate(zip(cur, dst)):  # 4. remaining partial sums
         if isinstance(c, Partial) and isinstance(d, Replicate):
-            step = Step("all_reduce", axis)
+            step = Step(collective_for(c, d), axis)
             steps.append(step)
             cur = step.apply(cur)
     if cur != dst:

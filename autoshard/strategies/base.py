@@ -49,6 +49,15 @@ class AxisStrategy:
         """
         return not all(isinstance(p, Replicate) for p in (*self.inputs, self.output))
 
+    def partial_grad(self, pos: int) -> bool:
+        """The placement duality, in its one home: the gradient of input `pos` comes back partial on this
+        axis when the input is replicated and the ranks split the work (each holds part of the sum).
+
+        >>> AxisStrategy((R, Shard(0)), Shard(1)).partial_grad(0), AxisStrategy((R, R), R).partial_grad(0)
+        (True, False)
+        """
+        return self.splits_work and isinstance(self.inputs[pos], Replicate)
+
     @property
     def divides_compute(self) -> bool:
         """True when each rank does 1/k of the work (something is sharded; partial sums do not shrink it).
