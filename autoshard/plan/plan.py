@@ -74,7 +74,7 @@ class PlanRow:
     def to_json(self) -> dict:
         """The row as a plan file's node entry (`stage` only in pipelined plans).
 
-        >>> sorted(row.to_json())[:4]
+        >>> sorted(plan.rows[0].to_json())[:4]
         ['axis', 'bytes_bwd', 'bytes_fwd', 'choice']
         """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -64,6 +64,11 @@ class PipelineProgram(Program):
         self.config = config
         self.pp_axis = mesh.axis(config.axis)
         self.tied_params = self._tied_params()
+        if state.zero is not None:  # the stage modules do not shard optimizer state or gradients yet
+            why = "requested" if state.options.zero else "chosen to fit the memory budget"
+            raise UserInputError(f"ZeRO ({state.zero!r}, {why}) with a pipeline over {config.axis!r} is not "
+                                 "supported yet: its runtime would not match one device; drop zero= (or raise "
+                                 "memory_budget), or plan without a pipeline axis")
         if state.options.rng == "exact":
             self._check_batch_first_draws()
 
@@ -241,12 +246,13 @@ class PipelineProgram(Program):
         ...
         autoshard.ir.errors.UserInputError: the batch ([5]) must split into 2 micro-batches
         """
-        m = self.config.microbatches
-        if len(inputs) == len(self.input_specs) and all(isinstance(x, torch.Tensor) and x.dim() for x in inputs):
-            if any(x.shape[0] % m for x in inputs):
-                raise UserInputError(f"the batch ({[x.shape[0] for x in inputs]}) must split into {m} micro-batches")
-            return super().check_inputs([x[: x.shape[0] // m] for x in inputs])
-        return super().check_inputs(inputs)
+        self.rank_program.check_inputs(inputs)
+
+    def _rank_program_fields(self) -> dict:
+        c = self.config
+        return {**super()._rank_program_fields(), "pp_axis": c.axis, "microbatches": c.microbatches,
+                "stage_ranks": tuple(c.stage_rank(s) for s in range(c.num_stages)),
+                "tied_params": self.tied_params}
 
     def microbatches(self, inputs) -> list[tuple]:
         """The full batch as `microbatches` global micro-batches (dim 0 chunks, in order).
@@ -254,8 +260,7 @@ class PipelineProgram(Program):
         >>> [mb[0].shape for mb in prog.microbatches(inputs)]
         [torch.Size([4, 32]), torch.Size([4, 32])]
         """
-        m = self.config.microbatches
-        return [tuple(x.chunk(m, 0)[i] for x in inputs) for i in range(m)]
+        return self.rank_program.split_microbatches(inputs)
 
     def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
         """The global tensor from ranks' blocks (one rank per intra-op coordinate counts); blocks that are

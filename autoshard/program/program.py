@@ -39,7 +39,8 @@ from autoshard.passes.manager import CompileState, History
 from autoshard.passes.random_ops import describe_random_ops
 from autoshard.plan.plan import Plan
 from autoshard.runtime.rank_module import RankModule
-from autoshard.runtime.rng import RankRng
+from autoshard.runtime.rank_program import RankProgram
+from autoshard.runtime.rng import RankRng, drawn_ops
 from autoshard.runtime.simulator import run_ranks
 from autoshard.weights import DcpWeights, open_weights, rank_weights
 from autoshard.weights.training_checkpoint import load_checkpoint
@@ -146,7 +147,8 @@ class Program:
         """
         source = open_weights(weights) if weights is not None else None
         local = self.rank_tensors(rank, source, init_fn=init_fn, seed=seed, strict=strict)
-        module = RankModule(build_rank_module(self.state, rank, local=local), comm, self)
+        gm = build_rank_module(self.state, rank, local=local)
+        module = RankModule(gm, comm, self.rank_program, self.rank_rng(comm.coord, needed=drawn_ops(gm)), self)
         if isinstance(source, DcpWeights):  # DCP reads each rank's pieces into the module's shards in place
             load_checkpoint(source.path, module)
         return module
@@ -209,10 +211,7 @@ class Program:
         >>> tp.param_spec("layers.0.weight"), tp.param_spec("layers.1.weight")
         ([S(0)], [S(1)])
         """
-        for node in self.state.gm.graph.nodes:
-            if node.op == "placeholder" and node.meta.get(meta.PATH) == fqn:
-                return node.meta[meta.SPEC]
-        raise KeyError(fqn)
+        return self.rank_program.param_spec(fqn)
 
     def local_batch(self, rank: int, global_batch: int) -> slice:
         """The rows of a global batch of `global_batch` samples that `rank` loads (dim 0 of every input),
@@ -249,16 +248,27 @@ class Program:
         ...
         autoshard.ir.errors.UserInputError: input 0 is torch.float32 (4, 32) but the program was planned for ...
         """
-        examples = [n.meta["val"] for n in self.state.gm.graph.nodes
-                    if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
-        if len(inputs) != len(examples):
-            raise UserInputError(f"the program takes {len(examples)} inputs (like the example inputs), got "
-                                 f"{len(inputs)}")
-        for i, (x, ex) in enumerate(zip(inputs, examples)):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(ex.shape) or x.dtype != ex.dtype:
-                got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise UserInputError(f"input {i} is {got} but the program was planned for {ex.dtype} "
-                                     f"{tuple(ex.shape)}; re-plan with example inputs of the new shape")
+        self.rank_program.check_inputs(inputs)
+
+    @functools.cached_property
+    def rank_program(self) -> RankProgram:
+        """What every rank's runtime needs of this program, as a plain value (autoshard/runtime/rank_program.py).
+
+        >>> prog.rank_program.output_specs == prog.output_specs
+        True
+        """
+        return RankProgram(**self._rank_program_fields())
+
+    def _rank_program_fields(self) -> dict:
+        placeholders = [n for n in self.state.gm.graph.nodes if n.op == "placeholder"]
+        inputs = [n.meta["val"] for n in placeholders if n.meta.get(meta.KIND) == "input"]
+        return {"mesh": self.state.mesh, "input_specs": self.input_specs,
+                "inputs": tuple((tuple(v.shape), v.dtype) for v in inputs), "output_spec": self.output_spec,
+                "output_specs": self.output_specs,
+                "param_specs": {n.meta[meta.PATH]: n.meta[meta.SPEC] for n in placeholders
+                                if n.meta.get(meta.KIND) in ("param", "buffer")},
+                "attr_names": self.attr_names, "params": frozenset(self.traced.params),
+                "grad_reduce": self.grad_reduce, "zero": self.zero}
 
     def simulate(self, *inputs, timeout_s: float = 60.0):
         """Run all ranks in this process (threads); return the global (loss, outputs) like the model.

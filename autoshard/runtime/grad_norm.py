@@ -41,9 +41,9 @@ def _pipeline_holders(module, fqn: str) -> int:
     """How many pipeline ranks hold parameter `fqn` (a weight tied across stages on different ranks is held,
     with the same summed gradient, by each); 1 outside a pipeline and in the simulator (one thread holds every
     stage of its column)."""
-    program = module.program
-    stages = getattr(program, "tied_params", {}).get(fqn) if hasattr(module, "full_comm") else None
-    return len({program.config.stage_rank(s) for s in stages}) if stages else 1
+    program = module.rank_program
+    stages = program.tied_params.get(fqn) if hasattr(module, "full_comm") else None
+    return len({program.stage_ranks[s] for s in stages}) if stages else 1
 
 
 def grad_pieces(module) -> list[tuple[torch.Tensor, int]]:
@@ -54,8 +54,8 @@ def grad_pieces(module) -> list[tuple[torch.Tensor, int]]:
     >>> pieces[0]  # split on tp, so held by the 2 dp ranks; layers.1.bias replicated: held by all 4
     [((64, 32), 2), ((64,), 2), ((32, 64), 2), ((32,), 4)]
     """
-    program, mesh = module.program, module.comm.mesh
-    zero = getattr(program, "zero", None)
+    program, mesh = module.rank_program, module.comm.mesh
+    zero = program.zero
     optimizer = getattr(module, "zero_optimizer", None)
     shards = {e.fqn: e for e in optimizer.entries} if optimizer is not None and zero.stage >= 2 else {}
     pieces = []
@@ -110,7 +110,7 @@ def _reduction_axes(module) -> list:
     rank's pipeline axis (its stages hold other parameters than the other pp ranks')."""
     axes = [(module.comm, axis) for axis in module.comm.mesh.names]
     if hasattr(module, "full_comm"):
-        axes.append((module.full_comm, module.program.config.axis))
+        axes.append((module.full_comm, module.rank_program.pp_axis))
     return axes
 
 
@@ -164,7 +164,7 @@ def global_loss(module, loss: torch.Tensor | None) -> torch.Tensor:
     >>> torch.allclose(losses[0], loss_fn(model(*inputs), *inputs)), torch.equal(losses[0], losses[1])
     (True, True)
     """
-    program = module.program
+    program = module.rank_program
     spec = program.output_specs[0]
     pipeline = getattr(module, "full_comm", None)
     if loss is None and pipeline is None:
@@ -176,5 +176,5 @@ def global_loss(module, loss: torch.Tensor | None) -> torch.Tensor:
         for axis in spec.partial_axes() if spec is not None else ():
             total = module.comm.all_reduce(total, module.comm.mesh.names[axis])
     if pipeline is not None:
-        total = pipeline.all_reduce(total, program.config.axis)
+        total = pipeline.all_reduce(total, program.pp_axis)
     return total[0]

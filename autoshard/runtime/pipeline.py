@@ -48,6 +48,7 @@ from autoshard.runtime.communicator import (
 )
 from autoshard.runtime.loss_scale import LossScaler, optimizer_step
 from autoshard.runtime.rank_module import RankModule
+from autoshard.runtime.rng import drawn_ops
 
 
 class SavedActivations:
@@ -100,13 +101,14 @@ class _StagesModule(RankModule):
     pipelined = True
 
     def __init__(self, program, stage_graphs, comm):
-        super().__init__(torch.nn.ModuleList([s.gm for s in stage_graphs]), comm, program)
+        gms = torch.nn.ModuleList([s.gm for s in stage_graphs])
+        super().__init__(gms, comm, program.rank_program, program.rank_rng(comm.coord, needed=drawn_ops(gms)), program)
         self.stage_graphs = stage_graphs
 
     def named_local_parameters(self):
         seen = set()
-        for fqn, attr in self._program.attr_names.items():
-            if fqn not in self._program.traced.params or fqn in seen:
+        for fqn, attr in self.rank_program.attr_names.items():
+            if fqn not in self.rank_program.params or fqn in seen:
                 continue
             for stage in self.stage_graphs:
                 if hasattr(stage.gm, attr):
@@ -118,16 +120,17 @@ class _StagesModule(RankModule):
         """This rank's block of every micro-batch, by the plan's input specs. With `local_rows` the inputs
         are only this rank's rows (`prog.local_batch`), concatenated in micro-batch order."""
         if local_rows:
-            m = self._program.config.microbatches
+            m = self.rank_program.microbatches
             if any(x.shape[0] % m for x in global_inputs):
                 raise UserInputError(f"train_step(local_rows=True): {[tuple(x.shape) for x in global_inputs]} do "
                                      f"not split into the plan's {m} micro-batches; load the rows "
                                      "prog.local_batch(rank, batch) gives, concatenated")
             return [self.local_inputs_of_rows(*chunk) for chunk in zip(*(x.chunk(m) for x in global_inputs))]
-        self._program.check_inputs(global_inputs)
+        rp = self.rank_program
+        rp.check_inputs(global_inputs)
         coord, shape = self.comm.coord, self.comm.mesh.shape
-        return [tuple(shard_tensor(x, spec, coord, shape) for x, spec in zip(mb, self._program.input_specs))
-                for mb in self._program.microbatches(global_inputs)]
+        return [tuple(shard_tensor(x, spec, coord, shape) for x, spec in zip(mb, rp.input_specs))
+                for mb in rp.split_microbatches(global_inputs)]
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss backward starts from: times the scale of this module's LossScaler, if it has one (the
@@ -142,7 +145,7 @@ class _StagesModule(RankModule):
 
     def scale_grads(self, passes: int = 1) -> None:
         """Divide the summed micro-batch gradients by the micro-batches (times the accumulated passes)."""
-        m = self._program.config.microbatches * passes
+        m = self.rank_program.microbatches * passes
         for _, param in self.named_local_parameters():
             if param.grad is not None:
                 param.grad.div_(m)
@@ -411,7 +414,7 @@ def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: flo
     opt = torch.optim.SGD(params.values(), lr=lr) if params else None
     scaler = LossScaler(module) if loss_scaling else None
     module.comm.log.clear()
-    n_outputs = len(module._program.output_specs) - 1
+    n_outputs = len(module.rank_program.output_specs) - 1
     losses, outputs, grads, counts, scales = [], None, None, None, []
     passes = [tuple(x.chunk(accumulate)[j] for x in inputs) for j in range(accumulate)]
     for step in range(steps):

@@ -29,7 +29,8 @@ from autoshard.ir.placement import R, Shard, Spec, shard_tensor
 from autoshard.runtime.collectives import use_communicator
 from autoshard.runtime.communicator import Communicator
 from autoshard.runtime.grad_norm import clip_grad_norm_, global_loss
-from autoshard.runtime.rng import drawn_ops
+from autoshard.runtime.rank_program import RankProgram
+from autoshard.runtime.rng import RankRng
 from autoshard.runtime.zero_gather import GatheredMemory, save_shards_for_backward
 
 BUCKET_BYTES = 25 << 20
@@ -43,16 +44,18 @@ class RankModule(torch.nn.Module):
     ('RankModule', 1)
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, comm: Communicator, program):
+    def __init__(self, gm: torch.fx.GraphModule, comm: Communicator, rank_program: RankProgram, rng: RankRng,
+                 program=None):
         super().__init__()
         self.gm = gm
         self.comm = comm
         self.rank = comm.rank
-        self._program = program
+        self.rank_program = rank_program  # all the runtime reads of the plan
+        self._program = program  # the Program that planned it, handed back to users (`module.program`)
         self.zero_optimizer = None  # set by ZeroOptimizer: it owns the ZeRO axis's gradient reduction
         self.grads_synced = True  # False from a forward until sync_grads: gradients may still be partial
         self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
-        self.rng = program.rank_rng(comm.coord, needed=drawn_ops(gm))  # dropout masks (autoshard/runtime/rng.py)
+        self.rng = rng  # dropout masks (autoshard/runtime/rng.py)
 
     @property
     def program(self):
@@ -70,7 +73,7 @@ class RankModule(torch.nn.Module):
         >>> torch.allclose(out[0][0] + out[1][0], loss_fn(model(*inputs), *inputs)), out[0][1].shape
         (True, torch.Size([4, 32]))
         """
-        zero = getattr(self._program, "zero", None)
+        zero = self.rank_program.zero
         regather = save_shards_for_backward(self.gathered_memory) if zero is not None and zero.stage == 3 \
             else contextlib.nullcontext()
         self.rng.new_step()
@@ -78,7 +81,7 @@ class RankModule(torch.nn.Module):
             flat = self.gm(*local_inputs)
         self.grads_synced = False
         loss, outputs = flat[0], list(flat[1:])
-        spec = self._program.output_spec
+        spec = self.rank_program.output_spec
         return loss, (pytree.tree_unflatten(outputs, spec) if spec is not None else outputs)
 
     def local_inputs(self, *global_inputs):
@@ -88,8 +91,8 @@ class RankModule(torch.nn.Module):
         >>> torch.equal(blocks[1], inputs[0][4:])  # the batch is split in two on dp
         True
         """
-        specs = self._program.input_specs
-        self._program.check_inputs(global_inputs)
+        specs = self.rank_program.input_specs
+        self.rank_program.check_inputs(global_inputs)
         return tuple(shard_tensor(x, spec, self.comm.coord, self.comm.mesh.shape)
                      for x, spec in zip(global_inputs, specs))
 
@@ -102,7 +105,7 @@ class RankModule(torch.nn.Module):
         >>> torch.equal(blocks[1], run_ranks(prog, lambda m: m.local_inputs(x)[0])[1])
         True
         """
-        specs = self._program.input_specs
+        specs = self.rank_program.input_specs
         if len(rows) != len(specs):
             raise UserInputError(f"local_inputs_of_rows takes {len(specs)} inputs (the program's), got {len(rows)}")
         coord, shape = self.comm.coord, self.comm.mesh.shape
@@ -116,9 +119,9 @@ class RankModule(torch.nn.Module):
         >>> shapes[0][:2]
         [('layers.0.weight', (128, 32)), ('layers.0.bias', (128,))]
         """
-        names = self._program.attr_names
+        names = self.rank_program.attr_names
         for fqn, attr in names.items():
-            if fqn in self._program.traced.params:
+            if fqn in self.rank_program.params:
                 yield fqn, getattr(self.gm, attr)
 
     def sync_grads(self) -> None:
@@ -136,9 +139,9 @@ class RankModule(torch.nn.Module):
         scattered = self._zero_scattered()
         groups: dict = {}
         for fqn, param in self.named_local_parameters():
-            axes = self._program.grad_reduce.get(fqn)
+            axes = self.rank_program.grad_reduce.get(fqn)
             if fqn in scattered:  # reduce-scattered on the ZeRO axis below, after the other axes
-                axes = tuple(a for a in axes if a != self._program.zero.axis)
+                axes = tuple(a for a in axes if a != self.rank_program.zero.axis)
             if axes and param.grad is not None:
                 groups.setdefault(axes, []).append(param)
         for axes, params in groups.items():
@@ -185,7 +188,7 @@ class RankModule(torch.nn.Module):
 
     def _zero_scattered(self) -> set:
         """Parameters whose gradient the ZeroOptimizer reduce-scatters (ZeRO-2/3 needs one to train)."""
-        zero = getattr(self._program, "zero", None)
+        zero = self.rank_program.zero
         if zero is None or zero.stage < 2:
             return set()
         if self.zero_optimizer is None:

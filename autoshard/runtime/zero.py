@@ -74,8 +74,8 @@ class ZeroOptimizer:
     """
 
     def __init__(self, module, optimizer: torch.optim.Optimizer, offload: bool = False):
-        program = module._program
-        self.config = getattr(program, "zero", None)
+        program = module.rank_program
+        self.config = program.zero
         if self.config is None:
             raise UserInputError("ZeroOptimizer needs a program planned with ZeRO: parallelize(..., zero=1, 2 or 3)")
         kind = type(optimizer).__name__

@@ -2,10 +2,10 @@
 possible (then the fewest bytes cross the cuts). cut_stages cuts a program's ops with it and the scale
 search cuts layers with it; each gives its own stage-time function over the positions it may cut at.
 
->>> times = [1, 3, 3, 3, 1]
+>>> times = [1, 3, 3, 1, 1]
 >>> prefix = [sum(times[:i]) for i in range(len(times) + 1)]
 >>> min_max_cut(lambda a, b: prefix[b] - prefix[a], list(range(6)), stages=2)
-[3]
+[2]
 """
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offlo
     if not params:
         return None
     opt = OPTIMIZERS[optimizer](params, lr=lr)
-    if module is not None and getattr(module._program, "zero", None) is not None:
+    if module is not None and module.rank_program.zero is not None:
         return ZeroOptimizer(module, opt, offload=offload)
     return opt
 

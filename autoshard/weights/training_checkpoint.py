@@ -135,7 +135,7 @@ def _rank_program(module, what: str):
     if not hasattr(comm, "mesh_group"):
         raise UserInputError(f"cannot {what} from the in-process simulator: checkpoints are written and read by "
                              "real ranks (torch.distributed; communicator_for(prog.mesh) under torchrun)")
-    return module._program, comm  # RankModule keeps its Program privately; it is what planned this module
+    return module.program, comm  # the Program that planned this module
 
 
 def tensor_specs(program) -> dict:

@@ -155,3 +155,13 @@ def test_simulate_equals_the_model():
     expected = model(x)
     assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
     assert torch.allclose(loss, expected.mean(), rtol=1e-12)
+
+
+def test_zero_with_a_pipeline_is_refused_rather_than_trained_wrong():
+    """The stage modules do not shard optimizer state or gradients: a pipeline with ZeRO would not match one
+    device (ZeRO-1 trained different parameters, ZeRO-2 failed at the first step), so it is refused."""
+    model, _, loss_fn = FACTORIES["mlp"]()
+    with pytest.raises(autoshard.UserInputError, match=r"ZeRO \(ZeRO-1 on 'dp', requested\) with a pipeline over 'pp' "
+                                                        r"is not supported yet"):
+        autoshard.parallelize(model, (2, 2), (torch.randn(16, 32),), loss_fn=loss_fn, axis_names=("pp", "dp"),
+                              hints={"input:0": {"dp": "S(0)"}}, zero=1)
