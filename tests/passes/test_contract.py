@@ -8,7 +8,12 @@ from autoshard.frontend.options import CompileOptions
 from autoshard.ir.errors import UserInputError
 from autoshard.passes.contract import PassOrderError, check_order, contract_of
 from autoshard.passes.manager import CompileState, run_passes
-from autoshard.passes.pipelines import PASSES, PIPELINES, declared_pipeline, state_before
+from autoshard.passes.pipelines import (
+    PASSES,
+    PIPELINES,
+    declared_pipeline,
+    state_before,
+)
 from autoshard.zoo import mlp
 
 
