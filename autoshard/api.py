@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.frontend.hints import Hints
-from autoshard.frontend.options import CompileOptions
+from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.mesh import Mesh
@@ -71,13 +71,12 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
                                    seed=seed, mixed_precision=mixed_precision, zero=zero,
                                    optimizer_state_factor=optimizer_state_factor)
+    request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
     with reuse_exports():  # the pipeline search's candidates often trace the same shapes
-        choice = choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan,
-                                 unnamed=unnamed, debug=debug)
+        choice = choose_pipeline(request, pipeline, unnamed=unnamed)
     if choice is not None:
         return choice
-    state, history = compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan)
-    return Program(state, history)
+    return Program(*compile_state(request))
 
 
 def _traceable_inputs(model, example_inputs):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.frontend.options import CompileOptions
+from autoshard.frontend.request import CompileOptions
 from autoshard.ir import meta
 from autoshard.ir.mesh import Mesh
 from autoshard.passes.contract import TRACED, check_order, established_invariants

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from autoshard.frontend.options import CompileOptions
+from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.trace import trace
 from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
@@ -76,22 +76,24 @@ def declared_pipeline(name: str, plan=None) -> tuple[list, tuple]:
     return passes, provided
 
 
-def compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options, plan=None, pipeline=False):
-    """Trace and run the passes (cut_stages too for a pipeline's micro-batch program): (state, history).
+def compile_state(request: CompileRequest, pipeline: bool = False):
+    """Trace and run the declared pipeline (with cut_stages for a pipeline's micro-batch program; applying
+    `request.plan` when given): (state, history).
 
-    >>> state, history = compile_state(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn,
-    ...                                False, CompileOptions())
+    >>> request = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn)
+    >>> state, history = compile_state(request)
     >>> [entry.name for entry in history] == [p.name for p in PASSES]
     True
     """
+    plan, hints = request.plan, request.hints
     if plan is not None:
-        plan, hints = resolve_plan(plan, mesh, hints)
+        plan, hints = resolve_plan(plan, request.mesh, hints)
     name = ("microbatch_" if pipeline else "") + ("apply_plan" if plan is not None else "plan")
     passes, _ = declared_pipeline(name.replace("microbatch_plan", "microbatch"), plan)
-    debug = debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
-    options = CompileOptions.of(options)
-    traced = trace(model, example_inputs, loss_fn, options.mixed_precision)
-    state = CompileState(traced.gm, mesh, traced, hints, options, model=model)
+    debug = request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
+    options = CompileOptions.of(request.options)
+    traced = trace(request.model, request.example_inputs, request.loss_fn, options.mixed_precision)
+    state = CompileState(traced.gm, request.mesh, traced, hints, options, model=request.model)
     history = run_passes(state, passes, verify=debug, describe=describe_graph)
     return state, history
 

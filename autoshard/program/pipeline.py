@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.cost.model import Link
-from autoshard.frontend.options import CompileOptions
+from autoshard.frontend.request import CompileRequest
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
@@ -223,24 +223,27 @@ def _warn_batch_statistics(model, microbatches: int) -> None:
                       stacklevel=3)
 
 
-def parallelize_pipeline(model, mesh: Mesh, example_inputs, axis: str, options, hints, loss_fn, debug,
-                         compile_options: CompileOptions, plan=None):
-    """Plan the pipelined program: the intra-op plan on the other axes at micro-batch shape, then the cut.
-    `parallelize` calls it for a mesh axis named "pp" (or `pipeline={"axis": ...}`).
+def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
+    """Plan the pipelined program of `request` over mesh axis `axis` with pipeline `options`: the intra-op
+    plan on the other axes at micro-batch shape, then the cut. `parallelize` calls it for a mesh axis named
+    "pp" (or `pipeline={"axis": ...}`); a saved pipelined plan in `request.plan` is applied, not solved.
 
-    >>> piped = parallelize_pipeline(model, prog.mesh, inputs, "pp", {"microbatches": 4}, None, loss_fn, False,
-    ...                              CompileOptions())
+    >>> piped = parallelize_pipeline(CompileRequest(model, prog.mesh, inputs, loss_fn=loss_fn), "pp",
+    ...                              {"microbatches": 4})
     >>> piped.inner_mesh, piped.config.microbatches, piped.state.traced.gm.graph is not None
     (Mesh(dp=2), 4, True)
     """
     options = check_options(options)
+    mesh, model = request.mesh, request.model
+    example_inputs = request.example_inputs
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    annotations = collect_annotations(model, hints, options.get("balance"), options.get("split_points"))
-    profile = compile_options.profile
+    annotations = collect_annotations(model, request.hints, options.get("balance"), options.get("split_points"))
+    profile = request.options.profile
     config = make_config(mesh, axis, options, annotations, batch_size(example_inputs), profile)
     _warn_batch_statistics(model, config.microbatches)
-    sub = inner_mesh(mesh, axis)
-    opts = compile_options.replace(profile=inner_profile(profile, mesh, axis), pipeline=config)
-    state, history = compile_state(model, sub, microbatch_inputs(example_inputs, config.microbatches), hints,
-                                   loss_fn, debug, opts, plan=plan, pipeline=True)
+    micro = request.replace(mesh=inner_mesh(mesh, axis),
+                            example_inputs=microbatch_inputs(example_inputs, config.microbatches),
+                            options=request.options.replace(profile=inner_profile(profile, mesh, axis),
+                                                            pipeline=config))
+    state, history = compile_state(micro, pipeline=True)
     return PipelineProgram(state, history, mesh, config)

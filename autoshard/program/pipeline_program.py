@@ -21,18 +21,21 @@ import functools
 import torch
 import torch.utils._pytree as pytree
 
+from autoshard.cost.axis_cost import needs_grad
 from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
-from autoshard.ir.placement import unshard_tensors
+from autoshard.ir.placement import local_shape, unshard_tensors
 from autoshard.passes.codegen import build_rank_module
 from autoshard.passes.split_stages import split_stages
 from autoshard.program.program import Program
 from autoshard.report.timeline import planned_timeline
+from autoshard.runtime.communicator import DistCommunicator
 from autoshard.runtime.pipeline import (
     PipelineRankModule,
     SequentialStages,
     simulated_rank_step,
 )
+from autoshard.runtime.rng import RankRng, drawn_ops
 from autoshard.runtime.simulator import run_ranks
 
 
@@ -235,7 +238,23 @@ class PipelineProgram(Program):
         >>> from autoshard.runtime.launch import communicator_for
         >>> module = prog.module(rank, communicator_for(prog.mesh))  # doctest: +SKIP
         """
-        return PipelineRankModule(self, rank, comm, weights=weights, init_fn=init_fn, seed=seed, strict=strict)
+        inner_rank = self.inner_rank(rank)
+        inner = DistCommunicator(self.inner_mesh, inner_rank, {a: comm.groups.get(a) for a in self.inner_mesh.names},
+                                 comm.mesh_group, exact=comm.exact, timeout=comm.timeout)
+        mine = self.stages_of(rank)
+        local = self.rank_tensors(inner_rank, weights, keep=self.stage_tensors(set(mine)), init_fn=init_fn, seed=seed,
+                                  strict=strict)
+        stages = self.all_stage_graphs(inner_rank, stages=set(mine), local=local)  # other stages' stay meta
+        mine = [stages[s] for s in mine]
+        return PipelineRankModule(mine, inner, comm, rank, self.rank_program, self.stages_rng(inner.coord, mine), self)
+
+    def stages_rng(self, coord, stage_graphs) -> RankRng:
+        """The random stream of the stages `stage_graphs` at intra-op mesh `coord` (the ops they draw).
+
+        >>> prog.stages_rng((0,), prog.all_stage_graphs(0)).mode
+        'placement'
+        """
+        return self.rank_rng(coord, needed=drawn_ops(torch.nn.ModuleList([s.gm for s in stage_graphs])))
 
     # ---------------------------------------------------------------------------------------- data
     def check_inputs(self, inputs) -> None:
@@ -250,9 +269,17 @@ class PipelineProgram(Program):
 
     def _rank_program_fields(self) -> dict:
         c = self.config
+        flags = needs_grad(self.state.gm.graph)
+        boundary = {}
+        for node in self.state.gm.graph.nodes:  # every value a stage may send or receive
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and meta.SPEC in node.meta:
+                boundary[node.name] = (local_shape(val.shape, node.meta[meta.SPEC], self.inner_mesh.shape), val.dtype,
+                                       bool(flags.get(node)))
         return {**super()._rank_program_fields(), "pp_axis": c.axis, "microbatches": c.microbatches,
                 "stage_ranks": tuple(c.stage_rank(s) for s in range(c.num_stages)),
-                "tied_params": self.tied_params}
+                "tied_params": self.tied_params, "num_stages": c.num_stages, "schedule": c.schedule,
+                "boundary_values": boundary}
 
     def microbatches(self, inputs) -> list[tuple]:
         """The full batch as `microbatches` global micro-batches (dim 0 chunks, in order).
@@ -318,7 +345,7 @@ class InnerRanks:
         self.program = program
         self.mesh = program.inner_mesh
 
-    def module(self, inner_rank, comm, **weights):
+    def module(self, inner_rank, comm, weights=None, **options):
         """Intra-op rank `inner_rank`'s SequentialStages: every stage, run in order (`weights`, `init_fn`,
         `seed`, `strict`: as Program.module).
 
@@ -326,4 +353,6 @@ class InnerRanks:
         >>> type(run_ranks(InnerRanks(prog), lambda module: module)[0]).__name__
         'SequentialStages'
         """
-        return SequentialStages(self.program, inner_rank, comm, **weights)
+        program = self.program
+        stages = program.all_stage_graphs(inner_rank, local=program.rank_tensors(inner_rank, weights, **options))
+        return SequentialStages(stages, comm, program.rank_program, program.stages_rng(comm.coord, stages), program)

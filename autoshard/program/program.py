@@ -268,7 +268,8 @@ class Program:
                 "param_specs": {n.meta[meta.PATH]: n.meta[meta.SPEC] for n in placeholders
                                 if n.meta.get(meta.KIND) in ("param", "buffer")},
                 "attr_names": self.attr_names, "params": frozenset(self.traced.params),
-                "grad_reduce": self.grad_reduce, "zero": self.zero}
+                "grad_reduce": self.grad_reduce, "zero": self.zero,
+                "param_meta": {fqn: (tuple(t.shape), t.dtype) for fqn, t in self.traced.params.items()}}
 
     def simulate(self, *inputs, timeout_s: float = 60.0):
         """Run all ranks in this process (threads); return the global (loss, outputs) like the model.

@@ -37,7 +37,6 @@ import time
 
 import torch
 
-from autoshard.cost.axis_cost import needs_grad
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import local_shape, shard_tensor
 from autoshard.runtime.collectives import use_communicator
@@ -48,7 +47,8 @@ from autoshard.runtime.communicator import (
 )
 from autoshard.runtime.loss_scale import LossScaler, optimizer_step
 from autoshard.runtime.rank_module import RankModule
-from autoshard.runtime.rng import drawn_ops
+from autoshard.runtime.rank_program import RankProgram
+from autoshard.runtime.rng import RankRng
 
 
 class SavedActivations:
@@ -100,9 +100,8 @@ class _StagesModule(RankModule):
 
     pipelined = True
 
-    def __init__(self, program, stage_graphs, comm):
-        gms = torch.nn.ModuleList([s.gm for s in stage_graphs])
-        super().__init__(gms, comm, program.rank_program, program.rank_rng(comm.coord, needed=drawn_ops(gms)), program)
+    def __init__(self, stage_graphs, comm, rank_program: RankProgram, rng: RankRng, program=None):
+        super().__init__(torch.nn.ModuleList([s.gm for s in stage_graphs]), comm, rank_program, rng, program)
         self.stage_graphs = stage_graphs
 
     def named_local_parameters(self):
@@ -158,9 +157,6 @@ class SequentialStages(_StagesModule):
     [2]
     """
 
-    def __init__(self, program, inner_rank, comm, weights=None, **options):
-        local = program.rank_tensors(inner_rank, weights, **options)
-        super().__init__(program, program.all_stage_graphs(inner_rank, local=local), comm)
 
     def run_microbatch(self, local_inputs, microbatch: int = 0):
         """(loss, *outputs) of one micro-batch through every stage.
@@ -213,32 +209,24 @@ class PipelineRankModule(_StagesModule):
     >>> dist.destroy_process_group()
     """
 
-    def __init__(self, program, rank, comm: DistCommunicator, weights=None, **options):
-        inner_rank = program.inner_rank(rank)
-        inner = DistCommunicator(program.inner_mesh, inner_rank, {a: comm.groups.get(a) for a in program.inner_mesh.names},
-                                 comm.mesh_group, exact=comm.exact, timeout=comm.timeout)
-        mine = program.stages_of(rank)
-        local = program.rank_tensors(inner_rank, weights, keep=program.stage_tensors(set(mine)), **options)
-        stages = program.all_stage_graphs(inner_rank, stages=set(mine), local=local)  # other stages' stay meta
-        super().__init__(program, [stages[s] for s in mine], inner)
-        self.full_comm = comm
+    def __init__(self, stage_graphs, comm: DistCommunicator, full_comm: DistCommunicator, rank: int,
+                 rank_program: RankProgram, rng: RankRng, program=None):
+        super().__init__(stage_graphs, comm, rank_program, rng, program)
+        self.full_comm = full_comm  # `comm` is this rank's intra-op communicator
         self.global_rank = rank
-        self.pp_group = comm.groups[program.config.axis]
+        self.pp_group = full_comm.groups[rank_program.pp_axis]
         self.timeline: list[tuple] = []  # (stage, "F"|"B"|"W", micro-batch, start_s, end_s)
         self._schedule = None
         self._outputs: list = []
         self.saved = SavedActivations()  # live bytes saved for backward, and their peak in a step
 
     # ------------------------------------------------------------------------- building the schedule
-    def _examples(self, names, flags):
-        state_nodes = {n.name: n for n in self._program.state.gm.graph.nodes}
+    def _examples(self, names):
         out = []
         for name in names:
-            node = state_nodes[name]
-            val = node.meta["val"]
-            shape = local_shape(val.shape, node.meta["autoshard.spec"], self._program.inner_mesh.shape)
-            t = torch.zeros(shape, dtype=val.dtype)
-            out.append(t.requires_grad_() if flags.get(node) else t)
+            shape, dtype, needs_grad = self.rank_program.boundary_values[name]
+            t = torch.zeros(shape, dtype=dtype)
+            out.append(t.requires_grad_() if needs_grad else t)
         return tuple(out)
 
     def _build_schedule(self):
@@ -248,24 +236,23 @@ class PipelineRankModule(_StagesModule):
             get_schedule_class,
         )
 
-        config = self._program.config
-        flags = needs_grad(self._program.state.gm.graph)
+        rp = self.rank_program
         device = torch.device("cuda", torch.cuda.current_device()) if not self.comm.exact else torch.device("cpu")
         stages = []
         for sg in self.stage_graphs:
-            stage = PipelineStage(_OwnedOutputs(sg.gm), sg.index, config.num_stages, device,
-                                  input_args=self._examples(sg.inputs, flags),
-                                  output_args=self._examples(sg.outputs, flags), group=self.pp_group)
+            stage = PipelineStage(_OwnedOutputs(sg.gm), sg.index, rp.num_stages, device,
+                                  input_args=self._examples(sg.inputs), output_args=self._examples(sg.outputs),
+                                  group=self.pp_group)
             self._instrument(stage)
             stages.append(stage)
-        cls = get_schedule_class(config.schedule)
+        cls = get_schedule_class(rp.schedule)
 
         def loss_fn(output, _target):
             self._outputs.append([o.detach() for o in output[1:]])
             return self.scaled(output[0])
 
         single = issubclass(cls, PipelineScheduleSingle)
-        self._schedule = cls(stages[0] if single else stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self._schedule = cls(stages[0] if single else stages, rp.microbatches, loss_fn=loss_fn, scale_grads=False)
         self._stages = stages
 
     def _instrument(self, stage):
@@ -300,7 +287,6 @@ class PipelineRankModule(_StagesModule):
         (True, ['B', 'F'])
         >>> dist.destroy_process_group()
         """
-        config = self._program.config
         local = self.local_microbatches(*global_inputs, local_rows=local_rows)
         if self._schedule is None:
             self._build_schedule()
@@ -310,7 +296,7 @@ class PipelineRankModule(_StagesModule):
         losses: list = []
         first = any(sg.index == 0 for sg in self.stage_graphs)
         args = tuple(torch.cat([mb[i] for mb in local]) for i in range(len(local[0]))) if first else ()
-        target = torch.zeros(config.microbatches)
+        target = torch.zeros(self.rank_program.microbatches)
         self.step_start = time.perf_counter()
         self.rng.new_step()
         try:
@@ -336,17 +322,17 @@ class PipelineRankModule(_StagesModule):
 
     def _p2p_failure(self, exc) -> str:
         """Which pipeline neighbours this rank was exchanging activations/gradients with, and how it failed."""
-        program, config = self._program, self._program.config
+        rp, mesh = self.rank_program, self.full_comm.mesh
         coord = list(self.full_comm.coord)
         peers = set()
         for sg in self.stage_graphs:
             for other in (sg.index - 1, sg.index + 1):
-                if 0 <= other < config.num_stages:
-                    coord[program.pp_axis] = config.stage_rank(other)
-                    peers.add(program.mesh.rank(tuple(coord)))
+                if 0 <= other < rp.num_stages:
+                    coord[mesh.axis(rp.pp_axis)] = rp.stage_ranks[other]
+                    peers.add(mesh.rank(tuple(coord)))
         peers.discard(self.global_rank)
-        return (f"rank {self.global_rank}: a pipeline send/recv on mesh axis {config.axis!r} (stages "
-                f"{[sg.index for sg in self.stage_graphs]}, {config.schedule}) failed: {backend_reason(exc)}. "
+        return (f"rank {self.global_rank}: a pipeline send/recv on mesh axis {rp.pp_axis!r} (stages "
+                f"{[sg.index for sg in self.stage_graphs]}, {rp.schedule}) failed: {backend_reason(exc)}. "
                 f"Rank(s) {sorted(peers)} (the neighbouring stages) died, raised, hang or run a different plan: look "
                 "at their errors (AUTOSHARD_TIMEOUT_S sets the timeout)")
 
@@ -360,21 +346,20 @@ class PipelineRankModule(_StagesModule):
         {}
         >>> dist.destroy_process_group()
         """
-        program = self._program
+        rp = self.rank_program
         params = dict(self.named_local_parameters())
-        for fqn, stages in sorted(program.tied_params.items()):
-            holders = {program.config.stage_rank(s) for s in stages}
+        for fqn, stages in sorted(rp.tied_params.items()):
+            holders = {rp.stage_ranks[s] for s in stages}
             if len(holders) < 2:
                 continue  # every copy is on one rank: they share one Parameter, one gradient
             param = params.get(fqn)
             if param is not None and param.grad is not None:
                 grad = param.grad
             else:
-                spec = program.param_spec(fqn)
-                grad = torch.zeros(local_shape(program.traced.params[fqn].shape, spec, program.inner_mesh.shape),
-                                   dtype=program.state.traced.params[fqn].dtype)
-            self.full_comm.log.record(program.config.axis, "all_reduce", grad.numel() * grad.element_size(), "sync")
-            total = self.full_comm.all_reduce(grad, program.config.axis)
+                shape, dtype = rp.param_meta[fqn]
+                grad = torch.zeros(local_shape(shape, rp.param_spec(fqn), rp.mesh.shape), dtype=dtype)
+            self.full_comm.log.record(rp.pp_axis, "all_reduce", grad.numel() * grad.element_size(), "sync")
+            total = self.full_comm.all_reduce(grad, rp.pp_axis)
             if param is not None:
                 if param.grad is None:
                     param.grad = total

@@ -46,6 +46,10 @@ class RankProgram:
     stage_ranks: tuple = ()  # the pp rank of each stage
     tied_params: dict = field(default_factory=dict)  # FQN -> stages holding a copy
     microbatches: int = 1  # a pipeline's micro-batches per step: its inputs are the full batch
+    num_stages: int = 1
+    schedule: str = ""  # a pipeline's torch.distributed.pipelining schedule class name
+    boundary_values: dict = field(default_factory=dict)  # value between stages -> (local shape, dtype, needs grad)
+    param_meta: dict = field(default_factory=dict)  # parameter FQN -> (global shape, dtype)
 
     def param_spec(self, fqn: str):
         """The spec parameter or buffer `fqn` is stored with (KeyError for a name the model lacks).

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from autoshard.frontend.request import CompileRequest
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.passes.pipelines import compile_state
 from autoshard.plan.io import PlanMismatchError
@@ -45,18 +46,18 @@ def predicted_step(stages: list[dict], m: int, virtual: int = 1) -> float:
     return sum(s["seconds"] for s in stages) + (m - 1) * per_rank + sync
 
 
-def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeline, plan, unnamed, debug=False):
+def choose_pipeline(request: CompileRequest, pipeline, unnamed: bool):
     """The pipelined Program when the user asked for one or the search prefers one; else None.
     `parallelize` calls it first.
 
-    >>> from autoshard.frontend.options import CompileOptions
-    >>> options = CompileOptions()
-    >>> choose_pipeline(model, autoshard.Mesh((2,), ("dp",)), inputs, None, loss_fn, options, None, None, False)
-    >>> choose_pipeline(model, autoshard.Mesh((2,), ("pp",)), inputs, None, loss_fn, options, None, None, False)
+    >>> from autoshard.frontend.request import CompileRequest
+    >>> choose_pipeline(CompileRequest(model, autoshard.Mesh((2,), ("dp",)), inputs, loss_fn=loss_fn), None, False)
+    >>> choose_pipeline(CompileRequest(model, autoshard.Mesh((2,), ("pp",)), inputs, loss_fn=loss_fn), None, False)
     ... # doctest: +ELLIPSIS
     PipelineProgram(Mesh(pp=2), 2 stages over 'pp', 1F1B, ... micro-batches, fingerprint=...)
     ...
     """
+    mesh, plan = request.mesh, request.plan
     if pipeline is False:
         if "pp" in mesh.names:
             raise UserInputError("pipeline=False but the mesh has an axis named 'pp'; rename the axis to shard "
@@ -66,33 +67,33 @@ def choose_pipeline(model, mesh, example_inputs, hints, loss_fn, options, pipeli
         saved = plan if isinstance(plan, Plan) else Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else None
         if saved is None or not saved.pipeline:  # resolve_plan reports a plan= of the wrong type
             return None
-        return _from_saved(model, mesh, example_inputs, saved, pipeline, hints, loss_fn, options, debug)
+        return _from_saved(request.replace(plan=saved), pipeline)
     opts = check_options(pipeline)
     axis = opts.get("axis") or ("pp" if "pp" in mesh.names else None)
     if axis is None and pipeline is not None and not unnamed:
         raise UserInputError(f"pipeline options given but no pipeline axis: name a mesh axis 'pp' or pass "
                              f"pipeline={{'axis': ...}} (mesh axes: {list(mesh.names)})")
-    if axis is None and (not unnamed or hints or not isinstance(model, torch.nn.Module)):
+    if axis is None and (not unnamed or request.hints or not isinstance(request.model, torch.nn.Module)):
         return None  # hints name axis roles (the user has decided them); a non-module fails in the front end
     if axis is not None:
         if axis not in mesh.names:
             raise UserInputError(f"pipeline axis {axis!r} is not a mesh axis; mesh axes: {list(mesh.names)}")
-        return _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, options, debug)
-    return _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug)
+        return _best_microbatches(request, axis, opts)
+    return _search_axes(request, opts)
 
 
-def _from_saved(model, mesh, example_inputs, saved, pipeline, hints, loss_fn, options, debug):
+def _from_saved(request: CompileRequest, pipeline):
     """A saved pipelined plan: its axis, schedule and micro-batches, its intra-op decisions applied (no
     solving); the cut is computed again from the same annotations (it is deterministic) and the plan's
     fingerprint, which covers every row's stage, must come out the same."""
+    saved, mesh = request.plan, request.mesh
     record = saved.pipeline
     if record["axis"] not in mesh.names:
         raise PlanMismatchError(f"the plan pipelines over axis {record['axis']!r}, which mesh {mesh!r} does not have; "
                                 "pass the mesh and axis_names the plan was made for")
     opts = dict(check_options(pipeline), axis=record["axis"], schedule=record["schedule"],
                 microbatches=record["microbatches"], virtual_stages=record["virtual_stages"])
-    prog = parallelize_pipeline(model, mesh, example_inputs, record["axis"], opts, hints, loss_fn, debug, options,
-                                plan=saved)
+    prog = parallelize_pipeline(request, record["axis"], opts)
     prog.plan.search = dict(saved.search)  # the records of why this axis and micro-batch count (made where
     if "microbatch_search" in record:       # the plan was made)
         prog.plan.pipeline["microbatch_search"] = record["microbatch_search"]
@@ -123,40 +124,42 @@ def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> fl
     return predicted_step(scaled, m, virtual)
 
 
-def _best_microbatches(model, mesh, example_inputs, axis, opts, hints, loss_fn, options, debug):
+def _best_microbatches(request: CompileRequest, axis: str, opts: dict):
     """Plan at one micro-batch count, estimate the others, re-plan once if another count is better."""
     if "microbatches" in opts:
-        return parallelize_pipeline(model, mesh, example_inputs, axis, opts, hints, loss_fn, debug, options)
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        return parallelize_pipeline(request, axis, opts)
+    inputs = request.example_inputs
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    mesh = request.mesh
     p = mesh.shape[mesh.axis(axis)]
     candidates = _microbatch_candidates(p, batch_size(inputs))
     m0 = max([m for m in candidates if m <= 2 * p] or candidates[:1])
-    prog = parallelize_pipeline(model, mesh, inputs, axis, dict(opts, microbatches=m0), hints, loss_fn, debug,
-                                options)
+    request = request.replace(example_inputs=inputs)
+    prog = parallelize_pipeline(request, axis, dict(opts, microbatches=m0))
     config = prog.config
     estimates = {m: estimate_step(prog.state.pipeline_stages, m0, m, config.virtual, config.link) for m in candidates}
     best = min(candidates, key=lambda m: (estimates[m], m))
     if best != m0:
         try:
-            prog = parallelize_pipeline(model, mesh, inputs, axis, dict(opts, microbatches=best), hints, loss_fn,
-                                        debug, options)
+            prog = parallelize_pipeline(request, axis, dict(opts, microbatches=best))
         except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep m0
             log.info("pipelining with %d micro-batches is not possible (%s); keeping %d", best, exc, m0)
     prog.plan.pipeline["microbatch_search"] = {str(m): estimates[m] for m in candidates}
     return prog
 
 
-def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, debug):
+def _search_axes(request: CompileRequest, opts: dict):
     """No pipeline, or one axis of each (size, link) class as pp (equal classes plan alike)."""
+    mesh = request.mesh
     try:
-        flat = Program(*compile_state(model, mesh, example_inputs, hints, loss_fn, debug, options))
+        flat = Program(*compile_state(request))
         candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]
         best_step = flat.plan.predicted["step_time_s"]
     except AutoshardError as exc:  # e.g. no intra-op plan fits the memory budget: a pipeline may
         flat, flat_error, best_step = None, exc, float("inf")
         candidates = [{"axis": None, "error": str(exc).splitlines()[0]}]
     best, seen = None, {}
-    profile = options.profile
+    profile = request.options.profile
     for i, name in enumerate(mesh.names):
         key = (mesh.shape[i], profile.link(mesh.shape, i))
         if mesh.shape[i] < 2:
@@ -166,7 +169,7 @@ def _search_axes(model, mesh, example_inputs, opts, hints, loss_fn, options, deb
             continue
         seen[key] = name
         try:
-            prog = _best_microbatches(model, mesh, example_inputs, name, opts, hints, loss_fn, options, debug)
+            prog = _best_microbatches(request, name, opts)
         except AutoshardError as exc:
             candidates.append({"axis": name, "error": str(exc).splitlines()[0]})
             continue

@@ -53,7 +53,7 @@ from autoshard.cost.model import (
     collective_latency,
 )
 from autoshard.cost.recompute_cost import region_savings
-from autoshard.frontend.options import CompileOptions
+from autoshard.frontend.request import CompileOptions
 from autoshard.frontend.trace import Traced, trace
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError

@@ -4,7 +4,7 @@ only."""
 import pytest
 import torch
 
-from autoshard.frontend.options import CompileOptions
+from autoshard.frontend.request import CompileOptions
 from autoshard.ir.errors import UserInputError
 from autoshard.passes.contract import PassOrderError, check_order, contract_of
 from autoshard.passes.manager import CompileState, run_passes

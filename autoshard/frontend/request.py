@@ -1,6 +1,7 @@
-"""The compile options every pass reads, parsed and checked once where they enter (parallelize,
-`state_before`, the searches): the hardware profile resolved, the mixed-precision policy resolved, the
-random-number mode and seed checked.
+"""A compile request: the model, the mesh, the example inputs, hints, the loss, a saved plan and the
+compile options every pass reads. `parallelize` builds it once from the user's arguments (the options
+parsed and checked there: the hardware profile and mixed-precision policy resolved, the random-number
+mode and seed checked); the pipeline search and the compiler pass it on, changing fields with `replace`.
 
 >>> options = CompileOptions.parse(profile="cpu", mixed_precision="bf16", seed=3)
 >>> options.profile.name, options.mixed_precision.name, options.seed, options.rng
@@ -9,10 +10,11 @@ random-number mode and seed checked.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoshard.cost.model import DEFAULT_PROFILE, HardwareProfile, load_profile
 from autoshard.ir.errors import UserInputError
+from autoshard.ir.mesh import Mesh
 from autoshard.ir.mixed_precision import Policy, resolve_policy
 from autoshard.runtime.rng import MODES
 
@@ -85,5 +87,37 @@ class CompileOptions:
 
         >>> CompileOptions().replace(memory_budget=float("inf")).memory_budget
         inf
+        """
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """One compile: `model` (an nn.Module or fx.GraphModule), the `mesh`, the `example_inputs` (a tuple),
+    `hints` (a dict, Hints or None), `loss_fn`, the `options`, a saved `plan` to apply instead of solving,
+    and `debug` (check the passes' invariants after every pass).
+
+    >>> import torch
+    >>> request = CompileRequest(torch.nn.Linear(4, 2), Mesh((2,), ("dp",)), (torch.randn(8, 4),))
+    >>> request.replace(mesh=Mesh((4,), ("dp",))).mesh, request.options.rng
+    (Mesh(dp=4), 'placement')
+    """
+
+    model: object
+    mesh: Mesh
+    example_inputs: tuple
+    hints: object = None
+    loss_fn: object = None
+    options: CompileOptions = field(default_factory=CompileOptions)
+    plan: object = None
+    debug: bool = False
+
+    def replace(self, **changes) -> CompileRequest:
+        """A copy with `changes` (e.g. the micro-batch program's mesh, inputs and options).
+
+        >>> import torch
+        >>> request = CompileRequest(torch.nn.Linear(4, 2), Mesh((2,), ("dp",)), (torch.randn(8, 4),))
+        >>> request.replace(debug=True).debug, request.debug
+        (True, False)
         """
         return dataclasses.replace(self, **changes)
