@@ -70,13 +70,22 @@ def contract_of(pass_) -> Contract | None:
     return getattr(pass_, "contract", None)
 
 
+def pass_name(pass_) -> str:
+    """A pass's name: its `name` attribute (compiler_pass sets it), else its __name__.
+
+    >>> pass_name(count_ops), pass_name(len)
+    ('count_ops', 'len')
+    """
+    return getattr(pass_, "name", getattr(pass_, "__name__", type(pass_).__name__))
+
+
 def check_order(passes, provided=TRACED) -> None:
     """Raise PassOrderError when a pass reads something that neither `provided` nor an earlier pass writes.
 
     >>> check_order([count_ops], provided=TRACED + (meta.SPEC,))
     """
     written = set(provided)
-    names = [getattr(p, "name", getattr(p, "__name__", type(p).__name__)) for p in passes]
+    names = [pass_name(p) for p in passes]
     for name, pass_ in zip(names, passes):
         contract = contract_of(pass_)
         if contract is None:

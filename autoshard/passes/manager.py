@@ -26,7 +26,12 @@ from torch import fx
 from autoshard.frontend.request import CompileOptions
 from autoshard.ir import meta
 from autoshard.ir.mesh import Mesh
-from autoshard.passes.contract import TRACED, check_order, established_invariants
+from autoshard.passes.contract import (
+    TRACED,
+    check_order,
+    established_invariants,
+    pass_name,
+)
 from autoshard.passes.verifier import verify_state
 from autoshard.report.progress import StepProgress
 
@@ -133,11 +138,3 @@ def run_passes(state: CompileState, passes: list[Callable], verify: bool = False
                 verify_state(state, after=pass_name(pass_), invariants=held)
     return history
 
-
-def pass_name(pass_) -> str:
-    """A pass's name: its `name` attribute (functions get one after their definition), else its __name__.
-
-    >>> pass_name(normalize)
-    'normalize'
-    """
-    return getattr(pass_, "name", getattr(pass_, "__name__", type(pass_).__name__))

@@ -27,12 +27,12 @@ from autoshard.passes.annotate import annotate
 from autoshard.passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
 from autoshard.passes.codegen import codegen
 from autoshard.passes.contract import TRACED
+from autoshard.passes.contract import pass_name as pass_name_of
 from autoshard.passes.cut_stages import cut_stages
 from autoshard.passes.fuse_comm import fuse_comm
 from autoshard.passes.hint_check import check_hints
 from autoshard.passes.insert_comm import insert_comm
 from autoshard.passes.manager import CompileState, run_passes
-from autoshard.passes.manager import pass_name as pass_name_of
 from autoshard.passes.normalize import normalize
 from autoshard.passes.predict import predict
 from autoshard.passes.recompute import recompute
