@@ -1,7 +1,8 @@
 """The compiler passes, one per file, run in order by `autoshard.passes.pipelines.PASSES` (see DESIGN.md).
 
-Each pass reads and writes `node.meta["autoshard.*"]` (autoshard/ir/meta.py) and fields of the
-CompileState; its docstring says what it reads, what it writes and the invariant it leaves.
+Each pass reads and writes `node.meta["autoshard.*"]` (autoshard/ir/meta.py) and declared fields of the
+CompileState; its Contract (`@compiler_pass`, autoshard/passes/contract.py) declares what it reads, writes
+and ensures, the manager checks a pipeline's order against them, and its docstring says the same in words.
 `autoshard.passes.pipelines.state_before(name, ...)` gives the state a pass sees, to watch it on a small graph.
 
 >>> from autoshard.passes.pipelines import PASSES

@@ -3,7 +3,7 @@
 A slow-compute profile makes sharding pay even for the tiny zoo models, so these plans really are
 parallel (each test asserts communication happens) and exercise many strategies. By default three cases
 run on gloo and the rest in the simulator, which is bitwise equal to gloo (test_sim_equals_real.py), and
-(2,2,2) plans three models (llama on (2,2,2) only); the solver finds Megatron for gpt2 at tp=2 and llama at
+(2,2,2) plans three models (llama on (2,2,2) only, resnet on (2,) only); the solver finds Megatron for gpt2 at tp=2 and llama at
 tp=4; `AUTOSHARD_FULL_MATRIX=1` runs every model on every mesh on gloo and both models at both degrees.
 """
 import os
@@ -23,7 +23,8 @@ MATMUL_BOUND = HardwareProfile(name="matmul-bound", peak_flops=2e10, memory_band
                                intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9))
 FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
 THREE_AXES = FACTORIES if FULL else ("mlp", "gpt2", "llama")  # by default the others on (2,) and (2, 2) only
-TWO_AXES = FACTORIES if FULL else [m for m in FACTORIES if m != "llama"]  # llama's (2,2,2) runs on gloo
+# by default llama's automatic plan runs on (2,2,2) (on gloo) only, resnet's on (2,) (convolutions: zoo_verify)
+TWO_AXES = FACTORIES if FULL else [m for m in FACTORIES if m not in ("llama", "resnet")]
 AUTO_CASES = [(m, mesh) for m in FACTORIES for mesh in [(2,), (2, 2), (2, 2, 2)]
               if len(mesh) == 1 or (len(mesh) == 2 and m in TWO_AXES) or m in THREE_AXES]
 ON_GLOO = {("mlp", (2,)), ("gpt2", (2, 2)), ("llama", (2, 2, 2))}
