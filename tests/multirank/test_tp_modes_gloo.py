@@ -26,16 +26,15 @@ MODES = ["sp-tp2", "sp-dp2xtp2", "2d", "2.5d", "3d", "checkpoint"]
 # AUTOSHARD_FULL_MATRIX=1 runs every pair on gloo (the simulator is bit-identical to gloo, see
 # test_sim_equals_real.py).
 FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
-CASES = [(model, mode, True) for i, mode in enumerate(MODES) for j, model in enumerate(["gpt2", "llama"])
+CASES = [(model, mode) for i, mode in enumerate(MODES) for j, model in enumerate(["gpt2", "llama"])
          if FULL or (i + j) % 2 == 0]
 
 
-@pytest.mark.parametrize("model,mode,on_gloo", CASES,
-                         ids=[f"{m}-{mode}-{'gloo' if g else 'sim'}" for m, mode, g in CASES])
-def test_mode_matches_single_device(pool_runner, model, mode, on_gloo):
+@pytest.mark.parametrize("model,mode", CASES, ids=[f"{m}-{mode}" for m, mode in CASES])
+def test_mode_matches_single_device(pool_runner, model, mode):
     mesh, names, hints, options = _case(model, mode)
     report, program = verify_factory(f"autoshard.zoo:{model}", mesh, names, hints=hints, steps=2,
-                                     runner=pool_runner, simulate=not on_gloo, **options)
+                                     runner=pool_runner, **options)
     assert report.ok, f"{model} {mode}:\n{report}"
     for axis, kinds in report.collectives.items():  # the cost model predicts every byte the ranks counted
         assert sum(k["bytes"] for k in kinds.values()) == sum(program.plan.predicted["comm_bytes_per_step"][axis].values())
