@@ -88,8 +88,10 @@ def compile_state(request: CompileRequest, pipeline: bool = False):
     plan, hints = request.plan, request.hints
     if plan is not None:
         plan, hints = resolve_plan(plan, request.mesh, hints)
-    name = ("microbatch_" if pipeline else "") + ("apply_plan" if plan is not None else "plan")
-    passes, _ = declared_pipeline(name.replace("microbatch_plan", "microbatch"), plan)
+    applied = plan is not None
+    name = {(False, False): "plan", (False, True): "apply_plan", (True, False): "microbatch",
+            (True, True): "microbatch_apply_plan"}[(bool(pipeline), applied)]
+    passes, _ = declared_pipeline(name, plan)
     debug = request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     options = CompileOptions.of(request.options)
     traced = trace(request.model, request.example_inputs, request.loss_fn, options.mixed_precision)

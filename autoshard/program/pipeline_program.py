@@ -257,16 +257,6 @@ class PipelineProgram(Program):
         return self.rank_rng(coord, needed=drawn_ops(torch.nn.ModuleList([s.gm for s in stage_graphs])))
 
     # ---------------------------------------------------------------------------------------- data
-    def check_inputs(self, inputs) -> None:
-        """Full-batch inputs: like the example inputs, with dim 0 = micro-batch size x micro-batches.
-
-        >>> prog.check_inputs((torch.randn(5, 32),))
-        Traceback (most recent call last):
-        ...
-        autoshard.ir.errors.UserInputError: the batch ([5]) must split into 2 micro-batches
-        """
-        self.rank_program.check_inputs(inputs)
-
     def _rank_program_fields(self) -> dict:
         c = self.config
         flags = needs_grad(self.state.gm.graph)

@@ -165,3 +165,12 @@ def test_zero_with_a_pipeline_is_refused_rather_than_trained_wrong():
                                                         r"is not supported yet"):
         autoshard.parallelize(model, (2, 2), (torch.randn(16, 32),), loss_fn=loss_fn, axis_names=("pp", "dp"),
                               hints={"input:0": {"dp": "S(0)"}}, zero=1)
+
+
+def test_a_full_batch_that_does_not_split_into_the_micro_batches_is_named():
+    model, _, loss_fn = FACTORIES["mlp"]()
+    prog = autoshard.parallelize(model, (2,), (torch.randn(8, 32),), loss_fn=loss_fn, axis_names=("pp",),
+                                 pipeline={"microbatches": 2})
+    with pytest.raises(autoshard.UserInputError, match=r"the batch \(\[5\]\) must split into 2 micro-batches"):
+        prog.check_inputs((torch.randn(5, 32),))
+    prog.check_inputs((torch.randn(8, 32),))  # the full batch the program was planned for
