@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 
@@ -26,6 +27,7 @@ from autoshard.cost.calibrate import calibrate_command
 from autoshard.cost.model import load_profile
 from autoshard.frontend.factory import make_case
 from autoshard.frontend.hints import Hints
+from autoshard.frontend.request import DEFAULT_HEADROOM
 from autoshard.ir.errors import AutoshardError
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.communicator import CollectiveTimeout
@@ -76,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--hints", default=None, help="hint file (JSON)")
         p.add_argument("--json", action="store_true", help="print JSON")
         p.add_argument("--profile", default=None, help="hardware profile: gpu (default), cpu, or a JSON file")
-        p.add_argument("--memory-budget", type=float, default=None, help="bytes per device (default: profile)")
+        p.add_argument("--memory-budget", type=float, default=None,
+                       help="bytes per device (default: the profile's device memory less the headroom)")
+        p.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM,
+                       help=f"share of device memory plans leave free when no budget is given (default "
+                            f"{DEFAULT_HEADROOM})")
         p.add_argument("--schedule", default=None, help="pipeline schedule (the mesh axis named pp): GPipe, 1F1B, "
                        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble")
         p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: searched)")
@@ -84,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--balance", type=_sizes, default=None, help="layers per stage (FairScale), e.g. 4,3")
         p.add_argument("--split-points", type=_names, default=None, help="modules beginning a stage, e.g. layers.4")
         p.add_argument("--no-pipeline", action="store_true", help="never pipeline (unnamed meshes: no axis search)")
+        p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                       help="bf16 (or fp16, with GradScaler's loss scaling) compute from float32 master weights"
+                            + (" on both sides (use with --dtype float32)" if name == "verify" else ""))
         if name == "verify":
             p.add_argument("--steps", type=int, default=2, help="SGD steps (default 2)")
             p.add_argument("--lr", type=float, default=0.1)
@@ -96,9 +105,6 @@ def _parser() -> argparse.ArgumentParser:
                            help="dropout masks: each rank's block of the single device's (exact, default) or "
                                 "drawn per placement as in training (placement: compares only without dropout)")
             p.add_argument("--seed", type=int, default=0, help="seed of the random ops on both sides (default 0)")
-            p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
-                           help="bf16 (or fp16, with GradScaler's loss scaling) compute from float32 master weights "
-                                "on both sides (use with --dtype float32)")
             p.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
                            help="compare in this dtype (default float64, tolerance 1e-6); float32/bfloat16 for "
                                 "models with ops that have no float64 kernel, tolerance from the model's own noise")
@@ -121,6 +127,9 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
+    except BrokenPipeError:  # the reader stopped early (`... | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return OK
     except Exception as exc:  # every failure becomes a message and an exit code, never a bare traceback
         code = exit_code(exc)
         if code == BAD_INPUT:
@@ -155,16 +164,23 @@ def _run(args) -> int:
     hints = Hints.load(args.hints).to_json() if args.hints else None
     mesh = Mesh.of(args.mesh, args.axis_names)
     options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
-               "pipeline": _pipeline(args)}
+               "memory_headroom": args.memory_headroom, "pipeline": _pipeline(args)}
     if args.command == "plan":
         model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
-        prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, **options)
+        prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, mixed_precision=args.mixed_precision,
+                           **options)
         if args.json:
             extra = {"fingerprint": prog.plan.fingerprint, "ilp": prog.state.ilp_stats,
                      "axis_roles": prog.plan.axis_roles()}
             print(json.dumps(prog.plan.to_json() | extra, indent=1, sort_keys=True))
         else:
             print(prog.plan)
+            budget = prog.plan.memory_budget()
+            if budget is not None:
+                source = "as given" if args.memory_budget else \
+                    f"the device memory less {args.memory_headroom:.0%} headroom"
+                used = prog.plan.predicted["memory_bytes_per_rank"] / budget
+                print(f"\nmemory budget {budget / 2**30:.2f} GiB per device ({source}); the plan uses {used:.0%} of it")
             if args.rank is not None:
                 graph = prog.graph(args.rank)
                 print(graph.print_readable(print_output=False) if hasattr(graph, "print_readable") else graph)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.frontend.hints import Hints
-from autoshard.frontend.request import CompileOptions, CompileRequest
+from autoshard.frontend.request import DEFAULT_HEADROOM, CompileOptions, CompileRequest
 from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.mesh import Mesh
@@ -31,21 +31,24 @@ from autoshard.search.pipeline_search import choose_pipeline
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
                 zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
-                mixed_precision=None) -> Program:
+                mixed_precision=None, memory_headroom: float = DEFAULT_HEADROOM, fold_layers: bool = True) -> Program:
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
     *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
     `profile` is a `HardwareProfile`, "gpu" (default: 8-GPU NVLink nodes), "cpu", or a profile JSON path; `memory_budget` bounds the bytes
     per device (parameters with gradients and `optimizer_state_factor` x optimizer state, inputs and
-    saved activations); it defaults to the profile's device memory (`float("inf")`: no bound).
+    saved activations); it defaults to the profile's device memory less `memory_headroom` (a share, 10%)
+    (`float("inf")`: no bound). A plan that does not fit is not refused while ZeRO or recomputation can
+    make one fit: the planner climbs ZeRO-1/2/3 and recomputation of repeated layers by itself
+    (autoshard/passes/memory_fit.py); `prog.plan.predicted["memory"]` breaks the memory down.
     `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
     applied after checking they were made for this mesh, these hints, this model and these input shapes.
     `zero` (1, 2, 3, or {axis name: stage}) applies ZeRO on the data-parallel axis: stage 1 shards the
     optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
     autoshard.runtime.zero.ZeroOptimizer). Without it, ZeRO is chosen when only it fits `memory_budget`.
     `checkpoint` (module globs, e.g. ["layers.*"], or "auto": repeated layers while the prediction exceeds
-    `memory_budget`) recomputes those regions' activations in backward (autoshard/passes/recompute.py).
+    `memory_budget`; None: chosen by the memory budget) recomputes those regions' activations in backward (autoshard/passes/recompute.py).
     `parallel` takes ColossalAI's config, e.g. dict(tensor=dict(size=8, mode='3d')), as hints and mesh
     axis names (autoshard/frontend/tp_modes.py; `mesh` may then be None).
     `pipeline` (a dict: microbatches, schedule, virtual_stages, balance, split_points, axis) or a mesh
@@ -54,6 +57,9 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     Random ops (dropout) draw from `seed` (default: `autoshard.manual_seed`'s, 0) in `rng` mode:
     "placement" (copies of a tensor draw the same mask, shards independent ones) or "exact" (each rank
     its block of the single device's masks under `torch.manual_seed(seed)`; autoshard/runtime/rng.py).
+    A model with many interchangeable repeated layers (a ModuleList of 8 or more) is traced and planned with
+    three of them standing for all, then written out whole (autoshard/frontend/fold.py): the plan is the
+    same, planning takes a fraction of the time; `fold_layers=False` traces every layer.
     `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
     in float32 (FSDP2's policy; autoshard/ir/mixed_precision.py); "fp16" the same in float16, trained with a
     `LossScaler` (autoshard/runtime/loss_scale.py).
@@ -70,7 +76,8 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
                                    seed=seed, mixed_precision=mixed_precision, zero=zero,
-                                   optimizer_state_factor=optimizer_state_factor)
+                                   optimizer_state_factor=optimizer_state_factor, memory_headroom=memory_headroom,
+                                   fold_layers=fold_layers)
     request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
     with reuse_exports():  # the pipeline search's candidates often trace the same shapes
         choice = choose_pipeline(request, pipeline, unnamed=unnamed)

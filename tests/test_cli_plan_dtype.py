@@ -77,3 +77,11 @@ def _import_rss(env) -> int:
     code = "import resource, autoshard.__main__; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                               check=True).stdout)
+
+
+def test_plan_prints_its_memory_breakdown_under_the_headroom_in_mixed_precision(capsys):
+    assert main(["plan", "test_cli_plan_dtype:f32_on_meta", "--mesh", "2", "--axis-names", "dp",
+                 "--mixed-precision", "bf16", "--memory-headroom", "0.5"]) == OK
+    out = capsys.readouterr().out
+    assert "memory budget 37.25 GiB per device (the device memory less 50% headroom)" in out  # 80 GB less 50%
+    assert "memory per rank" in out and "optimizer state" in out and "saved activations" in out and "bf16[" in out

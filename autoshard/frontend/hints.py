@@ -6,7 +6,9 @@ Keys: a parameter-path glob (`layers.*.attn.q.weight`), a module-path glob with 
 Values map axis names to `"S(d)"`, `"R"` or `"P"`.
 A module glob with `:shard` takes MindSpore-style split counts for the module's one op:
 `{"in_strategy": [[2, 1], [4, 1]]}`. Unmentioned axes are free. The top-level key `"zero"` asks for
-ZeRO on a data-parallel axis: `{"zero": {"dp": 3}}` (stage 1, 2 or 3; autoshard/passes/zero.py).
+ZeRO on a data-parallel axis: `{"zero": {"dp": 3}}` (stage 1, 2 or 3; autoshard/passes/zero.py); the key
+`"recompute"` lists module paths whose activations are recomputed in backward (`["layers.0"]`; a plan
+records the layers the memory budget made it recompute here, so that the saved plan reproduces them).
 
 >>> hints = Hints.parse({"layers.*.mlp.fc1.weight": {"tp": "S(0)"}, "input:0": {"dp": "S(0)"}})
 >>> hints.entries[0].target_kind
@@ -55,6 +57,7 @@ class Hints:
 
     entries: list[HintEntry] = field(default_factory=list)
     zero: dict = field(default_factory=dict)  # {axis name: ZeRO stage}, at most one axis
+    recompute: list = field(default_factory=list)  # module paths whose activations are recomputed (a saved plan's)
 
     @classmethod
     def load(cls, path) -> Hints:
@@ -100,9 +103,14 @@ class Hints:
         if not isinstance(data, dict):
             raise HintError(f"{source} must be a JSON object mapping keys to {{axis: placement}}, "
                             f"got {type(data).__name__}")
-        entries = [_parse_entry(key, value, source) for key, value in data.items() if key != ZERO_KEY]
+        entries = [_parse_entry(key, value, source) for key, value in data.items()
+                   if key not in (ZERO_KEY, RECOMPUTE_KEY)]
         zero = parse_zero(data[ZERO_KEY], f"{source} key 'zero'") if ZERO_KEY in data else {}
-        return cls(entries, zero)
+        recompute = data.get(RECOMPUTE_KEY, [])
+        if not isinstance(recompute, list) or not all(isinstance(p, str) and p for p in recompute):
+            raise HintError(f"{source} key 'recompute' must be a list of module paths whose activations are "
+                            f"recomputed in backward, e.g. [\"layers.0\", \"layers.1\"]; got {recompute!r:.80}")
+        return cls(entries, zero, list(recompute))
 
     def __bool__(self) -> bool:
         """Sharding constraints given (ZeRO alone leaves the plan fully automatic)."""
@@ -132,10 +140,13 @@ class Hints:
                 out[e.key] = {axis: repr(p) for axis, p in e.placements.items()}
         if self.zero:
             out[ZERO_KEY] = dict(self.zero)
+        if self.recompute:
+            out[RECOMPUTE_KEY] = list(self.recompute)
         return out
 
 
 ZERO_KEY = "zero"
+RECOMPUTE_KEY = "recompute"
 ZERO_STAGES = (1, 2, 3)
 
 

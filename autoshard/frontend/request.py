@@ -19,11 +19,25 @@ from autoshard.ir.mixed_precision import Policy, resolve_policy
 from autoshard.runtime.rng import MODES
 
 
+DEFAULT_HEADROOM = 0.1
+
+
+def headroom_budget(profile: HardwareProfile, headroom: float = DEFAULT_HEADROOM) -> float:
+    """The memory a plan may use per device when the user gives no budget: the device memory less the headroom.
+
+    >>> headroom_budget(DEFAULT_PROFILE) / 1e9
+    72.0
+    """
+    return profile.memory_bytes * (1 - headroom)
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """What `parallelize`'s keyword options become for the passes (see `parallelize` for each one's
-    meaning). `checkpoint_budget` is the memory bound automatic recomputation aims at; `pipeline` is the
-    PipelineConfig of a micro-batch program (autoshard/program/pipeline.py), None otherwise.
+    meaning). `memory_budget` is resolved by `parse`: the user's bytes, or the profile's device memory less
+    `memory_headroom` (a share, default 10%: allocator fragmentation, communication buffers and the CUDA
+    context live there); `checkpoint_budget` is the memory bound automatic recomputation aims at; `pipeline`
+    is the PipelineConfig of a micro-batch program (autoshard/program/pipeline.py), None otherwise.
 
     >>> CompileOptions().profile is DEFAULT_PROFILE
     True
@@ -31,6 +45,7 @@ class CompileOptions:
 
     profile: HardwareProfile = DEFAULT_PROFILE
     memory_budget: float | None = None
+    memory_headroom: float = DEFAULT_HEADROOM
     optimizer_state_factor: float = 2.0
     zero: object = None
     checkpoint: object = None
@@ -39,13 +54,17 @@ class CompileOptions:
     seed: int | None = None
     mixed_precision: Policy | None = None
     pipeline: object = None
+    fold_layers: bool = True
 
     @classmethod
     def parse(cls, profile=None, mixed_precision=None, rng: str = "placement", seed=None, checkpoint=None,
-              memory_budget=None, **others) -> CompileOptions:
-        """Check and resolve user-facing values: a profile name or file, a policy name, the rng mode and seed.
+              memory_budget=None, memory_headroom=DEFAULT_HEADROOM, **others) -> CompileOptions:
+        """Check and resolve user-facing values: a profile name or file, a policy name, the rng mode and seed,
+        the memory budget (default: the device memory less the headroom).
         `checkpoint="auto"` plans with activations kept and recomputes layers until `memory_budget` holds.
 
+        >>> CompileOptions.parse(profile="gpu").memory_budget / 1e9  # 80 GB less 10%
+        72.0
         >>> CompileOptions.parse(checkpoint="auto", memory_budget=1e9).memory_budget
         inf
         >>> CompileOptions.parse(rng="fast")  # doctest: +ELLIPSIS
@@ -62,11 +81,21 @@ class CompileOptions:
         if unknown:
             raise UserInputError(f"unknown compile option(s) {unknown}; the options are "
                                  f"{[f.name for f in dataclasses.fields(cls)]}")
+        profile = load_profile(profile) or DEFAULT_PROFILE
+        if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
+                or not 0 <= memory_headroom < 1:
+            raise UserInputError(f"memory_headroom={memory_headroom!r}: give the share of device memory plans leave "
+                                 "free, from 0 (none) to below 1, e.g. 0.1")
+        if memory_budget is None:
+            memory_budget = headroom_budget(profile, memory_headroom)
+        elif isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0:
+            raise UserInputError(f"memory_budget={memory_budget!r}: give bytes per device (a positive number, or "
+                                 "float('inf') for no bound)")
         if checkpoint == "auto":  # the ILP plans with activations kept; recomputation brings them under the budget
             others.setdefault("checkpoint_budget", memory_budget)
             memory_budget = float("inf")
-        return cls(profile=load_profile(profile) or DEFAULT_PROFILE, mixed_precision=resolve_policy(mixed_precision),
-                   rng=rng, seed=seed, checkpoint=checkpoint, memory_budget=memory_budget, **others)
+        return cls(profile=profile, mixed_precision=resolve_policy(mixed_precision), rng=rng, seed=seed,
+                   checkpoint=checkpoint, memory_budget=memory_budget, memory_headroom=memory_headroom, **others)
 
     @classmethod
     def of(cls, value) -> CompileOptions:

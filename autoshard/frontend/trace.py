@@ -153,6 +153,16 @@ def trace(model, example_inputs, loss_fn=None, policy=None) -> Traced:
     return _lift(exported, gm, model, len(example_inputs))
 
 
+def _owner(node) -> str:
+    """The module of the parameter a top-level op works on alone (mixed precision's per-parameter cast runs
+    outside the module that uses it, but belongs to it); '' for anything else."""
+    inputs = node.all_input_nodes
+    if not inputs or any(a.op != "placeholder" or a.meta.get(meta.KIND) not in ("param", "buffer") for a in inputs):
+        return ""
+    owners = {a.meta[meta.PATH].rpartition(".")[0] for a in inputs}
+    return owners.pop() if len(owners) == 1 else ""
+
+
 def _lift(exported, gm, model, n_inputs) -> Traced:
     sig = exported.graph_signature
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -195,7 +205,7 @@ def _lift(exported, gm, model, n_inputs) -> Traced:
     for node in gm.graph.nodes:
         if node.op == "call_function":
             node.meta[meta.KIND] = "op"
-            node.meta[meta.PATH] = meta.module_path(node)
+            node.meta[meta.PATH] = meta.module_path(node) or _owner(node)
         elif node.op == "output":
             node.meta[meta.KIND] = "output"
     for fqn, names in aliases.items():

@@ -17,7 +17,7 @@ PlanMismatchError names the first node where the plan and the traced graph diffe
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
 >>> again = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), plan=prog.plan)
 >>> [entry.name for entry in again.history][:5], again.plan.fingerprint == prog.plan.fingerprint
-(['normalize', 'check_plan', 'annotate', 'strategies', 'allow_planned_zero_shards'], True)
+(['normalize', 'unfold', 'check_plan', 'annotate', 'strategies'], True)
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from autoshard.ir import meta
 
 # What trace (autoshard/frontend/trace.py) and CompileState's constructor give every pipeline.
 TRACED = ("val", meta.KIND, meta.PATH, meta.ALIASES, "state.gm", "state.mesh", "state.traced", "state.hints",
-          "state.options", "state.model")
+          "state.options", "state.model", "state.fold")
 NORMALIZED = "normalized graph"  # normalize's rewrite: every op in a form whose sharding rules are local and exact
 
 

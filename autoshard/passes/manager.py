@@ -56,11 +56,13 @@ class CompileState:
     objective_s: float | None = None  # solve / apply_plan: the plan's objective
     zero_for_memory: object = None  # solve: the ZeroConfig the memory row assumes (a requested or forced ZeRO)
     auto_zero: object = None  # solve: the ZeroConfig chosen because only it fits the memory budget
+    recompute_for_memory: bool = False  # solve: the memory row assumes repeated layers are recomputed
     zero: object = None  # zero: ZeroConfig or None
     recompute_regions: list = field(default_factory=list)  # recompute: module paths, graph order
     predicted: dict | None = None  # predict: step time, communication, memory
     pipeline_stages: list | None = None  # cut_stages: one summary dict per stage
     grad_flags: dict | None = None  # cut_stages / scale search: which nodes need a gradient
+    fold: object = None  # compile_state: the Fold when three repeated layers stand for all (frontend/fold.py)
 
     def __post_init__(self):
         self.options = CompileOptions.of(self.options)

@@ -11,10 +11,12 @@ pass at work).
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from autoshard.frontend.fold import check_folded_trace, fold_model
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.trace import trace
 from autoshard.ir import meta
@@ -38,11 +40,14 @@ from autoshard.passes.predict import predict
 from autoshard.passes.recompute import recompute
 from autoshard.passes.solve import solve
 from autoshard.passes.strategies import strategies
+from autoshard.passes.unfold import unfold
 from autoshard.passes.zero import AllowPlannedZeroShards
 from autoshard.passes.zero import zero as zero_pass
 
-PASSES = [normalize, annotate, strategies, solve, zero_pass, insert_comm, fuse_comm, recompute, predict, check_hints,
-          codegen]
+log = logging.getLogger(__name__)
+
+PASSES = [normalize, annotate, strategies, solve, zero_pass, unfold, insert_comm, fuse_comm, recompute, predict,
+          check_hints, codegen]
 
 
 PIPELINES = {
@@ -65,9 +70,10 @@ def declared_pipeline(name: str, plan=None) -> tuple[list, tuple]:
     if name not in PIPELINES:
         raise UserInputError(f"no pass pipeline named {name!r}; the pipelines are {sorted(PIPELINES)}")
     passes, provided = list(PASSES), TRACED
-    if name.endswith("apply_plan"):
-        passes = [q for p in passes for q in ([p, CheckPlan(plan)] if p is normalize else
-                                              [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
+    if name.endswith("apply_plan"):  # a folded trace is unfolded first: the plan's rows are the whole model's
+        passes = [q for p in passes if p is not unfold
+                  for q in ([p, unfold, CheckPlan(plan)] if p is normalize else
+                            [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
     if name.startswith("microbatch"):
         passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
     if name == "scale":
@@ -94,10 +100,23 @@ def compile_state(request: CompileRequest, pipeline: bool = False):
     passes, _ = declared_pipeline(name, plan)
     debug = request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     options = CompileOptions.of(request.options)
-    traced = trace(request.model, request.example_inputs, request.loss_fn, options.mixed_precision)
-    state = CompileState(traced.gm, request.mesh, traced, hints, options, model=request.model)
+    traced, fold = _trace(request, hints, options)
+    state = CompileState(traced.gm, request.mesh, traced, hints, options, model=request.model, fold=fold)
     history = run_passes(state, passes, verify=debug, describe=describe_graph)
     return state, history
+
+
+def _trace(request: CompileRequest, hints, options: CompileOptions):
+    """(Traced, Fold or None): the model folded to three of its repeated layers when it has many
+    (autoshard/frontend/fold.py), else traced whole; a folded trace that does not stand for the whole
+    model is discarded for the whole one."""
+    fold = fold_model(request.model, hints) if options.fold_layers else None
+    if fold is not None:
+        traced = trace(fold.model, request.example_inputs, request.loss_fn, options.mixed_precision)
+        if check_folded_trace(fold, traced.gm):
+            return traced, fold
+        log.info("the repeated layers of %s do not trace alike; tracing all %d", fold.container, fold.n_layers)
+    return trace(request.model, request.example_inputs, request.loss_fn, options.mixed_precision), None
 
 
 def state_before(pass_name: str, model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None,

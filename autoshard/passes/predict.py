@@ -3,7 +3,7 @@
 Reads the graph after insert_comm (collective nodes, specs, `autoshard.choice`) and
 `state.grad_reduce`. Writes `autoshard.comm_cost` = {"fwd_bytes", "bwd_bytes", "seconds"} on each
 collective node and `state.predicted` = {"step_time_s", "compute_s", "comm_s", "comm_bytes_per_step":
-{axis: {"fwd", "bwd", "sync"}}, "memory_bytes_per_rank"}. Bytes use the runtime's counting convention
+{axis: {"fwd", "bwd", "sync"}}, "memory_bytes_per_rank", "memory" (its parts, `memory_parts`)}. Bytes use the runtime's counting convention
 (all_gather: gathered output; others: the rank's input), so `verify --json` can compare them.
 Communication is assumed not to overlap compute (an upper bound on step time).
 
@@ -25,7 +25,7 @@ from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
 from autoshard.cost.flops import node_bytes
 from autoshard.cost.model import all_reduce_time, collective_time
 from autoshard.cost.recompute_cost import account_recompute
-from autoshard.cost.zero_cost import apply_zero, gather_bytes
+from autoshard.cost.zero_cost import apply_zero, gather_bytes, memory_breakdown
 from autoshard.ir import meta
 from autoshard.ir.collective_table import direction_bytes
 from autoshard.ir.meta import COMM_COST, NODE_COST
@@ -70,7 +70,7 @@ def predict(state) -> None:
     >>> state = state_before("predict", model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), hints=hints)
     >>> predict(state)
     >>> sorted(state.predicted), state.predicted["comm_bytes_per_step"]["tp"]
-    (['comm_bytes_per_step', 'comm_s', 'compute_s', 'memory_bytes_per_rank', 'step_time_s'], {'fwd': 1024, 'bwd': 0, 'sync': 0})
+    (['comm_bytes_per_step', 'comm_s', 'compute_s', 'memory', 'memory_bytes_per_rank', 'step_time_s'], {'fwd': 1024, 'bwd': 0, 'sync': 0})
     """
     mesh = state.mesh
     profile = state.options.profile
@@ -115,4 +115,30 @@ def predict(state) -> None:
                        "comm_bytes_per_step": per_axis, "memory_bytes_per_rank": int(memory)}
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
     account_recompute(state)  # activation checkpointing: recompute time, activations not kept
+    state.predicted["memory"] = memory_parts(state)
+
+
+def memory_parts(state) -> dict:
+    """What `state.predicted["memory_bytes_per_rank"]` is made of: {"params", "grads", "optimizer", "gathered"
+    (ZeRO-3's gathered copies), "inputs", "activations" (saved for backward, after recomputation)}; they sum
+    to the total. (The budget is an option, not part of the plan: the same plan serves any budget it fits.)
+
+    >>> parts = prog.plan.predicted["memory"]
+    >>> sum(parts.values()) == prog.plan.predicted["memory_bytes_per_rank"]
+    True
+    """
+    parts = memory_breakdown(state)  # the trained parameters, ZeRO or not
+    grad = needs_grad(state.gm.graph)
+    parts["inputs"] = 0
+    for node in state.gm.graph.nodes:
+        if node.op != "placeholder" or meta.SPEC not in node.meta:
+            continue
+        kept = local_bytes(node, node.meta[meta.SPEC], state.mesh)
+        if node.meta.get(meta.KIND) == "input":
+            parts["inputs"] += kept
+        elif not grad.get(node):
+            parts["params"] += kept  # frozen parameters and buffers: no gradient, no optimizer state
+    total = state.predicted["memory_bytes_per_rank"]
+    parts["activations"] = max(0, total - sum(parts.values()))
+    return parts
 

@@ -1,9 +1,10 @@
 """recompute: activation checkpointing — choose regions whose activations are recomputed in backward.
 
-Reads `state.options.checkpoint`: None, a list of module globs (`["layers.*"]`: every matching
+Reads `state.options.checkpoint` (or, when it is None, the regions a saved plan's hints list under
+"recompute"): None, a list of module globs (`["layers.*"]`: every matching
 module instance is one region), or "auto" (checkpoint repeated layers — modules at `<list>.<index>` —
 while the predicted memory per rank exceeds `state.options.checkpoint_budget`, most bytes saved
-per second of recompute first). Writes `autoshard.recompute` = the region's module path on every op
+per second of recompute first; the choice is recorded in the plan's hints). Writes `autoshard.recompute` = the region's module path on every op
 and collective inside a region, and `state.recompute_regions` (paths, graph order).
 Runs after insert_comm/fuse_comm, so a region holds its collectives: recomputing the whole region
 re-runs them, in the same order on every rank (every rank has the same regions).
@@ -32,6 +33,7 @@ import torch.utils.checkpoint
 from torch import fx
 
 from autoshard.cost.recompute_cost import region_savings
+from autoshard.frontend.hints import Hints
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import RECOMPUTE
@@ -43,14 +45,16 @@ from autoshard.runtime.rng import at_position, current_position
 _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
 
 
-@compiler_pass("recompute", reads=(meta.COMM, meta.SPEC), writes=(meta.RECOMPUTE, "state.recompute_regions"))
+@compiler_pass("recompute", reads=(meta.COMM, meta.SPEC),
+               writes=(meta.RECOMPUTE, "state.recompute_regions", "state.hints"))
 def recompute(state) -> None:
     """The pass: mark every op of each region with `autoshard.recompute` = the region's path.
 
     >>> sorted({n.meta.get(RECOMPUTE, "-") for n in ops})
     ['-', 'layers.0', 'layers.1']
     """
-    option = state.options.checkpoint
+    hints = state.hints = state.hints if isinstance(state.hints, Hints) else Hints.parse(state.hints)
+    option = state.options.checkpoint or hints.recompute  # a saved plan's hints carry the regions it chose
     state.recompute_regions = []
     if not option:
         return
@@ -58,6 +62,7 @@ def recompute(state) -> None:
     paths = _module_paths(ops)
     if option == "auto":
         regions = _auto_regions(state, ops, sorted(p for p in paths if _LAYER_RE.match(p)))
+        hints.recompute = regions  # the plan records the choice: applying it recomputes the same layers
     else:
         globs = [option] if isinstance(option, str) else list(option)
         regions = []

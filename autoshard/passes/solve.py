@@ -16,8 +16,8 @@ auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bo
 times the sizes of the axes still to come (they can only shard further). When the strategy
 combinations of all axes fit (JOINT_MAX_VARIABLES), every axis is decided in one ILP with the exact
 cost of multi-axis resharding; otherwise axes are solved outer to inner. Writes `state.ilp_stats`.
-When no plan fits the budget, ZeRO stages 1, 2, 3 on the batch axis are tried in turn (their memory in
-the memory row, autoshard/cost/zero_cost.py) and the first that fits is kept in `state.auto_zero`.
+When no plan fits the budget, the ladder of autoshard/passes/memory_fit.py tries ZeRO stages 1, 2, 3 on the
+batch axis and recomputation of repeated layers (alone and with ZeRO) and keeps the first that fits.
 
 Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
 graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
@@ -49,13 +49,15 @@ from autoshard.cost.model import (
     redistribution_time,
 )
 from autoshard.cost.zero_cost import memory_scale
+from autoshard.frontend.request import headroom_budget
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Replicate, Shard, Spec
 from autoshard.passes.choice import axis_candidates, record_choice
 from autoshard.passes.contract import compiler_pass
-from autoshard.passes.zero import planned_zero, solve_with_zero
+from autoshard.passes.memory_fit import fit_memory, recompute_dropped
+from autoshard.passes.zero import planned_zero
 from autoshard.solver.ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from autoshard.solver.layers import decision_classes
 from autoshard.strategies import tensor_inputs
@@ -92,7 +94,8 @@ JOINT_MAX_VARIABLES = 150_000
 
 @compiler_pass("solve", reads=(meta.CANDIDATES, meta.HINT, meta.INPUT_HINT),
                writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL, "state.ilp_stats",
-                       "state.objective_s", "state.zero_for_memory", "state.auto_zero"))
+                       "state.objective_s", "state.zero_for_memory", "state.auto_zero", "state.recompute_for_memory",
+                       "state.options"))
 def solve(state) -> None:
     """The pass: one strategy per node and mesh axis (see the module docstring). The column-parallel
     layer's unhinted bias follows its weight's sharding; the row-parallel one's is added once, replicated:
@@ -102,11 +105,11 @@ def solve(state) -> None:
     {'0.weight': '[S(0)]', '0.bias': '[S(0)]', '2.weight': '[S(1)]', '2.bias': '[R]', 'input:0': '[R]'}
     """
     state.zero_for_memory = planned_zero(state)  # a requested ZeRO shrinks the memory row from the start
+    state.recompute_for_memory = False
     try:
         _solve(state)
-    except MemoryBudgetError:
-        if state.zero_for_memory is not None or not solve_with_zero(state, _solve):
-            raise
+    except MemoryBudgetError as error:
+        fit_memory(state, _solve, error)  # ZeRO and/or recomputation, or a refusal naming the smallest footprint
 
 
 def _solve(state) -> None:
@@ -241,11 +244,13 @@ def _value_kind(u, models) -> tuple:
             bool(models[0].grad.get(u, False)))
 
 
-def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share=1.0) -> list:
+def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share=1.0,
+                              copies=lambda node: 1) -> list:
     """The duality rule's backward all-reduce, charged once per value and axis however many split ops
     use it replicated (insert_comm emits one grad_all_reduce per value; a parameter is synced once).
     A parameter's charge is its gradient sync, paid once per step: a pipeline's micro-batch program
-    pays `sync_share` = 1/micro-batches of it (its other costs recur every micro-batch).
+    pays `sync_share` = 1/micro-batches of it (its other costs recur every micro-batch). `copies(u)`: how many
+    values of the whole model u stands for (a folded trace, autoshard/frontend/fold.py).
 
     One charge per (value, axis, bytes after the other axes); a consumer candidate that takes the value
     replicated on that axis while splitting its work joins the charge's groups.
@@ -280,6 +285,7 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
         signature = (class_of[u], axis, nbytes, tuple(sorted(tuple(sorted(g)) for g in groups.values())))
         cost = all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
         cost *= sync_share if u.op == "placeholder" or cast_parameter(u) is not None else 1.0
+        cost *= copies(u)
         if signature in seen:
             shared[seen[signature]][0] += cost
             continue
@@ -347,6 +353,13 @@ def _conversion_charges(conversions, edges) -> list:
     return [(cost, [(c, d, list(pairs)) for (c, d), pairs in signature[1]]) for signature, cost in merged.items()]
 
 
+def _memory_kind(node) -> str:
+    """What a node's memory row entry holds, for the refusal's breakdown."""
+    if node.op != "placeholder":
+        return "saved activations"
+    return "inputs" if node.meta.get(meta.KIND) == "input" else "parameters, gradients and optimizer state"
+
+
 def _zero_memory_scale(node, combo, prior, state, models) -> float:
     """A parameter's memory under the ZeRO stage being planned for (`state.zero_for_memory`), relative to
     without; its placement on the ZeRO axis is the candidate's, the earlier decision's, or R (undecided)."""
@@ -410,14 +423,18 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     sizes = [len(combos[members[0]]) for members in classes]
     costs = [[0.0] * size for size in sizes]
     memory = [[0.0] * size for size in sizes]
+    dropped = recompute_dropped(nodes) if state.recompute_for_memory else ()
+    copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
     for n in nodes:
         c = class_of[n]
+        kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
         for s, per_axis in enumerate(breakdowns[n]):
-            costs[c][s] += per_axis[0].compute * _SCALE  # compute and memory are per node, not per axis
-            memory[c][s] += per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n], state, models)
+            costs[c][s] += copies(n) * per_axis[0].compute * _SCALE  # compute and memory are per node, not per axis
+            memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n], state,
+                                                                             models)
     pipeline = state.options.pipeline
     sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
-    shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share)
+    shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share, copies)
     edges: dict = {}
     conversions: dict = {}  # one charge per chain insert_comm emits (see _conversion_charges)
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
@@ -464,17 +481,20 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
                     if refund is None:
                         refund = refunds[refund_key] = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes,
                                                                             models, others, partials[b], size[u])
-                    cost -= refund
+                    cost = (cost - refund) * copies(u)  # one chain per value, in every layer it stands for
                     terms, uses = conversions.setdefault((u, have_id, want_id, partials[b], penalize, cost),
                                                          ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
     budget = state.options.memory_budget
     if budget is None:
-        budget = profile.memory_bytes
+        budget = headroom_budget(profile, state.options.memory_headroom)
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism
     budget = None if math.isinf(budget) else budget * later
     problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared,
                          conjunctions=_conversion_charges(conversions, edges),
-                         names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r})" for m in classes])
+                         names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r}"
+                                + (f" and its {len(m) - 1} copies)" if len(m) > 2 else " and its copy)" if len(m) > 1
+                                   else ")") for m in classes],
+                         kinds=[_memory_kind(m[0]) for m in classes])
     return problem, classes, class_of

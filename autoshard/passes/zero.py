@@ -1,7 +1,7 @@
 """zero: ZeRO stage 1/2/3 on the data-parallel axis (the mesh axis the batch is split on).
 
 Reads the request (`parallelize(zero=...)` in `state.options.zero`, `{"zero": {"dp": 3}}` in the hint
-file, or `state.auto_zero` written by solve when only ZeRO fits the memory budget), the input specs
+file, or `state.auto_zero` written by solve when only ZeRO fits the memory budget: passes/memory_fit.py), the input specs
 (which axis carries the batch) and the parameters' specs. Writes `state.zero` (ZeroConfig or None) and
 `state.hints.zero` (so the plan's hints record the stage and a saved plan reproduces it). Stage 3 also
 shards every parameter that is replicated on the ZeRO axis along a dim no other axis shards (spec and
@@ -32,7 +32,6 @@ from autoshard.ir.errors import HintError
 from autoshard.ir.placement import Replicate, Shard
 from autoshard.passes.choice import record_choice
 from autoshard.passes.contract import Contract, compiler_pass
-from autoshard.solver.ilp import MemoryBudgetError
 from autoshard.strategies import AxisStrategy
 
 
@@ -124,8 +123,12 @@ def resolve_zero(state) -> ZeroConfig | None:
     return ZeroConfig(axis, stage)
 
 
-def _hinted_batch_axes(state) -> list[str]:
-    """Axes the hints split an input's batch dim on (known before solving)."""
+def hinted_batch_axes(state) -> list[str]:
+    """Axes the hints split an input's batch dim on (known before solving).
+
+    >>> hinted_batch_axes(state)
+    ['dp']
+    """
     return [state.mesh.names[a] for a in sorted({a for n in state.gm.graph.nodes if n.meta.get(meta.KIND) == "input"
                                                  for a, p in n.meta.get(meta.HINT, {}).items() if p == Shard(0)})]
 
@@ -140,44 +143,10 @@ def planned_zero(state) -> ZeroConfig | None:
     if not request:
         return None
     (axis, stage), = request.items()
-    axes = _hinted_batch_axes(state)
+    axes = hinted_batch_axes(state)
     if axis is None and len(axes) == 1:
         axis = axes[0]
     return ZeroConfig(axis, stage) if axis in state.mesh.names else None
-
-
-def solve_with_zero(state, solve_once) -> bool:
-    """No plan fits the memory budget: plan with ZeRO-1, -2, -3 on the batch axis in turn and keep the first
-    that fits (`state.auto_zero`); False when none does or there is no batch axis. `solve` calls it
-    when the plan without ZeRO exceeds `memory_budget`:
-
-    >>> plain = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
-    >>> budget = 0.8 * plain.plan.predicted["memory_bytes_per_rank"]
-    >>> autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints,
-    ...                       memory_budget=budget).zero
-    ZeRO-2 on 'dp', chosen by the memory budget
-    """
-    axes = _hinted_batch_axes(state)
-    if not axes:  # where does the unbounded plan put the batch?
-        options = state.options
-        state.options = options.replace(memory_budget=float("inf"))
-        try:
-            solve_once(state)
-        finally:
-            state.options = options
-        axes = batch_axes(state)
-    if not axes:
-        return False
-    for stage in ZERO_STAGES:
-        state.zero_for_memory = ZeroConfig(axes[0], stage, "memory budget")
-        try:
-            solve_once(state)
-        except MemoryBudgetError:
-            continue
-        state.auto_zero = state.zero_for_memory
-        return True
-    state.zero_for_memory = None
-    return False
 
 
 @compiler_pass("zero", reads=(meta.SPEC, meta.IN_SPECS, meta.CHOICE, "state.hints"),

@@ -15,7 +15,9 @@ Schema (version 2):
                  "choice": [per mesh axis: {"inputs": [placement], "output": placement}] (empty for "comm")}]
   grad_reduce  {parameter FQN: [mesh axis name]}
   predicted    {"step_time_s", "compute_s", "comm_s": number >= 0, "memory_bytes_per_rank": int >= 0,
-                "comm_bytes_per_step": {axis name: {"fwd", "bwd", "sync": int >= 0}}}
+                "comm_bytes_per_step": {axis name: {"fwd", "bwd", "sync": int >= 0}},
+                optional "recompute_s": number >= 0, optional "memory": {"params", "grads", "optimizer",
+                "gathered", "inputs", "activations": int >= 0}}
   fingerprint  16 hex digits or null
 
 The examples save and load the plan of a small data-parallel MLP:
@@ -52,6 +54,7 @@ _TOP_KEYS = ("version", "mesh", "hints", "nodes", "grad_reduce", "predicted", "f
 _OPTIONAL_TOP_KEYS = ("pipeline", "search")  # pipelined plans / unnamed-mesh search records
 _PREDICTED_SECONDS = ("step_time_s", "compute_s", "comm_s")
 _OPTIONAL_PREDICTED_SECONDS = ("recompute_s",)  # activation checkpointing's recompute time
+_MEMORY_PARTS = ("params", "grads", "optimizer", "gathered", "inputs", "activations")  # predict.memory_parts
 
 
 class PlanFileError(PlanError):
@@ -312,8 +315,12 @@ class _Checker:
 
     def predicted(self, value, mesh: Mesh) -> dict:
         optional = tuple(k for k in _OPTIONAL_PREDICTED_SECONDS if isinstance(value, dict) and k in value)
-        keys = (*_PREDICTED_SECONDS, "comm_bytes_per_step", "memory_bytes_per_rank", *optional)
+        parts = ("memory",) if isinstance(value, dict) and "memory" in value else ()
+        keys = (*_PREDICTED_SECONDS, "comm_bytes_per_step", "memory_bytes_per_rank", *optional, *parts)
         self.obj(value, "predicted", keys, "the predicted costs")
+        if parts:
+            for key in self.obj(value["memory"], "predicted.memory", _MEMORY_PARTS, "memory parts"):
+                self.count(value["memory"][key], f"predicted.memory.{key}")
         for key in (*_PREDICTED_SECONDS, *optional):
             self.seconds(value[key], f"predicted.{key}")
         self.count(value["memory_bytes_per_rank"], "predicted.memory_bytes_per_rank")

@@ -26,6 +26,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from html import escape
 
@@ -361,6 +362,7 @@ class Plan:
                  (f"  {'one micro-batch' if self.pipeline else 'predicted step'} {p['step_time_s']:.3g} s (compute "
                   f"{p['compute_s']:.3g} s, communication {p['comm_s']:.3g} s), memory per rank "
                   f"{p['memory_bytes_per_rank'] / 2**20:.1f} MiB")]
+        lines += self._memory_lines()
         for axis in self.mesh.names:
             b = self.predicted["comm_bytes_per_step"][axis]
             ops = ", ".join(f"{n} {k}" for k, n in sorted(counts.get(axis, {}).items())) or "none"
@@ -374,6 +376,40 @@ class Plan:
         if self.search.get("why"):
             lines.append(f"  axis search: {self.search['why']}")
         return "\n".join(lines)
+
+    def memory_budget(self) -> float | None:
+        """The bytes per device the plan was made to fit (the compile's option: None for a plan loaded from
+        JSON, or when unbounded).
+
+        >>> plan.memory_budget() / 1e9  # the default profile's 80 GB less the 10% headroom
+        72.0
+        """
+        if self._state is None:
+            return None
+        options = self._state.options
+        budget = options.checkpoint_budget if options.checkpoint == "auto" else options.memory_budget
+        return budget if budget is not None and math.isfinite(budget) else None
+
+    def _memory_lines(self) -> list[str]:
+        """The memory breakdown of the summary (plans made before it was predicted have none) and the memory
+        savers the plan uses (ZeRO, recomputed layers: the plan's hints record them). The budget is the
+        compile's option, not the plan's (`memory_budget()`): a loaded plan prints the same."""
+        parts = self.predicted.get("memory")
+        if not parts:
+            return []
+        names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+                 "gathered": "ZeRO-3 gathered parameters", "inputs": "inputs", "activations": "saved activations"}
+        total = self.predicted["memory_bytes_per_rank"]
+        shown = ", ".join(f"{label} {_size(parts[key])}" for key, label in names.items() if parts.get(key))
+        lines = [f"  memory per rank {_size(total)}: {shown}"]
+        savers = [f"ZeRO-{stage} on {axis!r}" for axis, stage in self.hints.get("zero", {}).items()]
+        recomputed = self.hints.get("recompute", [])
+        if recomputed:
+            savers.append(f"{len(recomputed)} regions recomputed in backward ({', '.join(recomputed[:3])}"
+                          f"{', ...' if len(recomputed) > 3 else ''})")
+        if savers:
+            lines.append("  memory savers: " + "; ".join(savers))
+        return lines
 
     def _pipeline_lines(self) -> list[str]:
         """The pipeline part of the summary: axis, schedule, cut, predicted step and bubble, stage table
@@ -478,3 +514,12 @@ def op_name(node) -> str:
     if comm:
         return comm["op"]
     return str(node.target).replace("aten.", "")
+
+
+def _size(nbytes) -> str:
+    """Bytes in the unit a person reads best: GiB from 1 GiB, else MiB.
+
+    >>> _size(3 * 2**30), _size(5 * 2**20)
+    ('3.00 GiB', '5.0 MiB')
+    """
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -56,6 +56,7 @@ class IlpProblem:
     shared: list = field(default_factory=list)  # [(cost, [[(class, candidate), ...], ...])]
     conjunctions: list = field(default_factory=list)  # [(cost, [(class c, class d, [(s, t), ...]), ...])]
     names: list[str] = field(default_factory=list)  # for error messages
+    kinds: list[str] = field(default_factory=list)  # what each class's memory is, for error messages
 
     @property
     def n_classes(self) -> int:
@@ -107,6 +108,8 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     >>> solve_ilp(tight).choice
     [1]
     """
+    if problem.budget is not None and problem.memory and sum(min(per) for per in problem.memory) > problem.budget:
+        raise MemoryBudgetError(problem)  # even the smallest candidate of every class is too big: no need to solve
     costs = [list(c) for c in problem.costs]
     allowed = [[True] * n for n in problem.sizes]
     joint = []
@@ -376,7 +379,8 @@ def quiet_highs():
 
 
 class MemoryBudgetError(PlanError):
-    """No plan fits the per-device memory budget; says the budget and the smallest footprint found.
+    """No plan fits the per-device memory budget; says the budget, the smallest footprint found and what
+    dominates it (`parts`: bytes per kind of class at that footprint; `searched`: what the search tried).
 
     >>> solve_ilp(IlpProblem(sizes=[2], costs=[[1.0, 3.0]], memory=[[100.0, 60.0]], budget=50.0))
     Traceback (most recent call last):
@@ -384,12 +388,34 @@ class MemoryBudgetError(PlanError):
     autoshard.solver.ilp.MemoryBudgetError: no plan fits the memory budget of 0.000 GiB (50 bytes) per device: ... 0.000 GiB (60 bytes). ...
     """
 
-    def __init__(self, problem: IlpProblem):
+    def __init__(self, problem: IlpProblem, searched: str = "", advice: str = ""):
         self.problem = problem
-        self.minimum = sum(min(per) for per in problem.memory or [])
+        cheapest = [min(per) for per in problem.memory or []]
+        self.minimum = sum(cheapest)
+        self.parts: dict = {}
+        for c, nbytes in enumerate(cheapest):
+            kind = problem.kinds[c] if problem.kinds else "tensors"
+            self.parts[kind] = self.parts.get(kind, 0.0) + nbytes
+        dominant = ""
+        if len(self.parts) > 1 and self.minimum > 0:
+            ranked = sorted(self.parts.items(), key=lambda item: -item[1])
+            dominant = " (" + ", ".join(f"{kind} {_readable(nbytes)} = {nbytes / self.minimum:.0%}"
+                                         for kind, nbytes in ranked if nbytes >= 0.005 * self.minimum) + ")"
+        largest = max(range(len(cheapest)), key=cheapest.__getitem__, default=None)
+        if largest is not None and problem.names and cheapest[largest] > 0.05 * self.minimum:
+            dominant += f"; the largest part: {problem.names[largest]}, {_readable(cheapest[largest])}"
+        how = f" ({searched})" if searched else ""
+        advice = advice or "Raise the budget, use a larger mesh, or add ZeRO / activation checkpointing."
         super().__init__(f"no plan fits the memory budget of {_gib(problem.budget)} per device: the smallest "
-                         f"footprint the sharding search can reach is {_gib(self.minimum)}. Raise the budget, "
-                         "use a larger mesh, or add ZeRO / activation checkpointing.")
+                         f"footprint the sharding search can reach{how} is {_gib(self.minimum)}{dominant}. {advice}")
+
+
+def _readable(nbytes) -> str:
+    """Bytes in GiB, MiB or KiB, whichever reads best."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def _gib(nbytes) -> str:

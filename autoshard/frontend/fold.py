@@ -1,0 +1,269 @@
+"""Depth folding: a model with many identical repeated layers is traced with three of them.
+
+Export's time grows with depth (about 0.1 s per transformer layer on this machine), and so does every pass
+before the sharding decision; but repeated layers share one decision (autoshard/solver/layers.py), so their
+copies add nothing to decide. `fold_model` finds the longest `nn.ModuleList` of at least FOLD_MIN_LAYERS
+interchangeable layers and returns a shallow copy of the model whose list holds only the first, the second
+and the last layer, under their real indices (`layers.0`, `layers.1`, `layers.31`), so their module
+paths and parameter names are the real ones. The trace of that copy (`check_folded_trace`) stands for the
+whole model: the second layer's nodes stand for n_layers - 2 real layers each (`Fold.copies`), which solve
+weighs their costs and memory by (the objective is the whole model's); the
+`unfold` pass (autoshard/passes/unfold.py) then writes those copies out, so every later pass, the plan and
+the rank programs see the whole model.
+
+Layers are interchangeable when they have the same class, the same parameter and buffer names, shapes,
+dtypes and requires_grad at every depth, the same plain attributes (a layer's own index, an int named like
+`layer_idx` or `layer_number`, may differ; an attribute such as HF Gemma2's `is_sliding` may not), no
+hooks, and no parameter shared with another layer or module. Hints that name one layer by index (not
+`layers.*`) turn folding off, as does `parallelize(fold_layers=False)`.
+
+>>> from autoshard.zoo import llama
+>>> model, inputs, loss_fn = llama(n_layers=8, device="meta")
+>>> fold = fold_model(model)
+>>> fold
+Fold('layers': 8 layers traced as layers.0, layers.1, layers.7)
+>>> [name for name, _ in fold.model.named_children()] == [name for name, _ in model.named_children()]
+True
+>>> from autoshard.frontend.trace import trace
+>>> traced = trace(fold.model, inputs, loss_fn)  # three layers' worth of export
+"""
+from __future__ import annotations
+
+import copy
+import re
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autoshard.ir import meta
+
+FOLD_MIN_LAYERS = 8  # below this the three traced layers save too little to be worth it
+_INDEX_ATTR = re.compile(r"(^|_)(idx|index|id|number|num)$")
+_FOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one folded copy per model: exports are reused
+
+
+@dataclass(frozen=True)
+class Fold:
+    """A model folded to three of its `n_layers` repeated layers at `container` (module path of the list).
+
+    >>> fold.n_layers, fold.container
+    (8, 'layers')
+    """
+
+    container: str
+    n_layers: int
+    model: torch.nn.Module
+
+    def instance(self, index: int) -> str:
+        """The module path of layer `index`.
+
+        >>> fold.instance(3)
+        'layers.3'
+        """
+        return f"{self.container}.{index}"
+
+    @property
+    def middle(self) -> str:
+        """The traced layer that stands for layers 1 .. n_layers - 2.
+
+        >>> fold.middle
+        'layers.1'
+        """
+        return self.instance(1)
+
+    @property
+    def last(self) -> str:
+        """The traced last layer.
+
+        >>> fold.last
+        'layers.7'
+        """
+        return self.instance(self.n_layers - 1)
+
+    def copies(self, node) -> int:
+        """How many nodes of the whole model `node` of the folded graph stands for (by its module path, which
+        the passes keep on the nodes they rewrite).
+
+        >>> [fold.copies(n) for n in traced.gm.graph.nodes if n.meta.get("autoshard.path") == "layers.1.attn.q"]
+        [6]
+        """
+        return self.n_layers - 2 if instance_of(self, node) == self.middle else 1
+
+    def __repr__(self) -> str:
+        return (f"Fold({self.container!r}: {self.n_layers} layers traced as {self.instance(0)}, {self.middle}, "
+                f"{self.last})")
+
+
+def fold_model(model, hints=None) -> Fold | None:
+    """The folded copy of `model` (cached per model), or None when no repeated layers can be folded.
+
+    >>> fold_model(llama(n_layers=4, device="meta")[0]) is None  # too shallow to be worth it
+    True
+    """
+    if not isinstance(model, torch.nn.Module) or isinstance(model, fx.GraphModule):
+        return None
+    found = _container(model)
+    if found is None:
+        return None
+    path, layers = found
+    if _hints_name_one_layer(hints, path):
+        return None
+    cached = _FOLDS.get(model)
+    if cached is not None and cached.container == path and cached.n_layers == len(layers):
+        return cached
+    n = len(layers)
+    kept = {"0": layers[0], "1": layers[1], str(n - 1): layers[n - 1]}
+    fold = Fold(path, n, _with_replaced(model, path.split("."), kept))
+    _FOLDS[model] = fold
+    return fold
+
+
+def check_folded_trace(fold: Fold, gm: fx.GraphModule) -> bool:
+    """Whether the folded trace stands for the whole model: the three layers have the same nodes in the same
+    order, each takes the one before it as the other takes its own predecessor, nothing outside them uses a
+    layer's values except the last layer's, and the middle layer's runs of nodes (its parameters; its casts,
+    under mixed precision; its ops) can be written out once per layer in place (unfold: each run's copies only
+    need earlier runs and the copy before).
+
+    >>> check_folded_trace(fold, traced.gm)
+    True
+    """
+    groups = layer_nodes(fold, gm.graph)
+    first, middle, last = (groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, []))
+    signature = [[_role(fold, n) for n in group] for group in (first, middle, last)]
+    if not first or signature[0] != signature[1] or signature[1] != signature[2]:
+        return False
+    if _edges(first, middle) != _edges(middle, last) or _edges(first, last):
+        return False
+    run_of, run, previous = {}, -1, None
+    for node in gm.graph.nodes:
+        if node in run_of or instance_of(fold, node) != fold.middle:
+            previous = None
+            continue
+        run += previous is None
+        run_of[node] = previous = run
+    twin = dict(zip(first, middle))
+    if any(run_of[twin[a]] > run_of[v] for v in middle for a in v.all_input_nodes if a in twin):
+        return False  # a layer would need its predecessor's value before that run is written out
+    inside = set(first) | set(middle) | set(last)
+    # e.g. every layer's hidden states returned: the whole model has n of them
+    return not any(u not in inside for n in (*first, *middle) for u in n.users)
+
+
+def layer_nodes(fold: Fold, graph: fx.Graph) -> dict:
+    """{layer instance path: its placeholders and ops in graph order} for the folded layers.
+
+    >>> {k: len(v) for k, v in layer_nodes(fold, traced.gm.graph).items()}
+    {'layers.0': 61, 'layers.1': 61, 'layers.7': 61}
+    """
+    out: dict = {}
+    for node in graph.nodes:
+        instance = instance_of(fold, node)
+        if instance:
+            out.setdefault(instance, []).append(node)
+    return out
+
+
+def instance_of(fold: Fold, node) -> str:
+    """The folded layer a node belongs to ('' outside them): by its module path, or its parameter's name.
+
+    >>> instance_of(fold, next(n for n in traced.gm.graph.nodes if n.meta.get("autoshard.path") == "layers.7.attn.q"))
+    'layers.7'
+    """
+    if node.op not in ("placeholder", "call_function"):
+        return ""
+    path = node.meta.get(meta.PATH, "")
+    if not path.startswith(fold.container + "."):
+        return ""
+    index = path[len(fold.container) + 1:].split(".", 1)[0]
+    return f"{fold.container}.{index}" if index.isdigit() else ""
+
+
+def _role(fold: Fold, node) -> tuple:
+    """What a node does in its layer: its op, or, for a parameter, its name inside the layer."""
+    if node.op == "placeholder":
+        return (node.op, node.meta[meta.PATH].split(".", len(fold.container.split(".")) + 1)[-1])
+    return (node.op, node.target)
+
+
+def _edges(src: list, dst: list) -> set:
+    """(producer's position in its layer, consumer's position in its layer, argument index) of src -> dst."""
+    where = {n: i for i, n in enumerate(src)}
+    return {(where[a], j, k) for j, n in enumerate(dst) for k, a in enumerate(n.all_input_nodes) if a in where}
+
+
+def _container(model):
+    """(module path, list) of the longest foldable ModuleList outside any other list, or None."""
+    best = None
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < FOLD_MIN_LAYERS:
+            continue
+        if any(part.isdigit() for part in path.split(".")) or (best and len(best[1]) >= len(module)):
+            continue
+        if _interchangeable(list(module), model):
+            best = (path, module)
+    return best
+
+
+def _interchangeable(layers, model) -> bool:
+    first = _describe(layers[0])
+    if first is None or any(type(layer) is not type(layers[0]) or _describe(layer) != first for layer in layers[1:]):
+        return False
+    owned = {id(p) for layer in layers for _, p in layer.named_parameters(remove_duplicate=False)}
+    if len(owned) != sum(1 for layer in layers for _ in layer.named_parameters(remove_duplicate=False)):
+        return False  # a parameter shared between layers
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    return not any(id(p) in owned for m in model.modules() if id(m) not in inside
+                   for p in m.parameters(recurse=False))
+
+
+def _describe(layer):
+    """What must agree between interchangeable layers; None when the layer has hooks."""
+    out = []
+    for name, module in layer.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            return None
+        tensors = [(k, tuple(t.shape), t.dtype, getattr(t, "requires_grad", False))
+                   for k, t in (*module._parameters.items(), *module._buffers.items()) if t is not None]
+        plain = []
+        for key, value in sorted(vars(module).items()):
+            if key.startswith("_") or key == "training" or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and _INDEX_ATTR.search(key):
+                continue  # the layer's own index (HF's layer_idx, Megatron's layer_number)
+            plain.append((key, _comparable(value)))
+        out.append((name, type(module), tuple(tensors), tuple(plain)))
+    return out
+
+
+def _comparable(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)  # lists, dicts, configs: compared by what they print
+
+
+def _hints_name_one_layer(hints, container: str) -> bool:
+    """Whether a hint key names one layer of the container by index (folding would hide it)."""
+    if hints is None:
+        return False
+    keys = hints.to_json() if hasattr(hints, "to_json") else hints if isinstance(hints, dict) else {}
+    pattern = re.compile(rf"(^|\.){re.escape(container)}\.\d")
+    return any(pattern.search(key) for key in keys)
+
+
+def _with_replaced(module, path: list[str], kept: dict):
+    """A shallow copy of `module` down `path` whose list at the end holds only `kept` (index -> layer)."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    head, rest = path[0], path[1:]
+    if rest:
+        clone._modules[head] = _with_replaced(module._modules[head], rest, kept)
+    else:
+        short = copy.copy(module._modules[head])
+        short._modules = dict(kept)
+        clone._modules[head] = short
+    return clone

@@ -1,0 +1,170 @@
+"""What solve does when its plan does not fit the memory budget per device: a ladder of memory savers.
+
+Each rung re-solves with the ILP's memory row changed; the first rung that fits wins. Cheapest in step
+time first:
+  1. ZeRO-1, ZeRO-2, ZeRO-3 on the batch axis (optimizer state, then gradients, then parameters sharded
+     over it; the memory rules of autoshard/cost/zero_cost.py). Stages 1 and 2 move no more bytes than
+     the all-reduce they replace; stage 3 adds the parameter gathers.
+  2. Recomputation of repeated layers, alone, then with ZeRO-1, 2, 3: the memory row keeps of a layer's
+     activations only the values that leave it (the next layer's saved input) and one layer's in full
+     (live again while it is recomputed); the recompute pass then checkpoints only as many layers as the
+     budget needs, most bytes saved per second of recompute first (autoshard/passes/recompute.py).
+Sequence parallelism needs no rung: activations sharded over the tensor-parallel axis are placements the
+ILP already weighs in the memory row. A requested ZeRO stage fixes the stage; `checkpoint=` given by the
+user fixes recomputation; a pipeline's micro-batch program gets no ZeRO rung (pipelines refuse ZeRO).
+
+The most memory-saving rung is tried first: when even it does not fit, nothing does, and the refusal names
+its smallest footprint and what dominates it without trying the others.
+
+A budget below the plain plan's footprint makes the ladder reach for ZeRO:
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> hints = {"input:0": {"dp": "S(0)"}}
+>>> plain = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
+>>> budget = 0.8 * plain.plan.predicted["memory_bytes_per_rank"]
+>>> autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints,
+...                       memory_budget=budget).zero
+ZeRO-2 on 'dp', chosen by the memory budget
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.cost.recompute_cost import dropped_activations
+from autoshard.frontend.hints import ZERO_STAGES
+from autoshard.ir import meta
+from autoshard.passes.zero import (
+    ZeroConfig,
+    batch_axes,
+    hinted_batch_axes,
+    requested_zero,
+)
+from autoshard.solver.ilp import MemoryBudgetError
+from autoshard.solver.layers import layer_key
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One memory saver of the ladder: a ZeRO stage (None: none) and whether repeated layers are recomputed.
+
+    >>> Rung(3, True)
+    ZeRO-3 + recomputation
+    """
+
+    zero: int | None
+    recompute: bool
+
+    def __repr__(self) -> str:
+        parts = ([f"ZeRO-{self.zero}"] if self.zero else []) + (["recomputation"] if self.recompute else [])
+        return " + ".join(parts) or "no memory saver"
+
+
+def ladder(state) -> list[Rung]:
+    """The rungs solve may try for this compile, in order (the plain plan, which did not fit, excluded).
+
+    >>> [repr(r) for r in ladder(plain.state)][:4]
+    ['ZeRO-1', 'ZeRO-2', 'ZeRO-3', 'recomputation']
+    """
+    requested = requested_zero(state)
+    stages = [next(iter(requested.values()))] if requested else \
+        [] if state.options.pipeline is not None else list(ZERO_STAGES)
+    recompute = [False] + ([True] if state.options.checkpoint is None else [])
+    rungs = [Rung(None, r) for r in recompute if not requested] + [Rung(s, r) for r in recompute for s in stages]
+    rungs.sort(key=lambda r: (r.recompute, r.zero or 0))
+    tried = Rung(stages[0] if requested else None, False)  # what solve planned first
+    return [r for r in rungs if r != tried]
+
+
+def fit_memory(state, solve_once, error: MemoryBudgetError) -> Rung:
+    """Climb the ladder after `solve_once(state)` raised `error`; leaves `state` solved with the first rung that
+    fits (`state.auto_zero`, `state.recompute_for_memory`) and returns it, or raises the refusal: the smallest
+    footprint of the most memory-saving rung and what dominates it.
+
+    When nothing fits, the refusal says what was tried and what dominates the smallest footprint:
+
+    >>> autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints,
+    ...                       memory_budget=1000)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    autoshard.solver.ilp.MemoryBudgetError: no plan fits ... (with ZeRO-3 + recomputation; tried ZeRO-1, ...
+    """
+    rungs = ladder(state)
+    axis = _zero_axis(state, solve_once) if any(r.zero for r in rungs) else None
+    rungs = [r for r in rungs if not r.zero or axis is not None]
+    if not rungs:
+        raise error
+    options, requested = state.options, bool(requested_zero(state))
+    try:
+        _solve_with(state, solve_once, rungs[-1], axis, options)
+    except MemoryBudgetError as last:
+        _reset(state, options)
+        tried = ", ".join(map(repr, rungs))
+        raise MemoryBudgetError(last.problem, searched=f"with {rungs[-1]!r}; tried {tried}",
+                                advice="Use a larger mesh or a smaller batch per device, or raise the budget "
+                                       "(memory_budget=, memory_headroom=).") from None
+    for rung in rungs:
+        try:
+            _solve_with(state, solve_once, rung, axis, options)
+        except MemoryBudgetError:
+            _reset(state, options)
+            continue
+        if rung.zero and not requested:
+            state.auto_zero = state.zero_for_memory
+        return rung
+    raise AssertionError("unreachable: the last rung fitted")
+
+
+def recompute_dropped(nodes) -> set:
+    """Ops whose saved activations the memory row leaves out when planning for recomputation: in every
+    repeated-layer instance but the first, those only the instance itself uses (`dropped_activations`).
+
+    >>> from autoshard.zoo import gpt2
+    >>> three, three_inputs, _ = gpt2(n_layers=3)
+    >>> state = autoshard.parallelize(three, (2,), three_inputs, axis_names=("dp",)).state
+    >>> ops = [n for n in state.gm.graph.nodes if n.op == "call_function"]
+    >>> sorted({layer_key(n.meta.get("autoshard.path", ""))[1] for n in recompute_dropped(ops)})
+    ['layers.1', 'layers.2']
+    """
+    by_instance: dict = {}
+    for node in nodes:
+        instance = layer_key(node.meta.get(meta.PATH, ""))[1] if node.op == "call_function" else ""
+        if instance:
+            by_instance.setdefault(instance, []).append(node)
+    dropped = set()
+    for members in list(by_instance.values())[1:]:  # the first counts in full: live while a layer is recomputed
+        dropped.update(dropped_activations(members))
+    return dropped
+
+
+def _zero_axis(state, solve_once) -> str | None:
+    """The axis ZeRO shards over: the requested one, the hinted batch axis, else where the unbounded plan puts
+    the batch."""
+    named = [axis for axis in requested_zero(state) if axis is not None]
+    axes = named or hinted_batch_axes(state)
+    if not axes:
+        options = state.options
+        state.options = options.replace(memory_budget=float("inf"))
+        try:
+            solve_once(state)
+        finally:
+            state.options = options
+        axes = batch_axes(state)
+    return axes[0] if axes else None
+
+
+def _solve_with(state, solve_once, rung: Rung, axis, options) -> None:
+    requested = requested_zero(state)
+    if rung.zero:
+        state.zero_for_memory = ZeroConfig(axis, rung.zero, "requested" if requested else "memory budget")
+    state.recompute_for_memory = rung.recompute
+    if rung.recompute:  # the recompute pass checkpoints layers until the predicted memory fits this budget
+        state.options = options.replace(checkpoint="auto", checkpoint_budget=options.memory_budget)
+    solve_once(state)
+
+
+def _reset(state, options) -> None:
+    state.options = options
+    state.recompute_for_memory = False
+    state.zero_for_memory = None

@@ -1,0 +1,87 @@
+"""The memory ladder (autoshard/passes/memory_fit.py): a model that fits only with ZeRO-3 plus recomputation
+gets that plan without asking for either, trains like one device, and a saved plan reproduces it; a budget
+nothing meets is refused with the smallest footprint of the whole search and what dominates it."""
+import pytest
+import torch
+
+import autoshard
+from autoshard.passes.memory_fit import ladder
+from autoshard.solver.ilp import MemoryBudgetError
+from autoshard.verify.verify import verify_simulated
+from autoshard.zoo import gpt2
+
+HINTS = {"input:0": {"dp": "S(0)"}}
+
+
+@pytest.fixture(scope="module")
+def case():
+    """A GPT-2 whose activations dominate (8 x 32 tokens, dim 32), in float64 as verify runs it, and the
+    footprint of each way of saving memory, planned with explicit options and no bound."""
+    model, inputs, loss_fn = gpt2(n_layers=3, batch=8, seq=32, dim=32, n_heads=2)
+    model = model.double()
+
+    def footprint(**options):
+        prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=HINTS,
+                                     memory_budget=float("inf"), **options)
+        return prog.plan.predicted["memory_bytes_per_rank"]
+
+    sizes = {"zero3": footprint(zero=3), "recompute": footprint(checkpoint=["layers.*"]),
+             "recompute 2 of 3": footprint(checkpoint=["layers.0", "layers.1"]),
+             "zero2+recompute": footprint(zero=2, checkpoint=["layers.*"]),
+             "zero3+recompute": footprint(zero=3, checkpoint=["layers.*"])}
+    return model, inputs, loss_fn, sizes
+
+
+def test_a_model_that_fits_only_with_zero3_and_recomputation_gets_both_without_options(case):
+    model, inputs, loss_fn, sizes = case
+    budget = (sizes["zero3+recompute"] + sizes["zero2+recompute"]) / 2
+    assert min(sizes["zero3"], sizes["recompute"], sizes["zero2+recompute"]) > budget
+    report, prog = verify_simulated(model, inputs, loss_fn, mesh=(2,), axis_names=("dp",), hints=HINTS,
+                                    memory_budget=budget, optimizer="adam")
+    assert report.ok, report
+    assert repr(prog.zero) == "ZeRO-3 on 'dp', chosen by the memory budget"
+    assert prog.state.recompute_regions == ["layers.0", "layers.1", "layers.2"]
+    assert prog.plan.predicted["memory_bytes_per_rank"] <= prog.plan.memory_budget() == budget
+    assert "memory savers: ZeRO-3 on 'dp'; 3 regions recomputed" in prog.plan.summary()
+    again = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), plan=prog.plan)
+    assert again.state.recompute_regions == prog.state.recompute_regions
+    assert again.plan.fingerprint == prog.plan.fingerprint and again.zero.stage == 3
+
+
+def test_recomputation_alone_when_it_is_enough_and_only_as_many_layers_as_needed(case):
+    model, inputs, loss_fn, sizes = case
+    assert sizes["recompute 2 of 3"] < sizes["zero3"]  # (one layer alone saves nothing: it is live in backward)
+    budget = (sizes["recompute 2 of 3"] + sizes["zero3"]) / 2
+    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=HINTS,
+                                 memory_budget=budget)
+    assert prog.zero is None and len(prog.state.recompute_regions) == 2
+    assert prog.plan.predicted["memory_bytes_per_rank"] <= budget
+
+
+def test_a_budget_nothing_meets_names_the_search_and_what_dominates(case):
+    model, inputs, loss_fn, sizes = case
+    with pytest.raises(MemoryBudgetError, match=r"tried ZeRO-1, ZeRO-2, ZeRO-3, recomputation, .*ZeRO-3 \+ "
+                                                 r"recomputation\) is .*saved activations .* = \d+%") as caught:
+        autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=HINTS,
+                              memory_budget=0.9 * sizes["zero3+recompute"])
+    assert caught.value.minimum > 0.9 * sizes["zero3+recompute"]
+
+
+def test_the_ladder_respects_what_the_user_fixed():
+    model, inputs, loss_fn = gpt2(n_layers=2)
+    asked = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=HINTS, zero=2)
+    assert [repr(r) for r in ladder(asked.state)] == ["ZeRO-2 + recomputation"]
+    fixed = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=HINTS,
+                                  checkpoint=["layers.0"])
+    assert [repr(r) for r in ladder(fixed.state)] == ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
+
+
+def test_default_budget_leaves_the_headroom_and_bad_values_are_refused():
+    model, inputs, loss_fn = gpt2(n_layers=2)
+    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, profile="cpu")
+    assert prog.plan.memory_budget() == 0.9 * prog.state.options.profile.memory_bytes
+    with pytest.raises(autoshard.UserInputError, match="memory_headroom=1.5"):
+        autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, memory_headroom=1.5)
+    with pytest.raises(autoshard.UserInputError, match="memory_budget=-1"):
+        autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, memory_budget=-1)
+    assert torch.is_tensor(inputs[0])

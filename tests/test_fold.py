@@ -1,0 +1,69 @@
+"""Depth folding (autoshard/frontend/fold.py, passes/unfold.py): a model with many identical layers is
+planned from three of them and written out whole. The plan equals the unfolded one, the program trains
+like one device, a saved plan applies again, and models whose layers differ are not folded."""
+import collections
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.frontend.fold import fold_model
+from autoshard.verify.verify import verify_simulated
+from autoshard.zoo import gpt2, llama
+
+WIDE = {"dim": 256, "n_heads": 8, "batch": 4, "seq": 64, "device": "meta"}
+
+
+def _rows(prog) -> collections.Counter:
+    return collections.Counter((r.path, r.op, r.type, r.spec, r.collective, r.axis) for r in prog.plan.rows)
+
+
+@pytest.mark.parametrize("factory,mesh,names", [(llama, (2, 2), ("dp", "tp")), (gpt2, (4,), ("tp",))],
+                         ids=["llama-dp2xtp2", "gpt2-tp4"])
+def test_the_folded_plan_is_the_whole_models_plan(factory, mesh, names):
+    model, inputs, loss_fn = factory(n_layers=8, **WIDE)
+    folded = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, axis_names=names)
+    whole = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, axis_names=names, fold_layers=False)
+    assert folded.state.fold is not None and whole.state.fold is None
+    assert folded.state.ilp_stats[0]["nodes"] < whole.state.ilp_stats[0]["nodes"] / 2
+    assert _rows(folded) == _rows(whole)
+    assert folded.plan.predicted == whole.plan.predicted
+    assert folded.state.objective_s == pytest.approx(whole.state.objective_s, rel=1e-9)
+    assert list(folded.state.traced.params) == list(whole.state.traced.params)
+
+
+def test_a_folded_program_trains_like_one_device_and_its_plan_applies_again():
+    model, inputs, loss_fn = llama(n_layers=8, dropout=0.1)
+    report, prog = verify_simulated(model, inputs, loss_fn, mesh=(2, 2), axis_names=("dp", "tp"),
+                                    hints={"input:0": {"dp": "S(0)"}, "layers.*.attn.q.weight": {"tp": "S(0)"}})
+    assert report.ok, report
+    assert prog.state.fold is not None
+    again = autoshard.parallelize(model.double(), (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
+                                  plan=prog.plan, rng="exact", seed=0)
+    assert again.plan.fingerprint == prog.plan.fingerprint
+
+
+def test_layers_that_differ_or_hints_naming_one_layer_are_not_folded():
+    model = llama(n_layers=8, device="meta")[0]
+    assert fold_model(model, {"layers.3.attn.q.weight": {"tp": "S(0)"}}) is None  # the hint needs layer 3 itself
+    assert fold_model(model, {"layers.*.attn.q.weight": {"tp": "S(0)"}}) is not None
+    model.layers[5].attn.sliding_window = 4  # an attribute that changes what one layer computes
+    assert fold_model(model) is None
+    del model.layers[5].attn.sliding_window
+    model.layers[2].register_forward_hook(lambda *args: None)
+    assert fold_model(model) is None
+
+
+def test_transformers_llama_in_mixed_precision_folds_with_its_casts():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    kw = {"axis_names": ("dp", "tp"), "mixed_precision": "bf16", "loss_fn": lambda out, ids: out.logits.float().mean()}
+    folded = autoshard.parallelize(model, (2, 2), (ids,), **kw)
+    whole = autoshard.parallelize(model, (2, 2), (ids,), fold_layers=False, **kw)
+    assert folded.state.fold is not None
+    assert _rows(folded) == _rows(whole) and folded.plan.predicted == whole.plan.predicted
