@@ -103,14 +103,28 @@ DEFAULT_PROFILE = HardwareProfile()
 # `python -m autoshard calibrate` measures the links of the machine at hand).
 CPU_PROFILE = HardwareProfile(name="cpu-gloo", peak_flops=2e10, memory_bandwidth=5e9, memory_bytes=16e9,
                               devices_per_node=64, intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9))
-PROFILES = {"gpu": DEFAULT_PROFILE, "cpu": CPU_PROFILE}
+# DGX A100-80GB nodes of 8 (Narayanan et al. 2021): 312 TFLOP/s bf16, ~2 TB/s HBM, NVLink ~300 GB/s per GPU
+# per direction inside a node, one ~25 GB/s (200 Gb/s HDR) InfiniBand link per GPU between nodes; nominal figures.
+A100_80GB = HardwareProfile(name="A100-80GB", peak_flops=312e12, memory_bandwidth=2.0e12, memory_bytes=80e9,
+                            devices_per_node=8, intra_node=Link(5e-6, 300e9), inter_node=Link(1e-5, 25e9))
+# H100-80GB SXM nodes of 8 (DGX/HGX H100), calibrated: each nominal figure times what is achieved in practice.
+# Matmuls: 989 TFLOP/s dense bf16 (datasheet) x 0.75, what large cuBLAS GEMMs sustain at LLM shapes (70-80%
+# of the dense peak; clocks drop under load). HBM3: 3.35 TB/s x 0.9 (STREAM-like copies reach ~3.0 TB/s).
+# NVLink 4: 450 GB/s per direction per GPU x 0.8 = 360 GB/s, the ring bus bandwidth nccl-tests reports for 8
+# GPUs without NVLink SHARP (460-480 GB/s with it). InfiniBand NDR: 400 Gb/s = 50 GB/s per GPU x 0.8 = 40 GB/s.
+# The ring formulas below charge bytes at `bandwidth` as nccl-tests' bus bandwidth, so these are bus figures.
+H100_BF16_PEAK = 989e12
+H100_80GB = HardwareProfile(name="H100-80GB", peak_flops=0.75 * H100_BF16_PEAK, memory_bandwidth=0.9 * 3.35e12,
+                            memory_bytes=80e9, devices_per_node=8, intra_node=Link(5e-6, 0.8 * 450e9),
+                            inter_node=Link(1e-5, 0.8 * 50e9))
+PROFILES = {"gpu": DEFAULT_PROFILE, "cpu": CPU_PROFILE, "a100": A100_80GB, "h100": H100_80GB}
 
 
 def load_profile(spec) -> HardwareProfile:
-    """'gpu', 'cpu', a HardwareProfile, or the path of a profile JSON file.
+    """'gpu', 'cpu', 'a100', 'h100' (PROFILES), a HardwareProfile, or the path of a profile JSON file.
 
-    >>> load_profile("cpu").name
-    'cpu-gloo'
+    >>> load_profile("cpu").name, load_profile("h100").name
+    ('cpu-gloo', 'H100-80GB')
     >>> load_profile(None) is None   # parallelize then uses the default ("gpu")
     True
     """

@@ -6,32 +6,35 @@ For each tensor-parallel degree tp (inside a node) a copy of that graph is plann
 passes (strategies, the ILP on HiGHS, insert_comm, predict) on the mesh (tp,) with the link tp has in
 the full (pp, dp, tp) mesh (slow -> fast). That plan serves every (dp, tp, pp) with this tp:
 
-- data parallelism replicates parameters and splits the batch, so a replica's program is the tp plan
-  and dp adds the all-reduce of every parameter's gradient once per step on the dp link (what predict
-  charges for a parameter reduced on a batch axis). It is not an ILP axis: the ILP prices one
-  micro-batch, so it would trade that once-per-step all-reduce for collectives repeated in every
-  micro-batch (weights sharded across nodes);
+- data parallelism splits the batch, so a replica's program is the tp plan and dp adds, per ZeRO stage over
+  dp (none, 1, 2, 3: `scale_stages`), the gradient and parameter collectives on the dp link and shards the
+  parameters, gradients and optimizer state (`cost/zero_cost.memory_scale`). It is not an ILP axis: the ILP
+  prices one micro-batch, so it would trade a once-per-step all-reduce for collectives repeated in every
+  micro-batch (weights sharded across nodes); here ZeRO's per-micro-batch collectives are priced with m;
 - the traced model has at least 3 layers (first, middle, last); the real depth repeats the middle
   layer's planned costs (repeated layers share one ILP decision, autoshard/solver/layers.py);
-- units (embedding; each layer; final norm, head and loss) carry their predicted compute + collective
-  seconds per micro-batch of one sequence and its fixed part (latencies, weights' collectives), saved
-  activations, what checkpointing a layer saves and costs (`cost/recompute_cost.region_savings`),
-  parameters with gradients and optimizer state, gradient bytes, and the bytes crossing a stage
-  boundary before the unit (`cut_stages.boundary_bytes`);
+- units (`scale_units`: embedding; each layer; final norm, head and loss) carry their predicted compute +
+  collective seconds per micro-batch of one sequence and its fixed part, saved activations, what checkpointing
+  a layer (fully or selectively) saves and costs, parameters, gradient bytes, tp gradient-sync seconds, and
+  the bytes crossing a stage boundary before the unit (`cut_stages.boundary_bytes`). Sequence parallelism is
+  the ILP's own choice where it pays (on a llama it shards the norms' activations over tp, Megatron-SP);
 - pipeline: units cut into pp contiguous stages balanced by time ("balanced") or L/pp layers each
   ("even", Megatron's rule); stage-to-stage sends on the pp link (forward values and gradients);
-- memory of a device (its fullest stage): parameters, gradients and optimizer state of its units, plus
-  the activations of min(pp - s, m) micro-batches in flight (1F1B; one without a pipeline), plus one
-  layer's activations while it is recomputed; layers are checkpointed (most bytes saved per second of
-  recompute first) only while the stage does not fit ("auto") or all of them ("full");
+- memory of a device (its fullest stage): parameters, gradients and optimizer state of its units (under its
+  ZeRO stage), plus the activations of min(pp - s, m) micro-batches in flight (1F1B; one without a pipeline),
+  plus one layer's recomputed activations while it is recomputed; layers are recomputed selectively or fully
+  (`scale_stages.choose_recompute`) only while the stage does not fit ("auto"), or all of them at one level
+  ("selective", "full"). A plan must fit the device memory less `memory_headroom` (10%: allocator
+  fragmentation, communication buffers, the CUDA context);
 - step: pipeline_search's 1F1B formula with stage times scaled from one sequence per micro-batch to b
-  (`estimate_step`), b in MICROBATCH_SIZES, m = batch / (dp b); communication does not overlap compute;
+  (`estimate_step`), b in `microbatch_sizes`, m = batch / (dp b); communication does not overlap compute;
 - model-FLOPs utilisation: 3 x forward matmul FLOPs x batch / (step x devices x peak) (recompute not
   counted; `hfu` counts it).
 
 >>> candidate_degrees(32, 8, n_layers=24)[:4]
 [(32, 1, 1), (16, 1, 2), (8, 1, 4), (4, 1, 8)]
->>> A100_80GB.link((4, 8), 1) == A100_80GB.intra_node, A100_80GB.link((4, 8), 0) == A100_80GB.inter_node
+>>> from autoshard.cost.model import H100_80GB
+>>> H100_80GB.link((4, 8), 1) == H100_80GB.intra_node, H100_80GB.link((4, 8), 0) == H100_80GB.inter_node
 (True, True)
 """
 from __future__ import annotations
@@ -44,37 +47,24 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.cost.axis_cost import needs_grad
-from autoshard.cost.flops import is_matmul_like, node_flops
-from autoshard.cost.model import (
-    HardwareProfile,
-    Link,
-    all_reduce_time,
-    collective_latency,
-)
-from autoshard.cost.recompute_cost import region_savings
+from autoshard.cost.model import A100_80GB, HardwareProfile, Link
 from autoshard.frontend.request import CompileOptions
 from autoshard.frontend.trace import Traced, trace
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.ir.meta import NODE_COST
-from autoshard.passes.cut_stages import boundary_bytes
 from autoshard.passes.manager import CompileState, run_passes
 from autoshard.passes.normalize import normalize
 from autoshard.passes.pipelines import declared_pipeline
-from autoshard.passes.predict import collective_bytes, local_bytes
 from autoshard.search.pipeline_search import estimate_step
+from autoshard.search.scale_stages import ZERO_STAGES, Replica, stage_rows
+from autoshard.search.scale_units import Unit, layer_instance, scaled, units_of
 from autoshard.solver.balanced_cut import min_max_cut
-from autoshard.solver.layers import layer_key
 
-# A100-80GB nodes of 8: 312 TFLOP/s bf16, ~2 TB/s HBM, NVLink ~300 GB/s per GPU inside a node, one
-# ~25 GB/s InfiniBand link per GPU between nodes (DGX A100, as in Narayanan et al. 2021).
-A100_80GB = HardwareProfile(name="A100-80GB", peak_flops=312e12, memory_bandwidth=2.0e12, memory_bytes=80e9,
-                            devices_per_node=8, intra_node=Link(5e-6, 300e9), inter_node=Link(1e-5, 25e9))
 MICROBATCH_SIZES = (1, 2, 4, 8)
 # bf16 weights and gradients (2 + 2 bytes) + fp32 master weights and Adam moments (12 bytes = 6 x 2).
 MIXED_PRECISION_ADAM = 6.0
+MEMORY_HEADROOM = 0.1
 
 
 def candidate_degrees(devices: int, devices_per_node: int, n_layers: int) -> list[tuple[int, int, int]]:
@@ -94,35 +84,10 @@ def candidate_degrees(devices: int, devices_per_node: int, n_layers: int) -> lis
 
 
 @dataclass
-class Unit:
-    """Predicted figures of one unit (embedding, a layer, or the head) per micro-batch of one sequence:
-    seconds forward + backward and their part that does not grow with the micro-batch, activation
-    bytes kept, bytes and seconds of checkpointing it, forward matmul FLOPs, and, of the parameters no
-    other unit uses: bytes with gradients and optimizer state, gradient bytes (one entry per parameter),
-    tp gradient-sync seconds; bytes sent (forward and backward) when a stage starts at this unit.
-
-    >>> Unit("layers.1", seconds=2.0, is_layer=True).seconds
-    2.0
-    """
-
-    name: str
-    seconds: float = 0.0
-    fixed_s: float = 0.0
-    activation_bytes: float = 0.0
-    checkpoint_saves: float = 0.0
-    recompute_s: float = 0.0
-    flops: float = 0.0
-    param_bytes: float = 0.0
-    grad_bytes: list = field(default_factory=list)
-    sync_s: float = 0.0
-    in_bytes: float = 0.0
-    is_layer: bool = False
-
-
-@dataclass
 class Candidate:
-    """One (dp, tp, pp) as planned: micro-batch size b and count m, predicted step, utilisation, memory
-    of the fullest device, layers per stage and how many of them are recomputed; `note` says why not.
+    """One (dp, tp, pp) as planned: ZeRO stage over dp, micro-batch size b and count m, predicted step,
+    utilisation, memory of the fullest device, layers per stage and how many of them are recomputed fully and
+    selectively; `note` says why not.
 
     >>> Candidate(4, 8, 2, note="not planned").feasible
     False
@@ -131,6 +96,7 @@ class Candidate:
     dp: int
     tp: int
     pp: int
+    zero: int = 0
     microbatch_size: int = 0
     microbatches: int = 0
     step_s: float = math.inf
@@ -139,6 +105,7 @@ class Candidate:
     memory_bytes: float = 0.0
     stage_layers: tuple = ()
     recomputed: tuple = ()
+    selective: tuple = ()
     split: str = "balanced"
     note: str = ""
 
@@ -153,7 +120,7 @@ class Candidate:
 
     @property
     def feasible(self) -> bool:
-        """Planned, and fits the device memory.
+        """Planned, and fits the device memory (less the headroom).
 
         >>> Candidate(4, 8, 2, step_s=1.0).feasible
         True
@@ -228,16 +195,27 @@ class ScaleSearch:
 
     def __init__(self, model, example_inputs, loss_fn, n_layers: int, devices: int, global_batch: int,
                  profile: HardwareProfile = A100_80GB, optimizer_state_factor: float = MIXED_PRECISION_ADAM,
-                 microbatch_sizes=MICROBATCH_SIZES):
+                 microbatch_sizes=MICROBATCH_SIZES, memory_headroom: float = MEMORY_HEADROOM):
         if n_layers < 2:
             raise UserInputError(f"n_layers={n_layers}: the scale search needs a depth of at least 2 layers")
         self.n_layers, self.devices, self.global_batch = n_layers, devices, global_batch
         self.profile, self.factor, self.microbatch_sizes = profile, optimizer_state_factor, tuple(microbatch_sizes)
+        self.memory_headroom = memory_headroom
         inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         self.traced = trace(model, tuple(x[:1] for x in inputs), loss_fn)  # one sequence: the micro-batch unit
         self.exports = 1
         normalize(CompileState(self.traced.gm, Mesh((1,)), self.traced))
         self._plans: dict = {}
+
+    @property
+    def budget(self) -> float:
+        """Bytes a device may hold: its memory less the headroom.
+
+        >>> from autoshard.zoo import gpt2
+        >>> ScaleSearch(*gpt2(device="meta"), n_layers=2, devices=2, global_batch=8).budget / 1e9
+        72.0
+        """
+        return self.profile.memory_bytes * (1 - self.memory_headroom)
 
     @property
     def planned(self) -> int:
@@ -270,24 +248,27 @@ class ScaleSearch:
             traced = Traced(gm, self.traced.params, self.traced.buffers, self.traced.aliases,
                             self.traced.input_names, self.traced.output_spec)
             # No memory bound here: the ILP sees a few layers and one sequence; a stage's memory (its layers x
-            # the micro-batches in flight) is counted by `evaluate`, which recomputes layers to fit.
+            # the micro-batches in flight) is counted by `evaluate`, which shards and recomputes to fit.
             state = CompileState(gm, Mesh((tp,), ("tp",)), traced, None,
                                  CompileOptions(profile=profile, memory_budget=float("inf"),
                                                 optimizer_state_factor=self.factor))
             passes, provided = declared_pipeline("scale")
             run_passes(state, passes, provided=provided)
-            self._plans[tp] = _scaled(*_units(state, profile), self.n_layers)
+            self._plans[tp] = scaled(*units_of(state, profile), self.n_layers)
         return self._plans[tp]
 
-    def evaluate(self, dp: int, tp: int, pp: int, split: str = "balanced", recompute: str = "auto") -> Candidate:
-        """The best micro-batch size for (dp, tp, pp): predicted step, utilisation, memory, stages.
+    def evaluate(self, dp: int, tp: int, pp: int, split: str = "balanced", recompute: str = "auto",
+                 zero=None, microbatch_sizes=None, fit: bool = True) -> Candidate:
+        """The fastest ZeRO stage (`zero`: one stage, or None for each of 0-3 when dp > 1) and micro-batch size
+        for (dp, tp, pp): predicted step, utilisation, memory, stages. `fit=False` prices a configuration
+        that does not fit (its `note` says so) instead of rejecting it.
 
         >>> from autoshard.zoo import gpt2
         >>> search = ScaleSearch(*gpt2(batch=2, seq=16, dim=64, n_layers=3, device="meta"), n_layers=4,
         ...                      devices=4, global_batch=8)
         >>> c = search.evaluate(1, 2, 2, split="even", recompute="full")
-        >>> c.stage_layers, c.recomputed
-        ((2, 2), (2, 2))
+        >>> c.stage_layers, c.recomputed, c.zero
+        ((2, 2), (2, 2), 0)
         """
         out = Candidate(dp, tp, pp, split=split)
         if self.global_batch % dp:
@@ -304,57 +285,30 @@ class ScaleSearch:
         transfer = [2 * link.alpha + u.in_bytes / link.bandwidth for u in units]
         bounds = even_cut(units, pp) if split == "even" else balanced_cut([u.seconds for u in units], transfer, pp)
         flops = sum(u.flops for u in units)
-        sync = {id(u): u.sync_s + sum(all_reduce_time(g, dp, dp_link) for g in u.grad_bytes) for u in units}
-        shared = [(nbytes, t + sum(all_reduce_time(g, dp, dp_link) for g in grads), where)
-                  for nbytes, t, grads, where in shared]
+        layers = tuple(sum(u.is_layer for u in units[a:z]) for a, z in bounds)
+        stages = (zero,) if zero is not None else ZERO_STAGES if dp > 1 else (0,)
         best = None
-        for b in self.microbatch_sizes:
+        for stage, b in itertools.product(stages, microbatch_sizes or self.microbatch_sizes):
             if (self.global_batch // dp) % b:
                 continue
             m = self.global_batch // (dp * b)
-            rows, memory, recomputed, redone = self._stages(units, shared, sync, bounds, transfer, b, m, recompute)
-            if memory > self.profile.memory_bytes:
+            replica = Replica(dp, stage, dp_link, self.factor)
+            rows, memory, full, selective, redone = stage_rows(units, shared, bounds, transfer, replica, b, m,
+                                                               self.budget, recompute)
+            over = memory > self.budget
+            if over and fit:
                 if best is None:
                     out.memory_bytes, out.note = memory, f"{memory / 1e9:.0f} GB per device does not fit"
                 continue
             step = estimate_step(rows, m * b, m, 1, link)
-            if best is None or step < best.step_s:
+            if best is None or (over, step) < (not best.feasible, best.step_s):
                 useful = 3 * flops * self.global_batch / (step * self.devices * self.profile.peak_flops)
                 best = dataclasses.replace(
-                    out, microbatch_size=b, microbatches=m, step_s=step, mfu=useful,
-                    hfu=useful * (1 + redone / (3 * flops)), memory_bytes=memory, note="",
-                    stage_layers=tuple(sum(u.is_layer for u in units[a:z]) for a, z in bounds),
-                    recomputed=tuple(recomputed))
+                    out, zero=stage, microbatch_size=b, microbatches=m, step_s=step, mfu=useful,
+                    hfu=useful * (1 + redone / (3 * flops)), memory_bytes=memory, stage_layers=layers,
+                    recomputed=full, selective=selective,
+                    note=f"{memory / 1e9:.0f} GB per device does not fit" if over else "")
         return best or out
-
-    def _stages(self, units, shared, sync, bounds, transfer, b, m, policy):
-        """Stage rows for estimate_step (at one sequence per micro-batch), the fullest device's bytes, the
-        layers recomputed per stage, and the recomputed forward FLOPs per sequence."""
-        rows, peak, recomputed, redone = [], 0.0, [], 0.0
-        budget = self.profile.memory_bytes
-        for s, (a, z) in enumerate(bounds):
-            members = units[a:z]
-            inflight = min(len(bounds) - s, m)
-            mine = [entry for entry in shared if any(a <= i < z for i in entry[2])]
-            static = sum(u.param_bytes for u in members) + sum(entry[0] for entry in mine)
-            kept = b * sum(u.activation_bytes for u in members)
-            layers = sorted((u for u in members if u.is_layer),
-                            key=lambda u: -u.checkpoint_saves / max(u.recompute_s, 1e-12))
-            chosen, live = [], 0.0
-            for u in layers:
-                if policy != "full" and static + inflight * kept + b * live <= budget:
-                    break
-                chosen.append(u)
-                kept -= b * u.checkpoint_saves
-                live = max(live, u.checkpoint_saves)
-            peak = max(peak, static + inflight * kept + b * live)
-            recomputed.append(len(chosen))
-            redone += sum(u.flops for u in chosen)
-            seconds = sum(u.seconds for u in members) + sum(u.recompute_s for u in chosen)
-            seconds += (transfer[a] if a > 0 else 0.0) + (transfer[z] if z < len(units) else 0.0)
-            rows.append({"seconds": seconds, "latency_s": sum(u.fixed_s for u in members),
-                         "sync_s": sum(sync[id(u)] for u in members) + sum(entry[1] for entry in mine)})
-        return rows, peak, recomputed, redone
 
     def static_bytes(self) -> float:
         """Parameters with gradients and optimizer state of the whole model at n_layers (bytes, unsharded).
@@ -368,7 +322,7 @@ class ScaleSearch:
         for node in self.traced.gm.graph.nodes:
             if node.op == "placeholder" and node.meta.get(meta.KIND) == "param":
                 val = node.meta["val"]
-                instance = _layer_instance(next(iter(node.users), node))
+                instance = layer_instance(next(iter(node.users), node))
                 per_unit[instance] = per_unit.get(instance, 0) + val.numel() * val.element_size()
         layers = sorted((k for k in per_unit if k), key=lambda k: int(k.rsplit(".", 1)[1]))
         total = sum(v for k, v in per_unit.items() if not k)
@@ -380,7 +334,8 @@ class ScaleSearch:
 
     def search(self, degrees=None) -> SearchResult:
         """Evaluate every candidate (default: `candidate_degrees`) whose parameters, gradients and optimizer
-        state can fit at all; the fastest feasible one wins (ties: fewer pipeline stages, then smaller tp).
+        state can fit at all (sharded over every device by ZeRO-3); the fastest feasible one wins (ties: fewer
+        pipeline stages, then smaller tp, then a lower ZeRO stage).
 
         >>> from autoshard.zoo import gpt2
         >>> search = ScaleSearch(*gpt2(batch=2, seq=16, dim=64, n_layers=3, device="meta"), n_layers=4,
@@ -393,88 +348,11 @@ class ScaleSearch:
         degrees = degrees or candidate_degrees(self.devices, self.profile.devices_per_node, self.n_layers)
         static, out = self.static_bytes(), []
         for dp, tp, pp in degrees:
-            if static / (tp * pp) > self.profile.memory_bytes:
-                out.append(Candidate(dp, tp, pp, memory_bytes=static / (tp * pp),
+            if static / (dp * tp * pp) > self.budget:
+                out.append(Candidate(dp, tp, pp, memory_bytes=static / (dp * tp * pp),
                                      note="parameters, gradients and optimizer state alone do not fit"))
                 continue
             out.append(self.evaluate(dp, tp, pp))
         feasible = [c for c in out if c.feasible]
-        best = min(feasible, key=lambda c: (c.step_s, c.pp, c.tp)) if feasible else None
+        best = min(feasible, key=lambda c: (c.step_s, c.pp, c.tp, c.zero)) if feasible else None
         return SearchResult(best, out, self.planned, time.perf_counter() - start, self.exports)
-
-
-def _layer_instance(node) -> str:
-    return layer_key(node.meta.get(meta.PATH, ""))[1]
-
-
-def _units(state, profile) -> tuple[list[Unit], list]:
-    """Units of the planned graph in order (embedding, each traced layer, head) and the shared parameters."""
-    graph, mesh = state.gm.graph, state.mesh
-    ops = [n for n in graph.nodes if n.op == "call_function"]
-    instances = list(dict.fromkeys(i for i in map(_layer_instance, ops) if i))
-    if len(instances) < 2:
-        raise UserInputError("the scale search needs a model with repeated layers (a ModuleList such as "
-                             f"'layers.0', 'layers.1', ...); found {instances}")
-    units = [Unit("embedding")] + [Unit(i, is_layer=True) for i in instances] + [Unit("head")]
-    where = {i: k + 1 for k, i in enumerate(instances)}
-    seen_layer, of, members = False, {}, {}
-    for node in ops:
-        instance = _layer_instance(node)
-        seen_layer = seen_layer or bool(instance)
-        of[node] = where[instance] if instance else (len(units) - 1 if seen_layer else 0)
-        members.setdefault(of[node], []).append(node)
-    grad = state.grad_flags = needs_grad(graph)
-    fwd, bwd, _ = boundary_bytes(state, ops)
-    for k, node in enumerate(ops):
-        unit = units[of[node]]
-        if k == 0 or of[ops[k - 1]] != of[node]:
-            unit.in_bytes = fwd[k] + bwd[k]
-        cost = node.meta.get(NODE_COST, {})
-        unit.seconds += cost.get("seconds", 0.0)
-        unit.activation_bytes += cost.get("memory_bytes", 0)
-        comm = node.meta.get(meta.COMM)
-        if comm and node.args[0].op == "placeholder":  # a weight's collective: as long whatever the micro-batch
-            unit.fixed_s += cost.get("seconds", 0.0)
-        elif comm:
-            axis = mesh.axis(comm["axis"])
-            unit.fixed_s += collective_latency(comm["op"], *collective_bytes(node, mesh), mesh.shape[axis],
-                                               profile.link(mesh.shape, axis))
-        elif is_matmul_like(node):
-            unit.flops += node_flops(node)
-    for index, nodes in members.items():
-        if units[index].is_layer:
-            units[index].checkpoint_saves, units[index].recompute_s = region_savings(state, nodes)
-    shared = []
-    for node in graph.nodes:
-        if node.op != "placeholder" or NODE_COST not in node.meta:
-            continue
-        used = sorted({of[u] for u in node.users if u in of})
-        cost = node.meta[NODE_COST]
-        grads = [local_bytes(node, node.meta[meta.SPEC], mesh)] if grad.get(node) else []
-        if len(used) == 1:
-            units[used[0]].param_bytes += cost["memory_bytes"]
-            units[used[0]].grad_bytes += grads
-            units[used[0]].sync_s += cost["sync_s"]
-        elif used:
-            shared.append((cost["memory_bytes"], cost["sync_s"], grads, tuple(used)))
-    return units, shared
-
-
-def _scaled(units: list[Unit], shared: list, n_layers: int) -> tuple[list[Unit], list]:
-    """The traced units at the real depth: first layer, n_layers - 2 copies of the second, last layer."""
-    layers = units[1:-1]
-    if n_layers == len(layers):
-        return units, shared
-    if len(layers) < 3:
-        raise UserInputError(f"the model was traced with {len(layers)} layers; trace at least 3 (first, middle, "
-                             f"last) to plan a depth of {n_layers}")
-    out = [units[0], layers[0], *[layers[1]] * (n_layers - 2), layers[-1], units[-1]]
-    last = len(units) - 1
-
-    def moved(i):
-        if 1 < i < last - 1:
-            raise UserInputError("a parameter shared by a middle layer and another unit cannot be scaled to a "
-                                 "different depth; trace the model at its real depth")
-        return {0: 0, 1: 1, last - 1: n_layers, last: n_layers + 1}[i]
-
-    return out, [(nbytes, sync, grads, tuple(moved(i) for i in where)) for nbytes, sync, grads, where in shared]
