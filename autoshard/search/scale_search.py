@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from autoshard.cost.model import A100_80GB, HardwareProfile, Link
-from autoshard.frontend.request import CompileOptions
+from autoshard.frontend.request import DEFAULT_HEADROOM, CompileOptions, headroom_budget
 from autoshard.frontend.trace import Traced, trace
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
@@ -64,7 +64,6 @@ from autoshard.solver.balanced_cut import min_max_cut
 MICROBATCH_SIZES = (1, 2, 4, 8)
 # bf16 weights and gradients (2 + 2 bytes) + fp32 master weights and Adam moments (12 bytes = 6 x 2).
 MIXED_PRECISION_ADAM = 6.0
-MEMORY_HEADROOM = 0.1
 
 
 def candidate_degrees(devices: int, devices_per_node: int, n_layers: int) -> list[tuple[int, int, int]]:
@@ -195,7 +194,7 @@ class ScaleSearch:
 
     def __init__(self, model, example_inputs, loss_fn, n_layers: int, devices: int, global_batch: int,
                  profile: HardwareProfile = A100_80GB, optimizer_state_factor: float = MIXED_PRECISION_ADAM,
-                 microbatch_sizes=MICROBATCH_SIZES, memory_headroom: float = MEMORY_HEADROOM):
+                 microbatch_sizes=MICROBATCH_SIZES, memory_headroom: float = DEFAULT_HEADROOM):
         if n_layers < 2:
             raise UserInputError(f"n_layers={n_layers}: the scale search needs a depth of at least 2 layers")
         self.n_layers, self.devices, self.global_batch = n_layers, devices, global_batch
@@ -215,7 +214,7 @@ class ScaleSearch:
         >>> ScaleSearch(*gpt2(device="meta"), n_layers=2, devices=2, global_batch=8).budget / 1e9
         72.0
         """
-        return self.profile.memory_bytes * (1 - self.memory_headroom)
+        return headroom_budget(self.profile, self.memory_headroom)
 
     @property
     def planned(self) -> int:
