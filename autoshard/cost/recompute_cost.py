@@ -25,7 +25,8 @@ def recompute_seconds(state, node) -> tuple[float, dict]:
     (True, {})
     """
     if node.meta.get(meta.KIND) != "comm":
-        return node.meta[NODE_COST]["seconds"] / 3, {}  # NODE_COST counts forward + backward (x3)
+        # NODE_COST counts forward + backward (x3); ops without a tensor output (checks) have none
+        return node.meta.get(NODE_COST, {}).get("seconds", 0.0) / 3, {}
     info, mesh = node.meta[meta.COMM], state.mesh
     axis = mesh.axis(info["axis"])
     link = state.options.profile.link(mesh.shape, axis)
@@ -52,7 +53,7 @@ def region_savings(state, nodes) -> tuple[float, float]:
     >>> saved > 0 and seconds > 0
     True
     """
-    saved = sum(n.meta[NODE_COST]["memory_bytes"] for n in dropped_activations(nodes))
+    saved = sum(n.meta.get(NODE_COST, {}).get("memory_bytes", 0) for n in dropped_activations(nodes))
     return saved, sum(recompute_seconds(state, n)[0] for n in nodes)
 
 

@@ -116,6 +116,18 @@ class History(list):
         return "\n".join(f"{e.name:<14} {e.seconds * 1e3:8.1f} ms" for e in self)
 
 
+HISTORY_TEXT_MAX_NODES = 2000  # larger graphs' text costs more than their passes and is not read line by line
+
+
+def _graph_text(state, describe, keep: bool) -> str:
+    """The graph's text after a pass: kept for graphs up to HISTORY_TEXT_MAX_NODES, or always in debug runs."""
+    n = len(state.gm.graph.nodes)
+    if n > HISTORY_TEXT_MAX_NODES and not keep:
+        return (f"({n} nodes: the text of graphs over {HISTORY_TEXT_MAX_NODES} nodes is kept only with "
+                "parallelize(debug=True))")
+    return describe(state) if describe is not None else state.gm.graph.python_code("self").src
+
+
 def run_passes(state: CompileState, passes: list[Callable], verify: bool = False,
                describe: Callable | None = None, provided=TRACED) -> History:
     """Check the passes' order against their contracts (`provided`: what the state holds before the first),
@@ -134,7 +146,7 @@ def run_passes(state: CompileState, passes: list[Callable], verify: bool = False
             with progress.step(pass_name(pass_)):
                 pass_(state)
             seconds = time.perf_counter() - start
-            text = describe(state) if describe is not None else state.gm.graph.python_code("self").src
+            text = _graph_text(state, describe, keep=verify)
             history.append(HistoryEntry(pass_name(pass_), seconds, text))
             if verify:
                 verify_state(state, after=pass_name(pass_), invariants=held)

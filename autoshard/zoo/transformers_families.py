@@ -73,14 +73,15 @@ def _positional(model, names: tuple[str, ...]):
 
 
 def _build(model_class: str, config_class: str, names=("input_ids", "labels"), attn_implementation=None,
-           **config):
+           device="cpu", **config):
     """Seeded random `model_class(config_class(**config))` in training mode, forward over `names`."""
     transformers = _transformers()
     torch.manual_seed(0)
     cfg = getattr(transformers, config_class)(**config)
     cfg.use_cache = False
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    model = getattr(transformers, model_class)._from_config(cfg, **kwargs)
+    with torch.device(device):  # "meta": shapes only, nothing allocated (models at their real size)
+        model = getattr(transformers, model_class)._from_config(cfg, **kwargs)
     model.train()  # verify trains; every dropout probability is 0, so train and eval agree
     return _positional(model, names)
 
@@ -109,6 +110,54 @@ def llama():
     16
     """
     return _causal_lm("LlamaForCausalLM", "LlamaConfig", **_DECODER)
+
+
+# Llama 3's published shapes (Meta's model cards): layers, width, heads, kv heads, FFN width.
+LLAMA3_SHAPES = {"8b": (32, 4096, 32, 8, 14336), "70b": (80, 8192, 64, 8, 28672), "405b": (126, 16384, 128, 8, 53248)}
+
+
+def llama3(size: str = "8b", batch: int = 16, seq: int = 8192, device: str = "meta"):
+    """LlamaForCausalLM at a Llama 3 shape (vocabulary 128256, RoPE theta 500000), on the meta device by default:
+    for planning at scale (`python -m autoshard plan autoshard.zoo.transformers_families:llama3_8b ...`).
+
+    >>> model, (ids, labels), loss_fn = llama3("8b", batch=2, seq=16)
+    >>> sum(p.numel() for p in model.parameters()) // 10**6, ids.device.type
+    (8030, 'meta')
+    """
+    layers, width, heads, kv_heads, ffn = LLAMA3_SHAPES[size]
+    model = _build("LlamaForCausalLM", "LlamaConfig", device=device, vocab_size=128256, hidden_size=width,
+                   intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                   num_key_value_heads=kv_heads, max_position_embeddings=max(seq, 8192), rope_theta=500000.0,
+                   attention_dropout=0.0, tie_word_embeddings=False)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    return model, (ids, ids.clone()), model_loss
+
+
+def llama3_8b():
+    """Llama 3 8B, global batch 16 x 8192 tokens (the planning benchmark's case), on the meta device.
+
+    >>> llama3_8b()[1][0].shape
+    torch.Size([16, 8192])
+    """
+    return llama3("8b", batch=16)
+
+
+def llama3_70b():
+    """Llama 3 70B, global batch 64 x 8192 tokens, on the meta device.
+
+    >>> llama3_70b()[1][0].shape
+    torch.Size([64, 8192])
+    """
+    return llama3("70b", batch=64)
+
+
+def llama3_405b():
+    """Llama 3 405B, global batch 64 x 8192 tokens, on the meta device.
+
+    >>> llama3_405b()[1][0].shape
+    torch.Size([64, 8192])
+    """
+    return llama3("405b", batch=64)
 
 
 def mistral():
