@@ -123,7 +123,8 @@ def _solve(state) -> None:
               for a in range(mesh.ndim)]
     state.ilp_stats = []
     choices: dict = {n: [] for n in nodes}
-    joint = _joint_combos(nodes, mesh) if mesh.ndim > 1 else None
+    copies = state.fold.copies if state.fold is not None else lambda node: 1
+    joint = _joint_combos(nodes, mesh, copies) if mesh.ndim > 1 else None
     if joint is not None:
         picked = _solve_axes(nodes, tuple(range(mesh.ndim)), joint, choices, state, models, semi_auto)
         for node in nodes:
@@ -160,17 +161,18 @@ def _solve_sequential(nodes, state, models, semi_auto) -> dict:
     raise AssertionError("unreachable")
 
 
-def _joint_combos(nodes, mesh):
+def _joint_combos(nodes, mesh, copies):
     """Every node's feasible strategy combinations over all axes, or None when the joint ILP would be
-    too large (then axes are solved one after another)."""
+    too large (then axes are solved one after another). The size is the whole model's (a folded trace's
+    middle layer counts `copies` times), so folding never changes which way a model is solved."""
     combos = {}
     for node in nodes:
         found = [[]]
         for axis in range(mesh.ndim):
             found = [prior + [c] for prior in found for c in axis_candidates(node, axis, mesh, {node: prior})]
         combos[node] = [dict(enumerate(f)) for f in found]
-    size = sum(len(c) for c in combos.values())
-    size += sum(len(combos[u]) * len(combos[v]) for v in nodes if v.op == "call_function"
+    size = sum(copies(n) * len(c) for n, c in combos.items())
+    size += sum(copies(v) * len(combos[u]) * len(combos[v]) for v in nodes if v.op == "call_function"
                 for u in tensor_inputs(v) if u in combos)
     return combos if size <= JOINT_MAX_VARIABLES else None
 
