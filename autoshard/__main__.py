@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--balance", type=_sizes, default=None, help="layers per stage (FairScale), e.g. 4,3")
         p.add_argument("--split-points", type=_names, default=None, help="modules beginning a stage, e.g. layers.4")
         p.add_argument("--no-pipeline", action="store_true", help="never pipeline (unnamed meshes: no axis search)")
+        p.add_argument("--no-fold", action="store_true",
+                       help="trace every repeated layer (default: a long stack of identical layers is planned from three)")
         p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
                        help="bf16 (or fp16, with GradScaler's loss scaling) compute from float32 master weights"
                             + (" on both sides (use with --dtype float32)" if name == "verify" else ""))
@@ -164,7 +166,7 @@ def _run(args) -> int:
     hints = Hints.load(args.hints).to_json() if args.hints else None
     mesh = Mesh.of(args.mesh, args.axis_names)
     options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
-               "memory_headroom": args.memory_headroom, "pipeline": _pipeline(args)}
+               "memory_headroom": args.memory_headroom, "pipeline": _pipeline(args), "fold_layers": not args.no_fold}
     if args.command == "plan":
         model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
         prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, mixed_precision=args.mixed_precision,

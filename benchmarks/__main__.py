@@ -17,6 +17,7 @@ BENCHMARKS = [
     "parallel_modes",    # 6. 2D/2.5D/3D bytes per layer vs the papers, ZeRO memory vs theory (simulator)
     "big_model_memory",  # 7. peak RSS per rank: a 2.2 GiB meta Llama read from safetensors vs the full model (gloo)
     "planning_llama",    # 8. torchtitan's Llama 3.1 8B/70B/405B runs on H100 clusters: choice and tokens/s vs published
+    "planning_cli",      # 9. `python -m autoshard plan` at the Llama 3 8B/70B/405B shapes: time and memory vs targets
 ]
 
 

@@ -124,8 +124,10 @@ def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> fl
     return predicted_step(scaled, m, virtual)
 
 
-def _best_microbatches(request: CompileRequest, axis: str, opts: dict):
-    """Plan at one micro-batch count, estimate the others, re-plan once if another count is better."""
+def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: float = float("inf")):
+    """Plan at one micro-batch count, estimate the others, re-plan once if another count is better. The
+    re-plan is skipped when even without its gradient sync (the only cost a plan for another count weighs
+    differently: its share per micro-batch) the estimate cannot beat `to_beat`, the best step found so far."""
     if "microbatches" in opts:
         return parallelize_pipeline(request, axis, opts)
     inputs = request.example_inputs
@@ -139,7 +141,8 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict):
     config = prog.config
     estimates = {m: estimate_step(prog.state.pipeline_stages, m0, m, config.virtual, config.link) for m in candidates}
     best = min(candidates, key=lambda m: (estimates[m], m))
-    if best != m0:
+    sync = max(row.get("sync_s", 0.0) for row in prog.state.pipeline_stages)
+    if best != m0 and estimates[best] - sync < to_beat:
         try:
             prog = parallelize_pipeline(request, axis, dict(opts, microbatches=best))
         except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep m0
@@ -169,7 +172,7 @@ def _search_axes(request: CompileRequest, opts: dict):
             continue
         seen[key] = name
         try:
-            prog = _best_microbatches(request, name, opts)
+            prog = _best_microbatches(request, name, opts, to_beat=best_step)
         except AutoshardError as exc:
             candidates.append({"axis": name, "error": str(exc).splitlines()[0]})
             continue
