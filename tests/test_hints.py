@@ -121,3 +121,11 @@ def test_load_passes_parsed_hints_and_dicts_through(tmp_path):
     hints = Hints.parse(EXAMPLE)
     assert Hints.load(hints) is hints
     assert Hints.load(EXAMPLE).entries == hints.entries
+
+
+def test_recompute_key_lists_module_paths_and_round_trips():
+    hints = Hints.parse({"input:0": {"dp": "S(0)"}, "recompute": ["layers.0", "layers.1"]})
+    assert hints.recompute == ["layers.0", "layers.1"] and not hints.zero
+    assert Hints.parse(hints.to_json()).to_json() == hints.to_json()
+    with pytest.raises(HintError, match=r"key 'recompute' must be a list of module paths"):
+        Hints.parse({"recompute": "layers.*"})
