@@ -31,6 +31,7 @@ from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import batch_size, check_options, parallelize_pipeline
 from autoshard.program.program import Program
+from autoshard.solver.ilp import MemoryBudgetError
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def _search_axes(request: CompileRequest, opts: dict):
     except AutoshardError as exc:  # e.g. no intra-op plan fits the memory budget: a pipeline may
         flat, flat_error, best_step = None, exc, float("inf")
         candidates = [{"axis": None, "error": str(exc).splitlines()[0]}]
-    best, seen = None, {}
+    best, seen, errors = None, {}, [] if flat is not None else [flat_error]
     profile = request.options.profile
     for i, name in enumerate(mesh.names):
         key = (mesh.shape[i], profile.link(mesh.shape, i))
@@ -175,6 +176,7 @@ def _search_axes(request: CompileRequest, opts: dict):
             prog = _best_microbatches(request, name, opts, to_beat=best_step)
         except AutoshardError as exc:
             candidates.append({"axis": name, "error": str(exc).splitlines()[0]})
+            errors.append(exc)
             continue
         step = prog.plan.pipeline["predicted_step_s"]
         candidates.append({"axis": name, "microbatches": prog.config.microbatches, "predicted_step_s": step})
@@ -184,10 +186,19 @@ def _search_axes(request: CompileRequest, opts: dict):
     why = _why(candidates, chosen)
     log.info(why)
     if best is None and flat is None:
-        raise flat_error
+        raise _smallest_footprint(errors)
     target = best if best is not None else flat
     target.plan.search = {"candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
     return target
+
+
+def _smallest_footprint(errors: list) -> AutoshardError:
+    """The refusal when no candidate plans: the memory refusal with the smallest footprint over every
+    candidate (flat and each pipeline), else the flat plan's error."""
+    memory = [e for e in errors if isinstance(e, MemoryBudgetError)]
+    if len(memory) < len(errors) or not memory:
+        return errors[0]
+    return min(memory, key=lambda e: e.minimum)
 
 
 def _why(candidates, chosen) -> str:
