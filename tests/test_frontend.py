@@ -262,6 +262,6 @@ def test_pipeline_search_exports_each_shape_once(monkeypatch):
     prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, profile=HardwareProfile(devices_per_node=2))
     pipelined = [c for c in prog.plan.search["candidates"] if c["axis"] is not None and "microbatches" in c]
     assert len(pipelined) == 2 and pipelined[0]["microbatches"] == pipelined[1]["microbatches"]
-    # 5 compiles (no pipeline; per axis the first micro-batch count and the re-planned one) but each
-    # shape is traced once: the full batch and the two micro-batch sizes.
-    assert len(exports) == len(set(exports)) == 3
+    # Up to 5 compiles (no pipeline; per axis the first micro-batch count and, when its estimate can still
+    # win, a re-plan at the best count) but each shape is traced once.
+    assert len(exports) == len(set(exports)) >= 2

@@ -121,7 +121,8 @@ HISTORY_TEXT_MAX_NODES = 2000  # larger graphs' text costs more than their passe
 
 def _graph_text(state, describe, keep: bool) -> str:
     """The graph's text after a pass: kept for graphs up to HISTORY_TEXT_MAX_NODES, or always in debug runs."""
-    n = len(state.gm.graph.nodes)
+    gm = getattr(state, "gm", None)
+    n = len(gm.graph.nodes) if gm is not None else 0
     if n > HISTORY_TEXT_MAX_NODES and not keep:
         return (f"({n} nodes: the text of graphs over {HISTORY_TEXT_MAX_NODES} nodes is kept only with "
                 "parallelize(debug=True))")
