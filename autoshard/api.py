@@ -31,7 +31,7 @@ from autoshard.search.pipeline_search import choose_pipeline
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
                 zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
-                mixed_precision=None) -> Program:
+                mixed_precision=None, compile: bool = False) -> Program:
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -57,6 +57,10 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
     in float32 (FSDP2's policy; autoshard/ir/mixed_precision.py); "fp16" the same in float16, trained with a
     `LossScaler` (autoshard/runtime/loss_scale.py).
+    `compile=True` compiles every rank's program (each pipeline stage's) with torch.compile's inductor:
+    the compute between collectives and random ops is compiled, forward and backward; the collectives and
+    the random streams run as they do eagerly, so results equal the eager program's within float rounding
+    (autoshard/runtime/compiled.py). It changes no plan; on the CPU it needs a C++ compiler ($CXX or g++).
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]
@@ -70,7 +74,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
                                    seed=seed, mixed_precision=mixed_precision, zero=zero,
-                                   optimizer_state_factor=optimizer_state_factor)
+                                   optimizer_state_factor=optimizer_state_factor, compile=compile)
     request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
     with reuse_exports():  # the pipeline search's candidates often trace the same shapes
         choice = choose_pipeline(request, pipeline, unnamed=unnamed)

@@ -16,6 +16,7 @@ from autoshard.cost.model import DEFAULT_PROFILE, HardwareProfile, load_profile
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.mixed_precision import Policy, resolve_policy
+from autoshard.runtime.compiled import require_cpp_compiler
 from autoshard.runtime.rng import MODES
 
 
@@ -23,7 +24,8 @@ from autoshard.runtime.rng import MODES
 class CompileOptions:
     """What `parallelize`'s keyword options become for the passes (see `parallelize` for each one's
     meaning). `checkpoint_budget` is the memory bound automatic recomputation aims at; `pipeline` is the
-    PipelineConfig of a micro-batch program (autoshard/program/pipeline.py), None otherwise.
+    PipelineConfig of a micro-batch program (autoshard/program/pipeline.py), None otherwise. `compile`
+    compiles each rank's program with torch.compile (autoshard/runtime/compiled.py); it changes no plan.
 
     >>> CompileOptions().profile is DEFAULT_PROFILE
     True
@@ -39,11 +41,13 @@ class CompileOptions:
     seed: int | None = None
     mixed_precision: Policy | None = None
     pipeline: object = None
+    compile: bool = False
 
     @classmethod
     def parse(cls, profile=None, mixed_precision=None, rng: str = "placement", seed=None, checkpoint=None,
-              memory_budget=None, **others) -> CompileOptions:
-        """Check and resolve user-facing values: a profile name or file, a policy name, the rng mode and seed.
+              memory_budget=None, compile: bool = False, **others) -> CompileOptions:
+        """Check and resolve user-facing values: a profile name or file, a policy name, the rng mode and seed,
+        and for `compile=True` that inductor has a C++ compiler (checked here, before any planning).
         `checkpoint="auto"` plans with activations kept and recomputes layers until `memory_budget` holds.
 
         >>> CompileOptions.parse(checkpoint="auto", memory_budget=1e9).memory_budget
@@ -52,12 +56,18 @@ class CompileOptions:
         Traceback (most recent call last):
         ...
         autoshard.ir.errors.UserInputError: rng='fast' is not a random-number mode: use 'placement' (masks follow ...
+        >>> CompileOptions.parse(compile=True).compile
+        True
         """
         if rng not in MODES:
             raise UserInputError(f"rng={rng!r} is not a random-number mode: use 'placement' (masks follow "
                                  "placements) or 'exact' (each rank's block of the single device's masks)")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
+        if not isinstance(compile, bool):
+            raise UserInputError(f"compile={compile!r}: give True (torch.compile each rank's program) or False")
+        if compile:
+            require_cpp_compiler()
         unknown = sorted(set(others) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise UserInputError(f"unknown compile option(s) {unknown}; the options are "
@@ -66,7 +76,7 @@ class CompileOptions:
             others.setdefault("checkpoint_budget", memory_budget)
             memory_budget = float("inf")
         return cls(profile=load_profile(profile) or DEFAULT_PROFILE, mixed_precision=resolve_policy(mixed_precision),
-                   rng=rng, seed=seed, checkpoint=checkpoint, memory_budget=memory_budget, **others)
+                   rng=rng, seed=seed, checkpoint=checkpoint, memory_budget=memory_budget, compile=compile, **others)
 
     @classmethod
     def of(cls, value) -> CompileOptions:

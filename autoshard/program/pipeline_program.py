@@ -226,7 +226,10 @@ class PipelineProgram(Program):
         (device(type='meta'), device(type='cpu'))
         """
         keep = None if stages is None else self.stage_tensors(stages)
-        return split_stages(build_rank_module(self.state, inner_rank, keep, local), self.config.num_stages)
+        graphs = split_stages(build_rank_module(self.state, inner_rank, keep, local), self.config.num_stages)
+        for stage in graphs:
+            self.compiled(stage.gm)
+        return graphs
 
     def module(self, rank: int, comm, weights=None, init_fn=None, seed: int = 0, strict: bool = True):
         """Rank `rank`'s trainable pipeline module (PipelineRankModule: a real rank, it runs a

@@ -1,0 +1,101 @@
+"""`parallelize(..., compile=True)`: each rank's program compiled by torch.compile (inductor).
+
+A rank's GraphModule is compiled in place with `nn.Module.compile`, so it stays the same module: its
+parameters are the ones the optimizer updates (dynamo passes a module's parameters to the compiled graph
+as inputs, so no copy can go stale) and its state dict keeps its names. What must run as the eager
+runtime runs it is called through `torch.compiler.disable`, where dynamo breaks the graph:
+
+- the collectives (autograd functions that call the rank's communicator: gloo, or the simulator's
+  threads): kept exactly as they are, forward and backward;
+- random ops (`random_op`: the rank's stream draws each mask), so `rng="placement"` and `rng="exact"`
+  draw the very masks they draw eagerly;
+- submodules that are not graphs (activation recomputation's wrappers, which run
+  torch.utils.checkpoint eagerly); the region's own graph is compiled in its turn.
+
+The compute between two of them is one inductor graph; AOTAutograd compiles its backward too. Results
+equal the eager program's within float rounding (inductor fuses and reorders arithmetic).
+
+Inductor compiles C++ kernels on the CPU: `require_cpp_compiler()` says which compiler it would use
+and fails with what to do when there is none.
+
+>>> import torch
+>>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+>>> compile_rank_graph(gm) is gm  # in place; compiled on its first call
+True
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+
+import torch
+from torch import fx
+
+from autoshard.ir.errors import UserInputError
+from autoshard.runtime.collectives import COLLECTIVES
+from autoshard.runtime.rng import random_op
+
+_EAGER = frozenset(COLLECTIVES.values()) | {random_op}
+
+
+def require_cpp_compiler() -> str:
+    """The C++ compiler inductor will build CPU kernels with (`$CXX`, else g++; clang++ on macOS, as
+    inductor chooses); a UserInputError naming what to install when it is not on PATH.
+
+    >>> os.path.basename(require_cpp_compiler())  # this machine's
+    'g++'
+    """
+    name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    found = shutil.which(name)
+    if found is None:
+        raise UserInputError(f"compile=True: torch.compile's inductor backend builds C++ kernels for the CPU, and "
+                             f"the C++ compiler {name!r} ($CXX, else {name}) is not on PATH; install one (e.g. "
+                             "apt-get install g++) or point CXX at it, or drop compile=True to run eagerly")
+    return found
+
+
+def compile_rank_graph(gm: fx.GraphModule, mixed_precision: bool = False) -> fx.GraphModule:
+    """Compile `gm` (a rank's or a stage's GraphModule) and the graphs of its recomputed regions in place,
+    collectives, random ops and recomputation wrappers left eager (see the module docstring). With
+    `mixed_precision`, inductor rounds to the low-precision dtype where eager would
+    (`emulate_precision_casts`), so a bf16/fp16 program stays as close to its eager run as float32 does.
+
+    >>> from autoshard.runtime.collectives import all_reduce
+    >>> graph = fx.Graph()
+    >>> graph.output(graph.call_function(all_reduce, (graph.placeholder("x"), "tp")))
+    output
+    >>> gm = compile_rank_graph(fx.GraphModule(torch.nn.Module(), graph))  # compiled on its first call
+    >>> collective = next(n.target for n in gm.graph.nodes if n.op == "call_function")
+    >>> collective is all_reduce, collective.__wrapped__ is all_reduce  # all_reduce, behind compiler.disable
+    (False, True)
+    """
+    options = {"emulate_precision_casts": True} if mixed_precision else None
+    for sub in list(gm.modules()):
+        if isinstance(sub, fx.GraphModule):
+            _keep_eager(sub)
+            sub.compile(backend="inductor", dynamic=False, options=options)
+    return gm
+
+
+def _keep_eager(gm: fx.GraphModule) -> None:
+    """Route the calls that must stay eager through `torch.compiler.disable` (dynamo breaks the graph there)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _EAGER:
+            node.target = _disabled(node.target)
+        elif node.op == "call_module" and not isinstance(gm.get_submodule(node.target), fx.GraphModule):
+            with gm.graph.inserting_before(node):
+                module = gm.graph.get_attr(node.target)
+            node.op, node.target, node.args = "call_function", _call_eager, (module, *node.args)
+    gm.recompile()
+
+
+@functools.cache
+def _disabled(fn):
+    return torch.compiler.disable(fn, recursive=True)
+
+
+@torch.compiler.disable
+def _call_eager(module, *args):
+    return module(*args)
