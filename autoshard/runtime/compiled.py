@@ -29,6 +29,7 @@ import functools
 import os
 import shutil
 import sys
+import warnings
 
 import torch
 from torch import fx
@@ -71,6 +72,7 @@ def compile_rank_graph(gm: fx.GraphModule, mixed_precision: bool = False) -> fx.
     >>> collective is all_reduce, collective.__wrapped__ is all_reduce  # all_reduce, behind compiler.disable
     (False, True)
     """
+    _quiet_imports()
     options = {"emulate_precision_casts": True} if mixed_precision else None
     for sub in list(gm.modules()):
         if isinstance(sub, fx.GraphModule):
@@ -89,6 +91,15 @@ def _keep_eager(gm: fx.GraphModule) -> None:
                 module = gm.graph.get_attr(node.target)
             node.op, node.target, node.args = "call_function", _call_eager, (module, *node.args)
     gm.recompile()
+
+
+@functools.cache
+def _quiet_imports() -> None:
+    """Inductor imports torch.utils.mkldnn on its first compile, whose import warns (once per method) that
+    torch.jit.script_method is deprecated: torch's own code, nothing a user can act on; import it quietly."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch.utils.mkldnn  # noqa: F401
 
 
 @functools.cache
