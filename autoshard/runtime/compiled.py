@@ -48,12 +48,13 @@ def require_cpp_compiler() -> str:
     >>> os.path.basename(require_cpp_compiler())  # this machine's
     'g++'
     """
-    name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    default = "clang++" if sys.platform == "darwin" else "g++"
+    name = os.environ.get("CXX") or default
     found = shutil.which(name)
     if found is None:
-        raise UserInputError(f"compile=True: torch.compile's inductor backend builds C++ kernels for the CPU, and "
-                             f"the C++ compiler {name!r} ($CXX, else {name}) is not on PATH; install one (e.g. "
-                             "apt-get install g++) or point CXX at it, or drop compile=True to run eagerly")
+        raise UserInputError(f"compile=True: torch.compile's inductor backend builds C++ kernels for the CPU with "
+                             f"{name!r} ($CXX, default {default!r}), which is not on PATH; install a C++ compiler "
+                             "(e.g. apt-get install g++) or point CXX at one, or drop compile=True to run eagerly")
     return found
 
 
