@@ -110,7 +110,7 @@ def measure(config) -> list[dict]:
     rows = []
     for name in config["cases"]:
         ranks = [per_rank[r][name] for r in sorted(per_rank)]
-        rows.append(dict(case=name, ranks=ranks, slowest=slowest_rank([r["wall"] for r in ranks]), load=load))
+        rows.append({"case": name, "ranks": ranks, "slowest": slowest_rank([r["wall"] for r in ranks]), "load": load})
     return rows
 
 

@@ -12,11 +12,13 @@ from autoshard.zoo.hints import megatron
 FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
 
 GLOO_CASES = {
-    "zero3": dict(mesh=(2,), axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}}, zero=3, optimizer="adam"),
-    "pipeline-1f1b": dict(mesh=(2,), axis_names=("pp",), pipeline={"microbatches": 2, "schedule": "1F1B"}),
-    "bf16": dict(mesh=(2,), axis_names=("tp",), hints=megatron("gpt2"), mixed_precision="bf16", dtype="float32"),
-    "accumulate": dict(mesh=(2, 2), axis_names=("dp", "tp"), hints={**megatron("gpt2"), "input:0": {"dp": "S(0)"}},
-                       accumulate=2, clip_grad_norm=0.5),
+    "zero3": {"mesh": (2,), "axis_names": ("dp",), "hints": {"input:0": {"dp": "S(0)"}}, "zero": 3,
+              "optimizer": "adam"},
+    "pipeline-1f1b": {"mesh": (2,), "axis_names": ("pp",), "pipeline": {"microbatches": 2, "schedule": "1F1B"}},
+    "bf16": {"mesh": (2,), "axis_names": ("tp",), "hints": megatron("gpt2"), "mixed_precision": "bf16",
+             "dtype": "float32"},
+    "accumulate": {"mesh": (2, 2), "axis_names": ("dp", "tp"), "hints": {**megatron("gpt2"), "input:0": {"dp": "S(0)"}},
+                   "accumulate": 2, "clip_grad_norm": 0.5},
 }
 
 
