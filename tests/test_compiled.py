@@ -11,6 +11,7 @@ from torch import nn
 import autoshard
 from autoshard import UserInputError
 from autoshard.runtime.compiled import require_cpp_compiler
+from autoshard.runtime.simulator import run_ranks
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import mlp
 from autoshard.zoo.hints import megatron
@@ -52,6 +53,8 @@ def test_graph_is_not_compiled_and_plan_unchanged():
                                      hints={"input:0": {"dp": "S(0)"}}, compile=True)
     assert compiled.plan.fingerprint == eager.plan.fingerprint  # compiling is no planning decision
     assert compiled.graph(0).code == eager.graph(0).code  # prog.graph stays the inspectable eager graph
+    keys = [run_ranks(p, lambda module: list(module.state_dict()))[0] for p in (eager, compiled)]
+    assert keys[0] == keys[1]  # compiled in place: checkpoints keep their names (no "_orig_mod.")
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
