@@ -226,10 +226,7 @@ class PipelineProgram(Program):
         (device(type='meta'), device(type='cpu'))
         """
         keep = None if stages is None else self.stage_tensors(stages)
-        graphs = split_stages(build_rank_module(self.state, inner_rank, keep, local), self.config.num_stages)
-        for stage in graphs:
-            self.compiled(stage.gm)
-        return graphs
+        return split_stages(build_rank_module(self.state, inner_rank, keep, local), self.config.num_stages)
 
     def module(self, rank: int, comm, weights=None, init_fn=None, seed: int = 0, strict: bool = True):
         """Rank `rank`'s trainable pipeline module (PipelineRankModule: a real rank, it runs a
@@ -249,6 +246,8 @@ class PipelineProgram(Program):
                                   strict=strict)
         stages = self.all_stage_graphs(inner_rank, stages=set(mine), local=local)  # other stages' stay meta
         mine = [stages[s] for s in mine]
+        for stage in mine:
+            self.compiled(stage.gm, inner)
         return PipelineRankModule(mine, inner, comm, rank, self.rank_program, self.stages_rng(inner.coord, mine), self)
 
     def stages_rng(self, coord, stage_graphs) -> RankRng:
@@ -348,4 +347,6 @@ class InnerRanks:
         """
         program = self.program
         stages = program.all_stage_graphs(inner_rank, local=program.rank_tensors(inner_rank, weights, **options))
+        for stage in stages:
+            program.compiled(stage.gm, comm)
         return SequentialStages(stages, comm, program.rank_program, program.stages_rng(comm.coord, stages), program)

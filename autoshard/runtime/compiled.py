@@ -36,9 +36,11 @@ from torch import fx
 
 from autoshard.ir.errors import UserInputError
 from autoshard.runtime.collectives import COLLECTIVES
+from autoshard.runtime.graph_collectives import IN_GRAPH, register
 from autoshard.runtime.rng import random_op
 
-_EAGER = frozenset(COLLECTIVES.values()) | {random_op}
+_IN_GRAPH = {COLLECTIVES[name]: name for name in IN_GRAPH}
+_EAGER = (frozenset(COLLECTIVES.values()) - set(_IN_GRAPH)) | {random_op}
 
 
 def require_cpp_compiler() -> str:
@@ -58,34 +60,43 @@ def require_cpp_compiler() -> str:
     return found
 
 
-def compile_rank_graph(gm: fx.GraphModule, mixed_precision: bool = False) -> fx.GraphModule:
-    """Compile `gm` (a rank's or a stage's GraphModule) and the graphs of its recomputed regions in place,
-    collectives, random ops and recomputation wrappers left eager (see the module docstring). With
-    `mixed_precision`, inductor rounds to the low-precision dtype where eager would
-    (`emulate_precision_casts`), so a bf16/fp16 program stays as close to its eager run as float32 does.
+def compile_rank_graph(gm: fx.GraphModule, comm, mixed_precision: bool = False) -> fx.GraphModule:
+    """Compile `gm` (a rank's or a stage's GraphModule, run with the communicator `comm`) and the graphs of
+    its recomputed regions in place: collectives become graph ops, random ops, ZeRO-3's parameter gathers
+    and recomputation wrappers stay eager (see the module docstring). With `mixed_precision`, inductor
+    rounds to the low-precision dtype where eager would (`emulate_precision_casts`), so a bf16/fp16 program
+    stays as close to its eager run as float32 does.
 
+    >>> from autoshard.ir.mesh import Mesh
     >>> from autoshard.runtime.collectives import all_reduce
+    >>> from autoshard.runtime.communicator import DistCommunicator
     >>> graph = fx.Graph()
     >>> graph.output(graph.call_function(all_reduce, (graph.placeholder("x"), "tp")))
     output
-    >>> gm = compile_rank_graph(fx.GraphModule(torch.nn.Module(), graph))  # compiled on its first call
-    >>> collective = next(n.target for n in gm.graph.nodes if n.op == "call_function")
-    >>> collective is all_reduce, collective.__wrapped__ is all_reduce  # all_reduce, behind compiler.disable
-    (False, True)
+    >>> solo = DistCommunicator(Mesh((1,), ("tp",)), 0, groups={}, mesh_group=None)
+    >>> gm = compile_rank_graph(fx.GraphModule(torch.nn.Module(), graph), solo)  # compiled on its first call
+    >>> next(n.target for n in gm.graph.nodes if n.op == "call_function")  # all_reduce, as a graph op
+    <OpOverload(op='autoshard.collective', overload='default')>
     """
     _quiet_imports()
     options = {"emulate_precision_casts": True} if mixed_precision else None
+    key = register(comm)
     for sub in list(gm.modules()):
         if isinstance(sub, fx.GraphModule):
-            _keep_eager(sub)
+            _rewrite(sub, key)
             sub.compile(backend="inductor", dynamic=False, options=options)
     return gm
 
 
-def _keep_eager(gm: fx.GraphModule) -> None:
-    """Route the calls that must stay eager through `torch.compiler.disable` (dynamo breaks the graph there)."""
+def _rewrite(gm: fx.GraphModule, key: int) -> None:
+    """Collectives become graph ops; the calls that must stay eager go through `torch.compiler.disable`
+    (dynamo breaks the graph there)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _EAGER:
+        if node.op == "call_function" and node.target in _IN_GRAPH:
+            x, axis, *dims = node.args
+            node.target, node.args = torch.ops.autoshard.collective.default, (x, key, _IN_GRAPH[node.target], axis,
+                                                                                list(dims))
+        elif node.op == "call_function" and node.target in _EAGER:
             node.target = _disabled(node.target)
         elif node.op == "call_module" and not isinstance(gm.get_submodule(node.target), fx.GraphModule):
             with gm.graph.inserting_before(node):
