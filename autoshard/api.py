@@ -57,9 +57,9 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
     in float32 (FSDP2's policy; autoshard/ir/mixed_precision.py); "fp16" the same in float16, trained with a
     `LossScaler` (autoshard/runtime/loss_scale.py).
-    `compile=True` compiles every rank's program (each pipeline stage's) with torch.compile's inductor:
-    the compute between collectives and random ops is compiled, forward and backward; the collectives and
-    the random streams run as they do eagerly, so results equal the eager program's within float rounding
+    `compile=True` compiles every rank's program (each pipeline stage's) with torch.compile's inductor,
+    forward and backward, the collectives inside the graph as opaque ops making the same calls; random ops
+    run as they do eagerly (same masks), so results equal the eager program's within float rounding
     (autoshard/runtime/compiled.py). It changes no plan; on the CPU it needs a C++ compiler ($CXX or g++).
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring

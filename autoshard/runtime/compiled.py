@@ -2,25 +2,31 @@
 
 A rank's GraphModule is compiled in place with `nn.Module.compile`, so it stays the same module: its
 parameters are the ones the optimizer updates (dynamo passes a module's parameters to the compiled graph
-as inputs, so no copy can go stale) and its state dict keeps its names. What must run as the eager
-runtime runs it is called through `torch.compiler.disable`, where dynamo breaks the graph:
+as inputs, so no copy can go stale) and its state dict keeps its names. AOTAutograd compiles the backward.
 
-- the collectives (autograd functions that call the rank's communicator: gloo, or the simulator's
-  threads): kept exactly as they are, forward and backward;
-- random ops (`random_op`: the rank's stream draws each mask), so `rng="placement"` and `rng="exact"`
-  draw the very masks they draw eagerly;
-- submodules that are not graphs (activation recomputation's wrappers, which run
-  torch.utils.checkpoint eagerly); the region's own graph is compiled in its turn.
+- The collectives become custom ops of the graph (autoshard/runtime/graph_collectives.py): the same
+  communicator calls and bytes, forward and backward, but no graph break, so a rank program without
+  random ops is one forward and one backward graph. (Breaking the graph at each collective, the obvious
+  way, made every model slower than eager: each piece's guards and autograd wrappers cost more than
+  inductor saved on the compute between two collectives.)
+- What must run as the eager runtime runs it is called through `torch.compiler.disable`, where dynamo
+  breaks the graph: random ops (`random_op`: the rank's stream draws each mask, so `rng="placement"` and
+  `rng="exact"` draw the very masks they draw eagerly; inductor's own generator would draw others);
+  ZeRO-3's parameter gathers (their saved-tensor hooks keep only shards between forward and backward);
+  submodules that are not graphs (activation recomputation's wrappers, which run torch.utils.checkpoint
+  eagerly; the region's own graph is compiled in its turn).
 
-The compute between two of them is one inductor graph; AOTAutograd compiles its backward too. Results
-equal the eager program's within float rounding (inductor fuses and reorders arithmetic).
-
-Inductor compiles C++ kernels on the CPU: `require_cpp_compiler()` says which compiler it would use
-and fails with what to do when there is none.
+Results equal the eager program's within float rounding (inductor fuses and reorders arithmetic).
+Inductor compiles C++ kernels on the CPU: `require_cpp_compiler()` says which compiler it would use and
+fails with what to do when there is none.
 
 >>> import torch
+>>> from autoshard.runtime.collectives import all_reduce
+>>> from autoshard.runtime.communicator import DistCommunicator
+>>> from autoshard.ir.mesh import Mesh
+>>> solo = DistCommunicator(Mesh((1,), ("tp",)), 0, groups={}, mesh_group=None)  # one rank: no process group
 >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
->>> compile_rank_graph(gm) is gm  # in place; compiled on its first call
+>>> compile_rank_graph(gm, solo) is gm  # in place; compiled on its first call
 True
 """
 from __future__ import annotations
@@ -64,16 +70,12 @@ def compile_rank_graph(gm: fx.GraphModule, comm, mixed_precision: bool = False) 
     """Compile `gm` (a rank's or a stage's GraphModule, run with the communicator `comm`) and the graphs of
     its recomputed regions in place: collectives become graph ops, random ops, ZeRO-3's parameter gathers
     and recomputation wrappers stay eager (see the module docstring). With `mixed_precision`, inductor
-    rounds to the low-precision dtype where eager would (`emulate_precision_casts`), so a bf16/fp16 program
-    stays as close to its eager run as float32 does.
+    rounds to the low-precision dtype where eager does (`emulate_precision_casts`) rather than keeping
+    fused intermediates in float32, so a bf16/fp16 program stays close to its eager run.
 
-    >>> from autoshard.ir.mesh import Mesh
-    >>> from autoshard.runtime.collectives import all_reduce
-    >>> from autoshard.runtime.communicator import DistCommunicator
     >>> graph = fx.Graph()
     >>> graph.output(graph.call_function(all_reduce, (graph.placeholder("x"), "tp")))
     output
-    >>> solo = DistCommunicator(Mesh((1,), ("tp",)), 0, groups={}, mesh_group=None)
     >>> gm = compile_rank_graph(fx.GraphModule(torch.nn.Module(), graph), solo)  # compiled on its first call
     >>> next(n.target for n in gm.graph.nodes if n.op == "call_function")  # all_reduce, as a graph op
     <OpOverload(op='autoshard.collective', overload='default')>
