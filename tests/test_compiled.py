@@ -14,7 +14,6 @@ from autoshard.runtime.compiled import require_cpp_compiler
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import mlp
-from autoshard.zoo.hints import megatron
 
 
 class _Block(nn.Module):
