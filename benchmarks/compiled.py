@@ -25,7 +25,7 @@ CASES = {
     "bert": ("bert", "megatron"), "vit": ("vit", "megatron"), "resnet": ("resnet", "dp"),
     "gpt2 dim 512": ("gpt2_wide", "megatron"), "llama dim 512": ("llama_wide", "megatron"),
 }
-FULL = {"repetitions": 20, "cases": list(CASES)}
+FULL = {"repetitions": 50, "cases": list(CASES)}
 QUICK = {"repetitions": 3, "cases": ["mlp", "gpt2"]}
 
 
