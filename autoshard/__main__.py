@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--dtype", choices=("float64", "float32", "bfloat16"), default="float64",
                            help="compare in this dtype (default float64, tolerance 1e-6); float32/bfloat16 for "
                                 "models with ops that have no float64 kernel, tolerance from the model's own noise")
+            p.add_argument("--compile", action="store_true",
+                           help="torch.compile each rank's program (inductor; needs a C++ compiler on the CPU)")
         else:
             p.add_argument("--rank", type=int, default=None, help="also print this rank's graph")
     cal = sub.add_parser("calibrate", help="measure alpha/beta of each mesh axis on gloo ranks; write a profile")
@@ -189,7 +191,8 @@ def _run(args) -> int:
         return OK
     report, _ = verify_factory(args.factory, mesh, hints=hints, steps=args.steps, lr=args.lr, simulate=args.simulate,
                                dtype=args.dtype, accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
-                               rng=args.rng, seed=args.seed, mixed_precision=args.mixed_precision, **options)
+                               rng=args.rng, seed=args.seed, mixed_precision=args.mixed_precision,
+                               compile=args.compile, **options)
     print(json.dumps(report.to_json(), indent=1, sort_keys=True) if args.json else report)
     return OK if report.ok else MISMATCH
 

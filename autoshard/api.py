@@ -31,7 +31,8 @@ from autoshard.search.pipeline_search import choose_pipeline
 def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
                 zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
-                mixed_precision=None, memory_headroom: float = DEFAULT_HEADROOM, fold_layers: bool = True) -> Program:
+                mixed_precision=None, memory_headroom: float = DEFAULT_HEADROOM, fold_layers: bool = True,
+                compile: bool = False) -> Program:
     """Plan `model` on `mesh` and return the Program (no process group needed to plan).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
@@ -63,6 +64,10 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     `mixed_precision="bf16"` computes in bfloat16 from float32 master weights, whose gradients are reduced
     in float32 (FSDP2's policy; autoshard/ir/mixed_precision.py); "fp16" the same in float16, trained with a
     `LossScaler` (autoshard/runtime/loss_scale.py).
+    `compile=True` compiles every rank's program (each pipeline stage's) with torch.compile's inductor,
+    forward and backward, the collectives inside the graph as opaque ops making the same calls; random ops
+    run as they do eagerly (same masks), so results equal the eager program's within float rounding
+    (autoshard/runtime/compiled.py). It changes no plan; on the CPU it needs a C++ compiler ($CXX or g++).
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]
@@ -77,7 +82,7 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
                                    seed=seed, mixed_precision=mixed_precision, zero=zero,
                                    optimizer_state_factor=optimizer_state_factor, memory_headroom=memory_headroom,
-                                   fold_layers=fold_layers)
+                                   fold_layers=fold_layers, compile=compile)
     request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
     with reuse_exports():  # the pipeline search's candidates often trace the same shapes
         choice = choose_pipeline(request, pipeline, unnamed=unnamed)

@@ -18,6 +18,7 @@ BENCHMARKS = [
     "big_model_memory",  # 7. peak RSS per rank: a 2.2 GiB meta Llama read from safetensors vs the full model (gloo)
     "planning_llama",    # 8. torchtitan's Llama 3.1 8B/70B/405B runs on H100 clusters: choice and tokens/s vs published
     "planning_cli",      # 9. `python -m autoshard plan` at the Llama 3 8B/70B/405B shapes: time and memory vs targets
+    "compiled",          # 10. parallelize(compile=True) vs eager: step time per rank and equality (gloo ranks)
 ]
 
 

@@ -16,8 +16,8 @@ from autoshard.cost.model import DEFAULT_PROFILE, HardwareProfile, load_profile
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.mixed_precision import Policy, resolve_policy
+from autoshard.runtime.compiled import require_cpp_compiler
 from autoshard.runtime.rng import MODES
-
 
 DEFAULT_HEADROOM = 0.1
 
@@ -37,7 +37,8 @@ class CompileOptions:
     meaning). `memory_budget` is resolved by `parse`: the user's bytes, or the profile's device memory less
     `memory_headroom` (a share, default 10%: allocator fragmentation, communication buffers and the CUDA
     context live there); `checkpoint_budget` is the memory bound automatic recomputation aims at; `pipeline`
-    is the PipelineConfig of a micro-batch program (autoshard/program/pipeline.py), None otherwise.
+    is the PipelineConfig of a micro-batch program (autoshard/program/pipeline.py), None otherwise. `compile`
+    compiles each rank's program with torch.compile (autoshard/runtime/compiled.py); it changes no plan.
 
     >>> CompileOptions().profile is DEFAULT_PROFILE
     True
@@ -55,12 +56,15 @@ class CompileOptions:
     mixed_precision: Policy | None = None
     pipeline: object = None
     fold_layers: bool = True
+    compile: bool = False
 
     @classmethod
     def parse(cls, profile=None, mixed_precision=None, rng: str = "placement", seed=None, checkpoint=None,
-              memory_budget=None, memory_headroom=DEFAULT_HEADROOM, **others) -> CompileOptions:
+              memory_budget=None, memory_headroom=DEFAULT_HEADROOM, compile: bool = False,
+              **others) -> CompileOptions:
         """Check and resolve user-facing values: a profile name or file, a policy name, the rng mode and seed,
-        the memory budget (default: the device memory less the headroom).
+        the memory budget (default: the device memory less the headroom), and for `compile=True` that
+        inductor has a C++ compiler (checked here, before any planning).
         `checkpoint="auto"` plans with activations kept and recomputes layers until `memory_budget` holds.
 
         >>> CompileOptions.parse(profile="gpu").memory_budget / 1e9  # 80 GB less 10%
@@ -71,12 +75,18 @@ class CompileOptions:
         Traceback (most recent call last):
         ...
         autoshard.ir.errors.UserInputError: rng='fast' is not a random-number mode: use 'placement' (masks follow ...
+        >>> CompileOptions.parse(compile=True).compile
+        True
         """
         if rng not in MODES:
             raise UserInputError(f"rng={rng!r} is not a random-number mode: use 'placement' (masks follow "
                                  "placements) or 'exact' (each rank's block of the single device's masks)")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise UserInputError(f"seed={seed!r}: give an int (or None for autoshard.manual_seed's)")
+        if not isinstance(compile, bool):
+            raise UserInputError(f"compile={compile!r}: give True (torch.compile each rank's program) or False")
+        if compile:
+            require_cpp_compiler()
         unknown = sorted(set(others) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise UserInputError(f"unknown compile option(s) {unknown}; the options are "
@@ -95,7 +105,8 @@ class CompileOptions:
             others.setdefault("checkpoint_budget", memory_budget)
             memory_budget = float("inf")
         return cls(profile=profile, mixed_precision=resolve_policy(mixed_precision), rng=rng, seed=seed,
-                   checkpoint=checkpoint, memory_budget=memory_budget, memory_headroom=memory_headroom, **others)
+                   checkpoint=checkpoint, memory_budget=memory_budget, memory_headroom=memory_headroom,
+                   compile=compile, **others)
 
     @classmethod
     def of(cls, value) -> CompileOptions:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from autoshard.cost.axis_cost import needs_grad
-from autoshard.frontend.hints import ZERO_STAGES, Hints, parse_zero
+from autoshard.frontend.hints import Hints, parse_zero
 from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.placement import Replicate, Shard

@@ -246,6 +246,8 @@ class PipelineProgram(Program):
                                   strict=strict)
         stages = self.all_stage_graphs(inner_rank, stages=set(mine), local=local)  # other stages' stay meta
         mine = [stages[s] for s in mine]
+        for stage in mine:
+            self.compiled(stage.gm, inner)
         return PipelineRankModule(mine, inner, comm, rank, self.rank_program, self.stages_rng(inner.coord, mine), self)
 
     def stages_rng(self, coord, stage_graphs) -> RankRng:
@@ -345,4 +347,6 @@ class InnerRanks:
         """
         program = self.program
         stages = program.all_stage_graphs(inner_rank, local=program.rank_tensors(inner_rank, weights, **options))
+        for stage in stages:
+            program.compiled(stage.gm, comm)
         return SequentialStages(stages, comm, program.rank_program, program.stages_rng(comm.coord, stages), program)

@@ -38,6 +38,7 @@ from autoshard.passes.codegen import attr_names, build_rank_module
 from autoshard.passes.manager import CompileState, History
 from autoshard.passes.random_ops import describe_random_ops
 from autoshard.plan.plan import Plan
+from autoshard.runtime.compiled import compile_rank_graph
 from autoshard.runtime.rank_module import RankModule
 from autoshard.runtime.rank_program import RankProgram
 from autoshard.runtime.rng import RankRng, drawn_ops
@@ -147,11 +148,21 @@ class Program:
         """
         source = open_weights(weights) if weights is not None else None
         local = self.rank_tensors(rank, source, init_fn=init_fn, seed=seed, strict=strict)
-        gm = build_rank_module(self.state, rank, local=local)
+        gm = self.compiled(build_rank_module(self.state, rank, local=local), comm)
         module = RankModule(gm, comm, self.rank_program, self.rank_rng(comm.coord, needed=drawn_ops(gm)), self)
         if isinstance(source, DcpWeights):  # DCP reads each rank's pieces into the module's shards in place
             load_checkpoint(source.path, module)
         return module
+
+    def compiled(self, gm: torch.fx.GraphModule, comm) -> torch.fx.GraphModule:
+        """`gm`, run with the communicator `comm`, compiled in place by torch.compile when planned with
+        `compile=True`, else as it is (autoshard/runtime/compiled.py).
+
+        >>> prog.compiled(prog.graph(0), None) is prog.graph(0)  # planned without compile=True: unchanged
+        True
+        """
+        options = self.state.options
+        return compile_rank_graph(gm, comm, options.mixed_precision is not None) if options.compile else gm
 
     def rank_tensors(self, rank: int, weights, keep=None, init_fn=None, seed: int = 0, strict: bool = True):
         """{FQN: block} of rank `rank` (intra-op rank, for a pipeline) from `weights` (see `module`; for a DCP

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 
 import torch
 
@@ -265,3 +266,21 @@ def param_all_gather(x: torch.Tensor, axis: str, dim: int, reduce_grad: bool, dt
 
 
 COLLECTIVES["param_all_gather"] = param_all_gather
+
+_FUNCTIONS = {"all_reduce": _AllReduce, "grad_all_reduce": _GradAllReduce, "all_gather": _AllGather, "chunk": _Chunk,
+              "reduce_scatter": _ReduceScatter, "all_gather_sum_grad": _AllGatherSumGrad, "all_to_all": _AllToAll}
+
+
+def run_collective(name: str, x: torch.Tensor, comm: Communicator, axis: str, *dims, backward: bool = False):
+    """Collective `name`'s forward on `x` (with `backward`: its backward on the gradient `x`) exactly as its
+    autograd function runs it, outside autograd: a compiled rank program calls it from inside its graph
+    (autoshard/runtime/compiled.py), where AOTAutograd, not this function, connects forward and backward.
+
+    >>> run_on_mesh(mesh, lambda comm: run_collective("all_gather", torch.tensor([comm.rank]), comm, "tp", 0))
+    {0: tensor([0, 1]), 1: tensor([0, 1])}
+    >>> run_on_mesh(mesh, lambda comm: run_collective("all_gather", torch.tensor([5, 6]), comm, "tp", 0, backward=True))
+    {0: tensor([5]), 1: tensor([6])}
+    """
+    function = _FUNCTIONS[name]
+    ctx = types.SimpleNamespace(comm=comm, axis=axis, dim=dims[0] if dims else None, dims=tuple(dims))
+    return function.backward(ctx, x)[0] if backward else function.forward(ctx, x, comm, axis, *dims)

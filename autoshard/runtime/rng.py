@@ -276,8 +276,9 @@ def drawn_ops(module: torch.nn.Module) -> set[int]:
     """
     found = set()
     for sub in module.modules():
-        if isinstance(sub, torch.fx.GraphModule):
-            found.update(n.args[0] for n in sub.graph.nodes if n.op == "call_function" and n.target is random_op)
+        if isinstance(sub, torch.fx.GraphModule):  # compile=True calls it through torch.compiler.disable
+            found.update(n.args[0] for n in sub.graph.nodes if n.op == "call_function" and random_op in (
+                n.target, getattr(n.target, "__wrapped__", None)))
     return found
 
 
