@@ -198,6 +198,85 @@ class Communicator:
         k = self.axis_size(axis)
         return torch.cat([p.chunk(k, scatter_dim)[mine] for p in parts], gather_dim).contiguous()
 
+    # Started collectives (`Pending`): the same results, completed later on a DistCommunicator.
+    def start_all_gather_list(self, tensor, axis, what) -> Pending:
+        """`all_gather_list`, started: here it completes at once (the simulator's threads meet now).
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_all_gather_list(torch.tensor([comm.rank]), "dp", "x"))[0].wait()
+        [tensor([0]), tensor([2])]
+        """
+        parts = self.all_gather_list(tensor, axis, what)
+        return Pending(lambda: parts)
+
+    def start_all_reduce(self, tensor, axis) -> Pending:
+        """`all_reduce`, started; the result may reuse `tensor`'s storage (the caller gives it up).
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_all_reduce(torch.tensor([comm.rank]), "dp").wait())[1]
+        tensor([4])
+        """
+        return self.start_all_gather_list(tensor, axis, "all_reduce").then(_ordered_sum)
+
+    def start_reduce_scatter(self, tensor, axis, dim) -> Pending:
+        """`reduce_scatter`, started.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_reduce_scatter(torch.tensor([1, 10]), "tp", 0).wait())[1]
+        tensor([20])
+        """
+        k, mine = self.axis_size(axis), self.axis_rank(axis)
+        return self.start_all_gather_list(tensor, axis, "reduce_scatter").then(
+            lambda parts: _ordered_sum(parts).chunk(k, dim)[mine].contiguous())
+
+    def start_all_gather(self, tensor, axis, dim) -> Pending:
+        """`all_gather`, started.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_all_gather(torch.tensor([comm.rank]), "tp", 0).wait())[3]
+        tensor([2, 3])
+        """
+        return self.start_all_gather_list(tensor, axis, "all_gather").then(lambda parts: torch.cat(parts, dim))
+
+
+class Pending:
+    """A collective started by a `Communicator.start_*` method: `wait()` returns its result. The simulator's
+    collectives complete when started; a DistCommunicator's run on the backend's threads meanwhile (gloo's
+    async_op), so the caller computes while they travel (gradient buckets during backward).
+
+    >>> pending = run_on_mesh(mesh, lambda comm: comm.start_all_reduce(torch.tensor([comm.rank]), "tp"))
+    >>> pending[3].wait()
+    tensor([5])
+    """
+
+    def __init__(self, finish, work=None, comm=None, what: str = "", axis=None):
+        self.finish, self.work, self.comm, self.what, self.axis = finish, work, comm, what, axis
+        self.started = time.monotonic()
+
+    def then(self, fn) -> Pending:
+        """This collective followed by local work `fn(result)` (done in `wait`).
+
+        >>> Pending(lambda: torch.ones(2)).then(lambda t: t * 3).wait()
+        tensor([3., 3.])
+        """
+        finish = self.finish
+        self.finish = lambda: fn(finish())
+        return self
+
+    def wait(self):
+        """Block until the collective completes (within the communicator's timeout), then its result.
+
+        >>> Pending(lambda: torch.zeros(1)).wait()
+        tensor([0.])
+        """
+        if self.work is not None:
+            work, self.work = self.work, None
+            try:
+                completed = work.wait(self.comm.timeout)
+            except RuntimeError as exc:
+                raise CollectiveTimeout(self.comm.failure(self.what, self.axis, exc,
+                                                          time.monotonic() - self.started)) from exc
+            if completed is False:
+                raise CollectiveTimeout(self.comm.failure(self.what, self.axis, RuntimeError("timed out"),
+                                                          time.monotonic() - self.started))
+        return self.finish()
+
 
 def _ordered_sum(parts):
     total = parts[0].clone()
@@ -328,6 +407,47 @@ class DistCommunicator(Communicator):
         parts = [torch.empty_like(tensor) for _ in range(self.axis_size(axis))]
         self._run(what, axis, lambda: dist.all_gather(parts, tensor, group=self.groups[axis]))
         return parts
+
+    def start_all_gather_list(self, tensor, axis, what) -> Pending:
+        """`all_gather_list` started on the backend's threads (async_op); `wait()` gives the parts.
+
+        >>> solo.start_all_gather_list(torch.ones(2), "pp", "example").wait()
+        [tensor([1., 1.])]
+        """
+        import torch.distributed as dist
+        if self.axis_size(axis) == 1:
+            return super().start_all_gather_list(tensor, axis, what)
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.axis_size(axis))]
+        work = self._run(what, axis, lambda: dist.all_gather(parts, tensor, group=self.groups[axis], async_op=True))
+        return Pending(lambda: parts, work, self, what, axis)
+
+    def start_all_reduce(self, tensor, axis) -> Pending:
+        """`all_reduce` started: exact (gathered, summed in `wait`) or gloo/NCCL's own, in place on `tensor`.
+
+        >>> solo.start_all_reduce(torch.ones(2), "pp").wait()
+        tensor([1., 1.])
+        """
+        if self.exact or self.axis_size(axis) == 1:
+            return super().start_all_reduce(tensor, axis)
+        import torch.distributed as dist
+        work = self._run("all_reduce", axis, lambda: dist.all_reduce(tensor, group=self.groups[axis], async_op=True))
+        return Pending(lambda: tensor, work, self, "all_reduce", axis)
+
+    def start_reduce_scatter(self, tensor, axis, dim) -> Pending:
+        """`reduce_scatter` started: exact, or gloo/NCCL's own.
+
+        >>> solo.start_reduce_scatter(torch.arange(2.0), "pp", 0).wait()
+        tensor([0., 1.])
+        """
+        if self.exact or self.axis_size(axis) == 1:
+            return super().start_reduce_scatter(tensor, axis, dim)
+        import torch.distributed as dist
+        chunks = [c.contiguous() for c in tensor.chunk(self.axis_size(axis), dim)]
+        out = torch.empty_like(chunks[0])
+        work = self._run("reduce_scatter", axis,
+                         lambda: dist.reduce_scatter(out, chunks, group=self.groups[axis], async_op=True))
+        return Pending(lambda: out, work, self, "reduce_scatter", axis)
 
     def all_reduce(self, tensor, axis):
         """The sum over `axis`: exact (gathered, fixed-order sum) on gloo, NCCL's all_reduce otherwise.

@@ -103,6 +103,7 @@ class _StagesModule(RankModule):
     def __init__(self, stage_graphs, comm, rank_program: RankProgram, rng: RankRng, program=None):
         super().__init__(torch.nn.ModuleList([s.gm for s in stage_graphs]), comm, rank_program, rng, program)
         self.stage_graphs = stage_graphs
+        self.overlap = False  # a step runs one backward per micro-batch: its gradients are reduced after the last
 
     def named_local_parameters(self):
         seen = set()

@@ -29,11 +29,10 @@ from autoshard.ir.placement import R, Shard, Spec, shard_tensor
 from autoshard.runtime.collectives import use_communicator
 from autoshard.runtime.communicator import Communicator
 from autoshard.runtime.grad_norm import clip_grad_norm_, global_loss
+from autoshard.runtime.grad_sync import OverlappedSync, grad_buckets, reduce_buckets
 from autoshard.runtime.rank_program import RankProgram
 from autoshard.runtime.rng import RankRng
 from autoshard.runtime.zero_gather import GatheredMemory, save_shards_for_backward
-
-BUCKET_BYTES = 25 << 20
 
 
 class RankModule(torch.nn.Module):
@@ -56,6 +55,9 @@ class RankModule(torch.nn.Module):
         self.grads_synced = True  # False from a forward until sync_grads: gradients may still be partial
         self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
         self.rng = rng  # dropout masks (autoshard/runtime/rng.py)
+        self.overlap = True  # reduce gradient buckets during backward (autoshard/runtime/grad_sync.py)
+        self._overlapped = None  # OverlappedSync, once the first sync_grads has learnt the buckets
+        self._no_sync = False
 
     @property
     def program(self):
@@ -77,6 +79,8 @@ class RankModule(torch.nn.Module):
         regather = save_shards_for_backward(self.gathered_memory) if zero is not None and zero.stage == 3 \
             else contextlib.nullcontext()
         self.rng.new_step()
+        if self._overlapped is not None:
+            self._overlapped.armed = self.overlap and not self._no_sync
         with use_communicator(self.comm), regather, self.rng.drawing():
             flat = self.gm(*local_inputs)
         self.grads_synced = False
@@ -125,7 +129,9 @@ class RankModule(torch.nn.Module):
                 yield fqn, getattr(self.gm, attr)
 
     def sync_grads(self) -> None:
-        """All-reduce partial gradients on exactly their partial axes (bucketed, fixed order).
+        """All-reduce partial gradients on exactly their partial axes (bucketed, fixed order). From the second
+        step on, with `overlap` (the default), buckets started during backward are only waited for here;
+        `module.overlap = False` reduces everything here, after backward (bitwise the same gradients).
 
         >>> def step(module):
         ...     module(*module.local_inputs(*inputs))[0].backward()
@@ -136,28 +142,41 @@ class RankModule(torch.nn.Module):
         >>> torch.allclose(grads[0], model.layers[1].bias.grad), torch.equal(grads[0], grads[1])
         (True, True)
         """
-        scattered = self._zero_scattered()
-        groups: dict = {}
-        for fqn, param in self.named_local_parameters():
-            axes = self.rank_program.grad_reduce.get(fqn)
-            if fqn in scattered:  # reduce-scattered on the ZeRO axis below, after the other axes
-                axes = tuple(a for a in axes if a != self.rank_program.zero.axis)
-            if axes and param.grad is not None:
-                groups.setdefault(axes, []).append(param)
-        for axes, params in groups.items():
-            for bucket in buckets(params, lambda p: p.grad):
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-                for axis in axes:
-                    self.comm.log.record(axis, "all_reduce", flat.numel() * flat.element_size(), "sync", flat.dtype)
-                    flat = self.comm.all_reduce(flat, axis)
-                offset = 0
-                for p in bucket:
-                    n = p.grad.numel()
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                    offset += n
+        zero = self.rank_program.zero
+        skip = {fqn: zero.axis for fqn in self._zero_scattered()}  # reduce-scattered on the ZeRO axis below
+        layout = grad_buckets(self, skip)
+        overlapped = self._overlapped
+        if overlapped is not None and self.overlap and overlapped.matches(layout):
+            overlapped.finish()
+        else:
+            if overlapped is not None:
+                overlapped.close()
+            reduce_buckets(layout, self.comm)
+            self._overlapped = OverlappedSync(layout, self.comm) if self.overlap and layout else None
         if self.zero_optimizer is not None:
             self.zero_optimizer.reduce_gradients()
         self.grads_synced = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forward and backward passes inside start no gradient reduction (gradient accumulation: wrap every
+        pass but the last, as with DDP's no_sync; the last pass's backward and `sync_grads` reduce the sum).
+
+        >>> def accumulate(module):
+        ...     for half in (slice(0, 4), slice(4, 8)):
+        ...         with module.no_sync() if half.start == 0 else contextlib.nullcontext():
+        ...             module(*module.local_inputs_of_rows(inputs[0][half]))[0].backward()
+        ...     module.sync_grads()
+        ...     return module.gm.layers_1_bias.grad
+        >>> grads = run_ranks(prog, accumulate)
+        >>> torch.equal(grads[0], grads[1])
+        True
+        """
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient by the global norm of the single-device model's gradients (collective; after
@@ -196,23 +215,3 @@ class RankModule(torch.nn.Module):
                                  "opt = autoshard.runtime.zero.ZeroOptimizer(module, torch.optim.Adam("
                                  "module.parameters(), ...)), then backward, module.sync_grads(), opt.step()")
         return self.zero_optimizer.managed()
-
-
-def buckets(entries, tensor_of):
-    """Runs of entries whose tensors share a dtype, up to BUCKET_BYTES each (same order on every rank).
-
-    >>> tensors = [torch.zeros(2), torch.zeros(3), torch.zeros(1, dtype=torch.float64)]
-    >>> [[t.numel() for t in bucket] for bucket in buckets(tensors, lambda t: t)]
-    [[2, 3], [1]]
-    """
-    bucket, size = [], 0
-    for e in entries:
-        t = tensor_of(e)
-        nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != tensor_of(bucket[0]).dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(e)
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -47,7 +47,7 @@ import torch
 
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import Shard
-from autoshard.runtime.rank_module import buckets
+from autoshard.runtime.grad_sync import buckets
 from autoshard.runtime.zero_gather import compact
 
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
