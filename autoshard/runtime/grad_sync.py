@@ -1,15 +1,16 @@
 """Gradient sync: partial gradients reduced on exactly their partial axes, in buckets, after or during backward.
 
 The layout is the same either way: parameters grouped by the axes their gradient is partial on, in the
-module's parameter order, cut in buckets of one dtype up to BUCKET_BYTES; a bucket is flattened and
-all-reduced on each of its axes in turn. `reduce_buckets` runs them after backward (`overlap=False`).
+reverse of the module's parameter order (backward produces the last layers' gradients first; DDP's order
+too), cut in buckets of one dtype up to BUCKET_BYTES; a bucket is flattened and all-reduced on each of its
+axes in turn. `reduce_buckets` runs them after backward (`overlap=False`).
 `OverlappedSync` (the default from the second step on, as DDP does) starts each bucket's reduction while
 backward still runs: a post-accumulate-grad hook counts the bucket's gradients, and when all have arrived
 the bucket is flattened and its first axis's reduction started (`Communicator.start_all_reduce`: gloo's
-async_op on real ranks; the simulator completes it at once). Buckets start in a fixed order, the reverse of
-the layout (backward produces the last layers' gradients first), the same on every rank; `finish` (in
-`sync_grads`) starts what backward did not, waits, runs the remaining axes and copies back. Each bucket is
-reduced exactly as after backward, so the gradients are bitwise the same.
+async_op on real ranks; the simulator completes it at once). Buckets start in the layout's order only, the
+same on every rank; `finish` (in `sync_grads`) starts what backward did not, waits, runs the remaining axes and makes the gradients views of
+the reduced buckets (no copy back, as DDP's gradient_as_bucket_view). Each bucket is reduced exactly as
+after backward, so the gradients are bitwise the same.
 
 The layout is learnt in the first `sync_grads` (which reduces after backward) and checked in each later one:
 a different set of parameters with gradients (one unused this step, say) waits for the reductions in flight,
@@ -97,10 +98,29 @@ class Bucket:
         >>> torch.equal(grads[0], grads[1])
         True
         """
+        for p, piece in zip(self.params, self._pieces(flat)):
+            p.grad.copy_(piece)
+
+    def adopt(self, flat: torch.Tensor) -> None:
+        """Make the parameters' gradients views of the reduced `flat` (no copy back; DDP's
+        gradient_as_bucket_view): bitwise what `copy_back` writes.
+
+        >>> def reduce(module):
+        ...     bucket = grad_buckets(backward(module))[0]
+        ...     flat = bucket.start(module.comm).wait()
+        ...     bucket.adopt(flat)
+        ...     return bucket.params[0].grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        >>> run_ranks(prog, reduce)[0]
+        True
+        """
+        for p, piece in zip(self.params, self._pieces(flat)):
+            p.grad = piece
+
+    def _pieces(self, flat):
         offset = 0
         for p in self.params:
             n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            yield flat[offset:offset + n].view_as(p.grad)
             offset += n
 
 
@@ -113,7 +133,7 @@ def grad_buckets(module, skip_axis: dict | None = None) -> list[Bucket]:
     """
     skip_axis = skip_axis or {}
     groups: dict = {}
-    for fqn, param in module.named_local_parameters():
+    for fqn, param in reversed(list(module.named_local_parameters())):
         axes = tuple(a for a in module.rank_program.grad_reduce.get(fqn, ()) if a != skip_axis.get(fqn))
         if axes and param.grad is not None:
             groups.setdefault(axes, []).append(param)
@@ -154,7 +174,6 @@ class OverlappedSync:
 
     def __init__(self, layout: list[Bucket], comm):
         self.layout, self.comm = layout, comm
-        self.order = list(reversed(range(len(layout))))  # the last layers' gradients come first
         self.bucket_of = {id(p): i for i, b in enumerate(layout) for p in b.params}
         self.handles = [p.register_post_accumulate_grad_hook(self._arrived) for b in layout for p in b.params]
         self.armed = True
@@ -187,8 +206,8 @@ class OverlappedSync:
             self.stale[i] = True  # a later backward changed a gradient after the bucket was complete
             return
         self.arrived[i] += 1
-        while self.next < len(self.order):  # start complete buckets in the fixed order only
-            j = self.order[self.next]
+        while self.next < len(self.layout):  # start complete buckets in the layout's order only
+            j = self.next
             if self.arrived[j] < len(self.layout[j].params):
                 break
             if not self.stale[j]:  # a stale one is reduced from its final gradients in finish
@@ -196,7 +215,7 @@ class OverlappedSync:
             self.next += 1
 
     def finish(self) -> None:
-        """Start the buckets backward did not (in the same order), re-reduce stale ones, wait, copy back.
+        """Start the buckets backward did not (in the same order), re-reduce stale ones, wait, adopt the results.
 
         >>> def sync_twice(module):  # gradient accumulation without no_sync: correct, sent twice
         ...     sync = OverlappedSync(grad_buckets(backward(module)), module.comm)
@@ -208,14 +227,14 @@ class OverlappedSync:
         >>> run_ranks(prog, sync_twice)[0]
         2
         """
-        for j in self.order:
+        for j in range(len(self.layout)):
             if self.pending[j] is not None and self.stale[j]:
                 self.pending[j].wait()
                 self.pending[j] = None
             if self.pending[j] is None:
                 self.pending[j] = self.layout[j].start(self.comm)
-        for j in self.order:
-            self.layout[j].copy_back(self.pending[j].wait())
+        for j in range(len(self.layout)):
+            self.layout[j].adopt(self.pending[j].wait())
         self._reset()
 
     def close(self) -> None:
