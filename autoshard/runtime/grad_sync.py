@@ -87,34 +87,23 @@ class Bucket:
             pending = pending.then(lambda t, axis=axis: comm.all_reduce(t, axis))
         return pending
 
-    def copy_back(self, flat: torch.Tensor) -> None:
-        """Write the reduced `flat` into the parameters' gradients.
+    def finish(self, flat: torch.Tensor, views: bool = False) -> None:
+        """Write the reduced `flat` into the parameters' gradients; with `views` make the gradients views of it
+        instead (no copy back, DDP's gradient_as_bucket_view): bitwise the same values.
 
-        >>> def reduce(module):
-        ...     bucket = grad_buckets(backward(module))[0]
-        ...     bucket.copy_back(bucket.start(module.comm).wait())
-        ...     return bucket.params[-1].grad
-        >>> grads = run_ranks(prog, reduce)
-        >>> torch.equal(grads[0], grads[1])
-        True
-        """
-        for p, piece in zip(self.params, self._pieces(flat)):
-            p.grad.copy_(piece)
-
-    def adopt(self, flat: torch.Tensor) -> None:
-        """Make the parameters' gradients views of the reduced `flat` (no copy back; DDP's
-        gradient_as_bucket_view): bitwise what `copy_back` writes.
-
-        >>> def reduce(module):
+        >>> def reduce(module, views):
         ...     bucket = grad_buckets(backward(module))[0]
         ...     flat = bucket.start(module.comm).wait()
-        ...     bucket.adopt(flat)
+        ...     bucket.finish(flat, views)
         ...     return bucket.params[0].grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-        >>> run_ranks(prog, reduce)[0]
-        True
+        >>> run_ranks(prog, lambda module: (reduce(module, False), reduce(module, True)))[0]
+        (False, True)
         """
         for p, piece in zip(self.params, self._pieces(flat)):
-            p.grad = piece
+            if views:
+                p.grad = piece
+            else:
+                p.grad.copy_(piece)
 
     def _pieces(self, flat):
         offset = 0
@@ -141,8 +130,9 @@ def grad_buckets(module, skip_axis: dict | None = None) -> list[Bucket]:
             for bucket in buckets(params, lambda p: p.grad)]
 
 
-def reduce_buckets(layout: list[Bucket], comm) -> None:
-    """Reduce every bucket now, one after the other (the sync after backward).
+def reduce_buckets(layout: list, comm) -> None:
+    """Reduce every bucket now, one after the other (the sync after backward). A bucket is anything with
+    `params`, `start(comm)` and `finish(result)`: a Bucket, or ZeRO's (autoshard/runtime/zero.py).
 
     >>> def sync(module):
     ...     reduce_buckets(grad_buckets(backward(module)), module.comm)
@@ -152,7 +142,7 @@ def reduce_buckets(layout: list[Bucket], comm) -> None:
     True
     """
     for bucket in layout:
-        bucket.copy_back(bucket.start(comm).wait())
+        bucket.finish(bucket.start(comm).wait())
 
 
 class OverlappedSync:
@@ -172,7 +162,7 @@ class OverlappedSync:
     (True, True)
     """
 
-    def __init__(self, layout: list[Bucket], comm):
+    def __init__(self, layout: list, comm):
         self.layout, self.comm = layout, comm
         self.bucket_of = {id(p): i for i, b in enumerate(layout) for p in b.params}
         self.handles = [p.register_post_accumulate_grad_hook(self._arrived) for b in layout for p in b.params]
@@ -183,7 +173,7 @@ class OverlappedSync:
         n = len(self.layout)
         self.arrived, self.pending, self.stale, self.next = [0] * n, [None] * n, [False] * n, 0
 
-    def matches(self, layout: list[Bucket]) -> bool:
+    def matches(self, layout: list) -> bool:
         """Whether `layout` (this step's) is the one the hooks watch.
 
         >>> def same(module):
@@ -234,7 +224,7 @@ class OverlappedSync:
             if self.pending[j] is None:
                 self.pending[j] = self.layout[j].start(self.comm)
         for j in range(len(self.layout)):
-            self.layout[j].adopt(self.pending[j].wait())
+            self.layout[j].finish(self.pending[j].wait(), views=True)
         self._reset()
 
     def close(self) -> None:

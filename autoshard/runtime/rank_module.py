@@ -32,7 +32,8 @@ from autoshard.runtime.grad_norm import clip_grad_norm_, global_loss
 from autoshard.runtime.grad_sync import OverlappedSync, grad_buckets, reduce_buckets
 from autoshard.runtime.rank_program import RankProgram
 from autoshard.runtime.rng import RankRng
-from autoshard.runtime.zero_gather import GatheredMemory, save_shards_for_backward
+from autoshard.runtime.zero_gather import GatheredMemory, overlapping, save_shards_for_backward
+from autoshard.runtime.zero_overlap import Zero3Overlap
 
 
 class RankModule(torch.nn.Module):
@@ -58,6 +59,7 @@ class RankModule(torch.nn.Module):
         self.overlap = True  # reduce gradient buckets during backward (autoshard/runtime/grad_sync.py)
         self._overlapped = None  # OverlappedSync, once the first sync_grads has learnt the buckets
         self._no_sync = False
+        self._zero3 = None  # Zero3Overlap: ZeRO-3's prefetched gathers and deferred reduce-scatters
 
     @property
     def program(self):
@@ -76,13 +78,20 @@ class RankModule(torch.nn.Module):
         (True, torch.Size([4, 32]))
         """
         zero = self.rank_program.zero
-        regather = save_shards_for_backward(self.gathered_memory) if zero is not None and zero.stage == 3 \
-            else contextlib.nullcontext()
+        zero3 = zero is not None and zero.stage == 3
+        regather = save_shards_for_backward(self.gathered_memory) if zero3 else contextlib.nullcontext()
+        if zero3 and self.overlap and self._zero3 is None:
+            self._zero3 = Zero3Overlap(self)
         self.rng.new_step()
         if self._overlapped is not None:
             self._overlapped.armed = self.overlap and not self._no_sync
-        with use_communicator(self.comm), regather, self.rng.drawing():
-            flat = self.gm(*local_inputs)
+        overlap = self._zero3 if self.overlap else None
+        try:
+            with use_communicator(self.comm), regather, overlapping(overlap), self.rng.drawing():
+                flat = self.gm(*local_inputs)
+        finally:
+            if overlap is not None:
+                overlap.end_forward()
         self.grads_synced = False
         loss, outputs = flat[0], list(flat[1:])
         spec = self.rank_program.output_spec
@@ -142,9 +151,16 @@ class RankModule(torch.nn.Module):
         >>> torch.allclose(grads[0], model.layers[1].bias.grad), torch.equal(grads[0], grads[1])
         (True, True)
         """
+        if self._zero3 is not None:  # ZeRO-3's reduce-scatters started in backward
+            self._zero3.finish()
         zero = self.rank_program.zero
-        skip = {fqn: zero.axis for fqn in self._zero_scattered()}  # reduce-scattered on the ZeRO axis below
+        skip = {fqn: zero.axis for fqn in self._zero_scattered()}  # reduce-scattered on the ZeRO axis
         layout = grad_buckets(self, skip)
+        scatter = self.zero_optimizer.scatter_buckets() if self.zero_optimizer is not None else []
+        # a gradient also reduced on another axis (dp x tp) is reduce-scattered after that: not with it
+        together = not {id(p) for b in scatter for p in b.params} & {id(p) for b in layout for p in b.params}
+        if together:
+            layout += scatter
         overlapped = self._overlapped
         if overlapped is not None and self.overlap and overlapped.matches(layout):
             overlapped.finish()
@@ -154,7 +170,7 @@ class RankModule(torch.nn.Module):
             reduce_buckets(layout, self.comm)
             self._overlapped = OverlappedSync(layout, self.comm) if self.overlap and layout else None
         if self.zero_optimizer is not None:
-            self.zero_optimizer.reduce_gradients()
+            self.zero_optimizer.reduce_gradients(scattered=together)
         self.grads_synced = True
 
     @contextlib.contextmanager

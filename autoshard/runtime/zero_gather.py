@@ -6,8 +6,9 @@ duality rule) or takes this rank's chunk of a replicated one. Autograd would kee
 for the consumers' backward (a matmul saves its weight), so the rank module runs forward inside
 `save_shards_for_backward()`: a saved tensor that is a gathered parameter (or a view of one) is saved as
 a handle holding only the shard, and backward re-gathers it once, on first use, dropping the copy when
-the parameter's gradient is reduce-scattered. `GatheredMemory` measures the bytes of gathered copies
-alive at once (ZeRO-3's transient memory).
+the parameter's gradient is reduce-scattered. Under `overlapping` (the rank module's default) the gathers
+are prefetched and the reduce-scatters started asynchronously (autoshard/runtime/zero_overlap.py).
+`GatheredMemory` measures the bytes of gathered copies alive at once (ZeRO-3's transient memory).
 
 The examples gather a parameter split over two ranks (threads of the simulator):
 
@@ -136,7 +137,8 @@ class ParamAllGather(torch.autograd.Function):
         gathered = getattr(_LOCAL, "gathered", None)
         memory = gathered[1] if gathered is not None else None
         shard = x.detach() if dtype is None else x.detach().to(dtype)
-        out = comm.all_gather(shard, axis, dim)
+        overlap = getattr(_LOCAL, "overlap", None)
+        out = comm.all_gather(shard, axis, dim) if overlap is None else overlap.gather(x, shard, comm, axis, dim, dtype)
         comm.log.record(axis, "all_gather", _nbytes(out), "fwd", out.dtype)
         handle = _Handle(shard, comm, axis, dim, memory)
         if gathered is not None:
@@ -144,6 +146,7 @@ class ParamAllGather(torch.autograd.Function):
         if memory is not None:
             memory.track(out)
         ctx.handle, ctx.reduce_grad, ctx.master_dtype = handle, reduce_grad, x.dtype
+        ctx.overlap, ctx.param = (overlap, x) if overlap is not None and x.is_leaf else (None, None)
         return out
 
     @staticmethod
@@ -164,6 +167,8 @@ class ParamAllGather(torch.autograd.Function):
         grad = grad.to(ctx.master_dtype)
         if ctx.reduce_grad:
             comm.log.record(axis, "reduce_scatter", _nbytes(grad), "bwd", grad.dtype)
+            if ctx.overlap is not None and ctx.overlap.defer(ctx.param, grad.contiguous(), comm, axis, dim):
+                return None, None, None, None, None, None  # the shard reaches the parameter in sync_grads
             shard = comm.reduce_scatter(grad.contiguous(), axis, dim)
         else:
             shard = grad.chunk(comm.axis_size(axis), dim)[comm.axis_rank(axis)].contiguous()
@@ -185,6 +190,23 @@ def _unpack(saved):
     if isinstance(saved, _SavedView):
         return saved.handle.regather().as_strided(saved.size, saved.stride, saved.offset)
     return saved
+
+
+@contextlib.contextmanager
+def overlapping(overlap):
+    """Run a ZeRO-3 forward with `overlap` (a Zero3Overlap, autoshard/runtime/zero_overlap.py, or None):
+    gathers prefetched one layer ahead, reduce-scatters of the gradients started in backward.
+
+    >>> with overlapping(None):  # nothing to overlap: every gather runs when called
+    ...     run_on_mesh(mesh, lambda comm: ParamAllGather.apply(torch.ones(1), comm, "dp", 0, True))[0]
+    tensor([1., 1.])
+    """
+    previous = getattr(_LOCAL, "overlap", None)
+    _LOCAL.overlap = overlap
+    try:
+        yield
+    finally:
+        _LOCAL.overlap = previous
 
 
 @contextlib.contextmanager

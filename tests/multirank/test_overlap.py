@@ -40,13 +40,15 @@ def _train(module, inputs, overlap, accumulate=1, no_sync=True, steps=3):
             quiet = module.no_sync() if no_sync and j < accumulate - 1 else contextlib.nullcontext()
             with quiet:
                 module(*local)[0].backward()
-        started.append(module._overlapped is not None and any(p is not None for p in module._overlapped.pending))
+        started.append(module._overlapped is not None and any(p is not None for p in module._overlapped.pending)
+                       or module._zero3 is not None and bool(module._zero3.passes))
         module.sync_grads()
         module.clip_grad_norm_(0.05)
         grads.append(opt.full_grads() if isinstance(opt, ZeroOptimizer) else
                      {f: p.grad.clone() for f, p in module.named_local_parameters()})
         opt.step()
-    assert started == [False] + [overlap] * (steps - 1), started  # buckets started in backward from step 2 on
+    zero3 = module.rank_program.zero is not None and module.rank_program.zero.stage == 3
+    assert started == [overlap and zero3] + [overlap] * (steps - 1), started  # in backward (buckets: from step 2)
     return grads, {f: p.detach().clone() for f, p in module.named_local_parameters()}
 
 
@@ -74,7 +76,8 @@ def _assert_bitwise(results):
 
 
 GLOO = {"dp2-exact": (DP, None, True, 1, True), "dp2xtp2-native-accumulate": (DP_TP, None, False, 2, True),
-        "dp2-native-accumulate-without-no_sync": (DP, None, False, 2, False)}
+        "dp2-native-accumulate-without-no_sync": (DP, None, False, 2, False),
+        "dp2xtp2-zero3-native-accumulate": (DP_TP, 3, False, 2, True), "dp2-zero2-exact": (DP, 2, True, 1, True)}
 
 
 @pytest.mark.parametrize("case", list(GLOO))
@@ -83,8 +86,9 @@ def test_overlapped_equals_sync_after_backward_on_gloo(pool, case):
     _assert_bitwise(pool.run(_both_task, plan, zero, exact, accumulate, no_sync))
 
 
-def test_overlapped_equals_sync_after_backward_in_the_simulator():
-    prog, inputs = _program(DP_TP)
+@pytest.mark.parametrize("zero", [None, 1, 3])
+def test_overlapped_equals_sync_after_backward_in_the_simulator(zero):
+    prog, inputs = _program(DP_TP, zero)
     _assert_bitwise(run_ranks(prog, lambda m: {o: _train(prog.module(m.rank, m.comm), inputs, o, accumulate=2)
                                                for o in (True, False)}))
 
