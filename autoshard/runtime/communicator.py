@@ -1,7 +1,8 @@
 """Communicators: how the ranks of one mesh axis exchange tensors.
 
-Every collective is built from one primitive, `all_gather_list` (each rank's tensor, in axis order),
-plus local arithmetic in a fixed order, in both the in-process simulator and the exact gloo path.
+Every collective is built from one primitive, `all_gather_list` (each rank's tensor, in axis order; or
+`start_all_gather_list`, the same started now and waited for later), plus local arithmetic in a fixed
+order, in both the in-process simulator and the exact gloo path.
 So the simulator and a real run agree bit for bit in float64. On GPUs (`exact=False`) the native
 NCCL collectives run instead. Each call is recorded (kind, axis, bytes, forward/backward) so
 `verify --json` can count collectives per mesh axis.
