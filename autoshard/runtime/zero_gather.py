@@ -89,20 +89,26 @@ class GatheredMemory:
 
 
 class _Handle:
-    """What backward needs to re-gather one parameter: its shard and where to gather it."""
+    """What backward needs to re-gather one parameter: its shard and where to gather it; under overlap the
+    Zero3Overlap that may have started the re-gather already (`pending`) and learns the backward's order."""
 
-    __slots__ = ("axis", "comm", "dim", "full", "memory", "shard")
+    __slots__ = ("axis", "comm", "dim", "full", "index", "memory", "overlap", "pending", "shard", "siblings")
 
     def __init__(self, shard, comm, axis, dim, memory):
         self.shard, self.comm, self.axis, self.dim, self.memory = shard, comm, axis, dim, memory
-        self.full = None
+        self.full = self.pending = self.overlap = self.siblings = self.index = None
 
     def regather(self) -> torch.Tensor:
         if self.full is None:
-            self.full = self.comm.all_gather(self.shard, self.axis, self.dim)
+            if self.pending is not None:
+                self.full, self.pending = self.pending.wait(), None
+            else:
+                self.full = self.comm.all_gather(self.shard, self.axis, self.dim)
             self.comm.log.record(self.axis, "all_gather", _nbytes(self.full), "bwd")
             if self.memory is not None:
                 self.memory.track(self.full)
+            if self.overlap is not None:
+                self.overlap.regathered(self)
         return self.full
 
 
@@ -141,6 +147,8 @@ class ParamAllGather(torch.autograd.Function):
         out = comm.all_gather(shard, axis, dim) if overlap is None else overlap.gather(x, shard, comm, axis, dim, dtype)
         comm.log.record(axis, "all_gather", _nbytes(out), "fwd", out.dtype)
         handle = _Handle(shard, comm, axis, dim, memory)
+        if overlap is not None:
+            overlap.track(handle, x)
         if gathered is not None:
             gathered[0][id(out)] = (weakref.ref(out), handle)
         if memory is not None:

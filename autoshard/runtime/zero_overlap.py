@@ -7,6 +7,8 @@ backward and finished in `sync_grads` (FSDP2's two overlaps).
   i's layer and of the next layer are started (`Communicator.start_all_gather`) so that they travel while
   this layer computes; call i then only waits for its own. A call that differs from what was started
   (another forward) drops the prefetch and gathers now. The same calls are started on every rank.
+- re-gathers in backward: the order in which the last backward re-gathered parameters is remembered; each
+  re-gather starts those up to the end of the next layer in that order (one layer ahead in backward).
 - gradients: the reduce-scatter of a parameter's partial gradient is started in backward and the shard
   reaches `param.grad` in `finish` (called first in `sync_grads`), summed per backward pass in arrival order
   and added to the gradient already there exactly as autograd would: bitwise the same gradients. Only
@@ -58,6 +60,21 @@ def _same(a, b) -> bool:
     return a[0] is b[0] and a[1:] == b[1:]
 
 
+def horizons(layers: list) -> list:
+    """For each position of a sequence of calls, the last position of the next layer's run (of the own run
+    for the last layer): how far ahead the gathers are started.
+
+    >>> horizons(["a", "a", "b", "c", "c"])
+    [2, 2, 4, 4, 4]
+    """
+    ends, end = [0] * len(layers), len(layers) - 1
+    for i in reversed(range(len(layers))):  # the last call of each run of one layer
+        if i < len(layers) - 1 and layers[i] != layers[i + 1]:
+            end = i
+        ends[i] = end
+    return [ends[ends[i] + 1] if ends[i] + 1 < len(layers) else ends[i] for i in range(len(layers))]
+
+
 class Zero3Overlap:
     """One rank module's ZeRO-3 prefetches and deferred reduce-scatters (see the module docstring).
 
@@ -80,8 +97,14 @@ class Zero3Overlap:
         self.horizon: list = []  # per call: the last call whose gather is started by then
         self.current: list = []
         self.prefetched: dict = {}  # call index -> (call, Pending)
+        self.handles: list = []  # this forward's re-gather handles, by call
         self.passes: list = []  # deferred reduce-scatters per backward pass: [(parameter, Pending)]
         self.pass_open = False
+        self.regather_order: list = []  # call indices in the order the last backward re-gathered them
+        self.backward_horizon: list = []
+        self.position: dict = {}  # call index -> its position in regather_order
+        self.order_now: list = []
+        self.started: list = []  # handles whose re-gather was started ahead
 
     def gather(self, x, shard, comm, axis, dim, dtype):
         """`x`'s gathered value (shard `shard`): the prefetched one when this call was started earlier, then
@@ -108,6 +131,35 @@ class Zero3Overlap:
                 self.prefetched[j] = (ahead, comm.start_all_gather(value, ahead[1], ahead[2]))
         return out
 
+    def track(self, handle, x) -> None:
+        """Make `handle` (the re-gather handle of the gather of `x` just made) part of this forward's calls.
+
+        >>> module = run_ranks(prog, train)[0]
+        >>> [h.index for h in module._zero3.handles]  # cleared at the end of each forward
+        []
+        """
+        handle.overlap, handle.siblings, handle.index = self, self.handles, len(self.handles)
+        self.handles.append(handle)
+
+    def regathered(self, handle) -> None:
+        """Backward re-gathered `handle`'s parameter: start the re-gathers the last backward made next, up to
+        the end of the next layer.
+
+        >>> overlap = run_ranks(prog, lambda module: train(module)._zero3)[0]
+        >>> overlap.regather_order, overlap.backward_horizon  # weights whose input needs a gradient, last first
+        ([4, 2], [1, 1])
+        """
+        self._open_pass()
+        self.order_now.append(handle.index)
+        pos = self.position.get(handle.index) if self.regather_order else None
+        if pos is None:
+            return
+        for q in range(pos + 1, self.backward_horizon[pos] + 1):
+            ahead = handle.siblings[self.regather_order[q]] if self.regather_order[q] < len(handle.siblings) else None
+            if ahead is not None and ahead.full is None and ahead.pending is None:
+                ahead.pending = ahead.comm.start_all_gather(ahead.shard, ahead.axis, ahead.dim)
+                self.started.append(ahead)
+
     def end_forward(self) -> None:
         """Drop what was started but not used, and remember this forward's gathers for the next.
 
@@ -118,14 +170,8 @@ class Zero3Overlap:
         for j in sorted(self.prefetched):
             self.prefetched[j][1].wait()
         self.prefetched.clear()
-        self.previous, self.current = self.current, []
-        layers = [self.layer.get(id(call[0])) for call in self.previous]
-        ends, end = [0] * len(layers), len(layers) - 1
-        for i in reversed(range(len(layers))):  # the last call of each run of one layer
-            if i < len(layers) - 1 and layers[i] != layers[i + 1]:
-                end = i
-            ends[i] = end
-        self.horizon = [ends[ends[i] + 1] if ends[i] + 1 < len(layers) else ends[i] for i in range(len(layers))]
+        self.previous, self.current, self.handles = self.current, [], []
+        self.horizon = horizons([self.layer.get(id(call[0])) for call in self.previous])
 
     def defer(self, param, grad, comm, axis, dim) -> bool:
         """Start the reduce-scatter of `param`'s partial gradient `grad`; False when `param` must take its
@@ -136,15 +182,24 @@ class Zero3Overlap:
         """
         if id(param) not in self.deferrable:
             return False
+        self._open_pass()
+        self.passes[-1].append((param, comm.start_reduce_scatter(grad, axis, dim)))
+        return True
+
+    def _open_pass(self) -> None:
         if not self.pass_open:  # the pass's end closes its group (summed as autograd sums one pass)
             torch.autograd.Variable._execution_engine.queue_callback(self._close_pass)
             self.passes.append([])
             self.pass_open = True
-        self.passes[-1].append((param, comm.start_reduce_scatter(grad, axis, dim)))
-        return True
 
     def _close_pass(self) -> None:
         self.pass_open = False
+        if self.order_now:
+            self.regather_order, self.order_now = self.order_now, []
+            self.position = {index: pos for pos, index in enumerate(self.regather_order)}
+            first = [self.layer.get(id(self.previous[i][0])) if i < len(self.previous) else None
+                     for i in self.regather_order]
+            self.backward_horizon = horizons(first)
 
     def finish(self) -> None:
         """Wait for the deferred reduce-scatters and add each pass's shards to the parameters' gradients.
@@ -154,6 +209,11 @@ class Zero3Overlap:
         >>> all(torch.equal(on[r][f], off[r][f]) for r in on for f in on[r])  # bitwise the same training
         True
         """
+        for handle in self.started:  # re-gathers started for a backward that went another way: dropped
+            if handle.pending is not None:
+                handle.pending.wait()
+                handle.pending = None
+        self.started = []
         for one_pass in self.passes:
             totals: dict = {}
             for param, pending in one_pass:
