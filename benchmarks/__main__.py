@@ -16,6 +16,7 @@ BENCHMARKS = [
     "planning_scale",    # 5. (dp, tp, pp) choices for 1.7B...1T GPT shapes on A100 clusters vs Megatron-LM (paper)
     "parallel_modes",    # 6. 2D/2.5D/3D bytes per layer vs the papers, ZeRO memory vs theory (simulator)
     "big_model_memory",  # 7. peak RSS per rank: a 2.2 GiB meta Llama read from safetensors vs the full model (gloo)
+    "overlap",           # 8. overlapped gradient sync / ZeRO-3 vs DDP and FSDP2, step time (gloo ranks)
 ]
 
 

@@ -85,10 +85,10 @@ def measure(worlds, configs) -> list[dict]:
         per_rank = run_distributed(rank_task, world, configs, timeout_s=1800)
         for hidden in configs:
             ranks = [per_rank[r][hidden] for r in sorted(per_rank)]
-            rows.append(dict(world=world, hidden=hidden, load=load, grad_bytes=ranks[0]["grad_bytes"],
-                             times=slowest_rank([r["times"] for r in ranks]),
-                             cpu=slowest_rank([r["cpu"] for r in ranks]),
-                             bitwise={k: all(r["bitwise"][k] for r in ranks) for k in ("DP", "ZeRO-3")}))
+            rows.append({"world": world, "hidden": hidden, "load": load, "grad_bytes": ranks[0]["grad_bytes"],
+                         "times": slowest_rank([r["times"] for r in ranks]),
+                         "cpu": slowest_rank([r["cpu"] for r in ranks]),
+                         "bitwise": {k: all(r["bitwise"][k] for r in ranks) for k in ("DP", "ZeRO-3")}})
     return rows
 
 

@@ -4,7 +4,10 @@
 partial sum on batch-sharded axes, which is the right thing to call `.backward()` on: its gradient
 is 1 on every rank). After backward, `sync_grads()` reduces the gradients that came back partial on
 some mesh axes (the duality rule), bucketed per axis set; with ZeRO-2/3 the ZeroOptimizer
-(autoshard/runtime/zero.py) reduce-scatters the gradients of replicated parameters on the ZeRO axis.
+(autoshard/runtime/zero.py) reduce-scatters the gradients of replicated parameters on the ZeRO axis. With
+`overlap` (the default) these reductions start during backward, bucket by bucket, and ZeRO-3's gathers are
+prefetched (autoshard/runtime/grad_sync.py, zero_overlap.py); `module.overlap = False` runs them after
+backward. Both give bitwise the same gradients.
 
 The examples run the ranks of a data-parallel MLP as threads (`run_ranks`, the simulator):
 
@@ -32,7 +35,11 @@ from autoshard.runtime.grad_norm import clip_grad_norm_, global_loss
 from autoshard.runtime.grad_sync import OverlappedSync, grad_buckets, reduce_buckets
 from autoshard.runtime.rank_program import RankProgram
 from autoshard.runtime.rng import RankRng
-from autoshard.runtime.zero_gather import GatheredMemory, overlapping, save_shards_for_backward
+from autoshard.runtime.zero_gather import (
+    GatheredMemory,
+    overlapping,
+    save_shards_for_backward,
+)
 from autoshard.runtime.zero_overlap import Zero3Overlap
 
 

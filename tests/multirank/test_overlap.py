@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.ir.mesh import Mesh
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.zoo import mlp
