@@ -227,14 +227,6 @@ class Communicator:
         return self.start_all_gather_list(tensor, axis, "reduce_scatter").then(
             lambda parts: _ordered_sum(parts).chunk(k, dim)[mine].contiguous())
 
-    def start_all_gather(self, tensor, axis, dim) -> Pending:
-        """`all_gather`, started.
-
-        >>> run_on_mesh(mesh, lambda comm: comm.start_all_gather(torch.tensor([comm.rank]), "tp", 0).wait())[3]
-        tensor([2, 3])
-        """
-        return self.start_all_gather_list(tensor, axis, "all_gather").then(lambda parts: torch.cat(parts, dim))
-
 
 class Pending:
     """A collective started by a `Communicator.start_*` method: `wait()` returns its result. The simulator's

@@ -4,8 +4,8 @@ backward and finished in `sync_grads` (FSDP2's two overlaps).
 `Zero3Overlap` sits behind `ParamAllGather` while the rank module runs forward (`zero_gather.overlapping`):
 - gathers: the calls of the last forward are remembered (parameter, axis, dim, dtype) with the layer of each
   parameter (its name up to the first numbered module: `layers.3`); at call i the gathers of the rest of
-  i's layer and of the next layer are started (`Communicator.start_all_gather`) so that they travel while
-  this layer computes; call i then only waits for its own. A call that differs from what was started
+  i's layer and of the next layer are started, one collective for all of them (`start_gathers`), so that
+  they travel while this layer computes; call i then only waits for its own. A call that differs from what was started
   (another forward) drops the prefetch and gathers now. The same calls are started on every rank.
 - re-gathers in backward: the order in which the last backward re-gathered parameters is remembered; each
   re-gather starts those up to the end of the next layer in that order (one layer ahead in backward).
@@ -75,6 +75,58 @@ def horizons(layers: list) -> list:
     return [ends[ends[i] + 1] if ends[i] + 1 < len(layers) else ends[i] for i in range(len(layers))]
 
 
+class _Coalesced:
+    """One started all-gather carrying several flattened shards; waited for once."""
+
+    def __init__(self, pending):
+        self.pending, self.parts = pending, None
+
+    def result(self) -> list:
+        if self.parts is None:
+            self.parts = self.pending.wait()
+        return self.parts
+
+
+class _Piece:
+    """One shard's gather inside a coalesced one: `wait()` gives what `comm.all_gather` would."""
+
+    __slots__ = ("dim", "group", "numel", "offset", "shape")
+
+    def __init__(self, group, offset, shard, dim):
+        self.group, self.offset, self.numel, self.shape, self.dim = group, offset, shard.numel(), shard.shape, dim
+
+    def wait(self) -> torch.Tensor:
+        parts = self.group.result()
+        return torch.cat([p[self.offset:self.offset + self.numel].view(self.shape) for p in parts], self.dim)
+
+
+def start_gathers(comm, shards: list) -> list:
+    """Start the all-gathers of `shards` ([(tensor, axis, dim)]) as one collective per axis and dtype (a
+    layer's parameters travel together, as FSDP's flat parameter does); each item's `wait()` gives what
+    `comm.all_gather(tensor, axis, dim)` gives (the same bytes moved: bitwise equal).
+
+    >>> from autoshard.ir.mesh import Mesh
+    >>> from autoshard.runtime.simulator import run_on_mesh
+    >>> def both(comm):
+    ...     a, b = torch.ones(2, 2) * comm.rank, torch.arange(3.0) + comm.rank
+    ...     return [p.wait() for p in start_gathers(comm, [(a, "dp", 1), (b, "dp", 0)])]
+    >>> run_on_mesh(Mesh((2,), ("dp",)), both)[0]
+    [tensor([[0., 0., 1., 1.],
+            [0., 0., 1., 1.]]), tensor([0., 1., 2., 1., 2., 3.])]
+    """
+    groups: dict = {}
+    for i, (t, axis, _) in enumerate(shards):
+        groups.setdefault((axis, t.dtype, t.device), []).append(i)
+    out = [None] * len(shards)
+    for (axis, _, _), members in groups.items():
+        flat = torch.cat([shards[i][0].reshape(-1) for i in members])
+        group, offset = _Coalesced(comm.start_all_gather_list(flat, axis, "all_gather")), 0
+        for i in members:
+            out[i] = _Piece(group, offset, shards[i][0], shards[i][2])
+            offset += shards[i][0].numel()
+    return out
+
+
 class Zero3Overlap:
     """One rank module's ZeRO-3 prefetches and deferred reduce-scatters (see the module docstring).
 
@@ -96,7 +148,7 @@ class Zero3Overlap:
         self.previous: list = []  # the last forward's gathers: (parameter, axis, dim, dtype)
         self.horizon: list = []  # per call: the last call whose gather is started by then
         self.current: list = []
-        self.prefetched: dict = {}  # call index -> (call, Pending)
+        self.prefetched: dict = {}  # call index -> (call, its started gather)
         self.handles: list = []  # this forward's re-gather handles, by call
         self.passes: list = []  # deferred reduce-scatters per backward pass: [(parameter, Pending)]
         self.pass_open = False
@@ -124,11 +176,12 @@ class Zero3Overlap:
             if entry is not None:
                 entry[1].wait()  # this forward differs from the last: the prefetch is dropped
             out = comm.all_gather(shard, axis, dim)
-        for j in range(i + 1, self.horizon[i] + 1 if i < len(self.horizon) else 0):
-            if j not in self.prefetched:
-                ahead = self.previous[j]
-                value = ahead[0].detach() if ahead[3] is None else ahead[0].detach().to(ahead[3])
-                self.prefetched[j] = (ahead, comm.start_all_gather(value, ahead[1], ahead[2]))
+        ahead = [j for j in range(i + 1, self.horizon[i] + 1 if i < len(self.horizon) else 0)
+                 if j not in self.prefetched]
+        values = [(c[0].detach() if c[3] is None else c[0].detach().to(c[3]), c[1], c[2])
+                  for c in (self.previous[j] for j in ahead)]
+        for j, piece in zip(ahead, start_gathers(comm, values)):
+            self.prefetched[j] = (self.previous[j], piece)
         return out
 
     def track(self, handle, x) -> None:
@@ -154,11 +207,12 @@ class Zero3Overlap:
         pos = self.position.get(handle.index) if self.regather_order else None
         if pos is None:
             return
-        for q in range(pos + 1, self.backward_horizon[pos] + 1):
-            ahead = handle.siblings[self.regather_order[q]] if self.regather_order[q] < len(handle.siblings) else None
-            if ahead is not None and ahead.full is None and ahead.pending is None:
-                ahead.pending = ahead.comm.start_all_gather(ahead.shard, ahead.axis, ahead.dim)
-                self.started.append(ahead)
+        ahead = [handle.siblings[index] for index in self.regather_order[pos + 1:self.backward_horizon[pos] + 1]
+                 if index < len(handle.siblings)]
+        ahead = [h for h in ahead if h.full is None and h.pending is None]
+        for h, piece in zip(ahead, start_gathers(handle.comm, [(h.shard, h.axis, h.dim) for h in ahead])):
+            h.pending = piece
+            self.started.append(h)
 
     def end_forward(self) -> None:
         """Drop what was started but not used, and remember this forward's gathers for the next.
