@@ -17,7 +17,7 @@ import sys
 import torch
 
 from .report import table, write_section
-from .timing import interleaved_times, median_ratio, slowest_rank
+from .timing import interleaved_times, median_ratio, timed_on_ranks
 
 N_LAYERS = 4
 # hidden -> (repetitions, steps per timed sample)
@@ -76,20 +76,10 @@ def rank_task(rank, world, configs):
 
 
 def measure(worlds, configs) -> list[dict]:
-    import os
-
-    from autoshard.runtime.launch import run_distributed
-    rows = []
-    for world in worlds:
-        load = os.getloadavg()
-        per_rank = run_distributed(rank_task, world, configs, timeout_s=1800)
-        for hidden in configs:
-            ranks = [per_rank[r][hidden] for r in sorted(per_rank)]
-            rows.append({"world": world, "hidden": hidden, "load": load, "grad_bytes": ranks[0]["grad_bytes"],
-                         "times": slowest_rank([r["times"] for r in ranks]),
-                         "cpu": slowest_rank([r["cpu"] for r in ranks]),
-                         "bitwise": {k: all(r["bitwise"][k] for r in ranks) for k in ("DP", "ZeRO-3")}})
-    return rows
+    return [{"world": run["world"], "hidden": run["config"], "load": run["load"], "times": run["times"],
+             "cpu": run["cpu"], "grad_bytes": run["ranks"][0]["grad_bytes"],
+             "bitwise": {k: all(r["bitwise"][k] for r in run["ranks"]) for k in ("DP", "ZeRO-3")}}
+            for run in timed_on_ranks(rank_task, worlds, configs, timeout_s=1800)]
 
 
 def report(rows) -> tuple[str, list, list]:

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from .report import table, write_section
-from .timing import interleaved_times, median_ratio, slowest_rank
+from .timing import interleaved_times, median_ratio, timed_on_ranks
 
 N_LAYERS = 4
 # hidden -> (repetitions, steps per timed sample): small steps are repeated to rise above timer noise.
@@ -77,19 +77,11 @@ def rank_task(rank, world, configs):
 
 
 def measure(worlds, configs) -> list[dict]:
-    import os
-
-    from autoshard.runtime.launch import run_distributed
     rows = []
-    for world in worlds:
-        load = os.getloadavg()
-        per_rank = run_distributed(rank_task, world, configs, timeout_s=600)
-        for hidden in configs:
-            times = slowest_rank([per_rank[r][hidden]["times"] for r in sorted(per_rank)])
-            cpu = slowest_rank([per_rank[r][hidden]["cpu"] for r in sorted(per_rank)])
-            rank0 = per_rank[0][hidden]
-            rows.append(dict(world=world, hidden=hidden, times=times, cpu=cpu, loss=rank0["loss"],
-                             calls=rank0["calls"], load=load))
+    for run in timed_on_ranks(rank_task, worlds, configs, timeout_s=600):
+        rank0 = run["ranks"][0]
+        rows.append({"world": run["world"], "hidden": run["config"], "times": run["times"], "cpu": run["cpu"],
+                     "loss": rank0["loss"], "calls": rank0["calls"], "load": run["load"]})
     return rows
 
 
