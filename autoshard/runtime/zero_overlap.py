@@ -9,8 +9,9 @@ backward and finished in `sync_grads` (FSDP2's two overlaps).
   (another forward) drops the prefetch and gathers now. The same calls are started on every rank.
 - re-gathers in backward: the order in which the last backward re-gathered parameters is remembered; each
   re-gather starts those up to the end of the next layer in that order (one layer ahead in backward).
-- gradients: the reduce-scatter of a parameter's partial gradient is started in backward and the shard
-  reaches `param.grad` in `finish` (called first in `sync_grads`), summed per backward pass in arrival order
+- gradients: the reduce-scatter of a parameter's partial gradient is started in backward, one collective
+  per layer (`start_reduce_scatters`, when backward moves on to the next layer), and the shard reaches
+  `param.grad` in `finish` (called first in `sync_grads`), summed per backward pass in arrival order
   and added to the gradient already there exactly as autograd would: bitwise the same gradients. Only
   parameters used by nothing but their gathers are deferred so (another use would reach the gradient
   through autograd in between).
@@ -127,6 +128,43 @@ def start_gathers(comm, shards: list) -> list:
     return out
 
 
+class _Row:
+    """One gradient's reduce-scattered chunk inside a coalesced reduce-scatter of [k, chunks] rows."""
+
+    __slots__ = ("group", "numel", "offset", "shape")
+
+    def __init__(self, group, offset, shape, numel):
+        self.group, self.offset, self.shape, self.numel = group, offset, shape, numel
+
+    def wait(self) -> torch.Tensor:
+        return self.group.result().reshape(-1)[self.offset:self.offset + self.numel].view(self.shape).clone()
+
+
+def start_reduce_scatters(comm, grads: list) -> list:
+    """Start the reduce-scatters of `grads` ([(tensor, axis, dim)], one axis and dtype) as one collective: row
+    r holds every gradient's chunk r, as ZeRO's buckets lay them out; each item's `wait()` gives what
+    `comm.reduce_scatter(tensor, axis, dim)` gives (the same sums: bitwise equal on the exact path).
+
+    >>> from autoshard.ir.mesh import Mesh
+    >>> from autoshard.runtime.simulator import run_on_mesh
+    >>> def both(comm):
+    ...     a, b = torch.arange(4.0).view(2, 2) * (comm.rank + 1), torch.arange(2.0) + comm.rank
+    ...     return [p.wait() for p in start_reduce_scatters(comm, [(a, "dp", 1), (b, "dp", 0)])]
+    >>> run_on_mesh(Mesh((2,), ("dp",)), both)[1]  # rank 1: column 1 of 3a, element 1 of 2b + 1
+    [tensor([[3.],
+            [9.]]), tensor([3.])]
+    """
+    axis = grads[0][1]
+    k = comm.axis_size(axis)
+    chunks = [g.chunk(k, dim) for g, _, dim in grads]
+    rows = torch.cat([torch.stack([c.reshape(-1) for c in pieces]) for pieces in chunks], dim=1)
+    group, offset, out = _Coalesced(comm.start_reduce_scatter(rows, axis, 0)), 0, []
+    for pieces in chunks:
+        out.append(_Row(group, offset, pieces[0].shape, pieces[0].numel()))
+        offset += pieces[0].numel()
+    return out
+
+
 class Zero3Overlap:
     """One rank module's ZeRO-3 prefetches and deferred reduce-scatters (see the module docstring).
 
@@ -150,7 +188,9 @@ class Zero3Overlap:
         self.current: list = []
         self.prefetched: dict = {}  # call index -> (call, its started gather)
         self.handles: list = []  # this forward's re-gather handles, by call
-        self.passes: list = []  # deferred reduce-scatters per backward pass: [(parameter, Pending)]
+        self.passes: list = []  # deferred reduce-scatters per backward pass: [(parameter, started)]
+        self.waiting: list = []  # gradients of the layer backward is in, not started yet
+        self.waiting_key = None
         self.pass_open = False
         self.regather_order: list = []  # call indices in the order the last backward re-gathered them
         self.backward_horizon: list = []
@@ -237,8 +277,22 @@ class Zero3Overlap:
         if id(param) not in self.deferrable:
             return False
         self._open_pass()
-        self.passes[-1].append((param, comm.start_reduce_scatter(grad, axis, dim)))
+        key = (self.layer.get(id(param)), axis, grad.dtype)
+        if self.waiting and key != self.waiting_key:  # a layer's gradients are reduce-scattered together
+            self._flush()
+        self.waiting.append((param, grad, axis, dim, comm))
+        self.waiting_key = key
         return True
+
+    def _flush(self) -> None:
+        """Start the waiting gradients' reduce-scatters: one collective for those that split evenly."""
+        even = [w for w in self.waiting if w[1].shape[w[3]] % w[4].axis_size(w[2]) == 0]
+        if even:
+            rows = start_reduce_scatters(even[0][4], [(g, axis, dim) for _, g, axis, dim, _ in even])
+            self.passes[-1] += [(w[0], row) for w, row in zip(even, rows)]
+        self.passes[-1] += [(p, comm.start_reduce_scatter(g, axis, dim)) for p, g, axis, dim, comm in self.waiting
+                            if g.shape[dim] % comm.axis_size(axis)]
+        self.waiting = []
 
     def _open_pass(self) -> None:
         if not self.pass_open:  # the pass's end closes its group (summed as autograd sums one pass)
@@ -247,6 +301,7 @@ class Zero3Overlap:
             self.pass_open = True
 
     def _close_pass(self) -> None:
+        self._flush()
         self.pass_open = False
         if self.order_now:
             self.regather_order, self.order_now = self.order_now, []
@@ -270,8 +325,8 @@ class Zero3Overlap:
         self.started = []
         for one_pass in self.passes:
             totals: dict = {}
-            for param, pending in one_pass:
-                shard = compact(pending.wait())
+            for param, started in one_pass:
+                shard = compact(started.wait())
                 total = totals.get(id(param))
                 totals[id(param)] = (param, shard if total is None else total[1] + shard)
             for param, total in totals.values():
