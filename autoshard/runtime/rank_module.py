@@ -87,12 +87,14 @@ class RankModule(torch.nn.Module):
         zero = self.rank_program.zero
         zero3 = zero is not None and zero.stage == 3
         regather = save_shards_for_backward(self.gathered_memory) if zero3 else contextlib.nullcontext()
-        if zero3 and self.overlap and self._zero3 is None:
+        if zero3 and self._zero3 is None:
             self._zero3 = Zero3Overlap(self)
         self.rng.new_step()
         if self._overlapped is not None:
             self._overlapped.armed = self.overlap and not self._no_sync
-        overlap = self._zero3 if self.overlap else None
+        overlap = self._zero3
+        if overlap is not None:
+            overlap.overlap = self.overlap
         try:
             with use_communicator(self.comm), regather, overlapping(overlap), self.rng.drawing():
                 flat = self.gm(*local_inputs)

@@ -6,8 +6,8 @@ duality rule) or takes this rank's chunk of a replicated one. Autograd would kee
 for the consumers' backward (a matmul saves its weight), so the rank module runs forward inside
 `save_shards_for_backward()`: a saved tensor that is a gathered parameter (or a view of one) is saved as
 a handle holding only the shard, and backward re-gathers it once, on first use, dropping the copy when
-the parameter's gradient is reduce-scattered. Under `overlapping` (the rank module's default) the gathers
-are prefetched and the reduce-scatters started asynchronously (autoshard/runtime/zero_overlap.py).
+the parameter's gradient is reduce-scattered. A rank module runs forward `overlapping` a Zero3Overlap:
+gathers prefetched, reduce-scatters started per layer in backward (autoshard/runtime/zero_overlap.py).
 `GatheredMemory` measures the bytes of gathered copies alive at once (ZeRO-3's transient memory).
 
 The examples gather a parameter split over two ranks (threads of the simulator):

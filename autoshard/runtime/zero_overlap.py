@@ -12,9 +12,12 @@ backward and finished in `sync_grads` (FSDP2's two overlaps).
 - gradients: the reduce-scatter of a parameter's partial gradient is started in backward, one collective
   per layer (`start_reduce_scatters`, when backward moves on to the next layer), and the shard reaches
   `param.grad` in `finish` (called first in `sync_grads`), summed per backward pass in arrival order
-  and added to the gradient already there exactly as autograd would: bitwise the same gradients. Only
-  parameters used by nothing but their gathers are deferred so (another use would reach the gradient
-  through autograd in between).
+  and added to the gradient already there exactly as autograd would. Only parameters used by nothing but
+  their gathers are deferred so (another use would reach the gradient through autograd in between).
+With `module.overlap = False` nothing is prefetched and the same per-layer reduce-scatters start in
+`finish`, after backward: bitwise the same gradients as overlapped, also on native collectives whose sums
+depend on the layout (gloo's and NCCL's), and on the exact path bitwise what one reduce-scatter per
+parameter gives.
 
 The examples train a ZeRO-3 data-parallel MLP on two simulated ranks with and without overlap:
 
@@ -165,6 +168,27 @@ def start_reduce_scatters(comm, grads: list) -> list:
     return out
 
 
+class _Started:
+    """A layer's reduce-scatters, started: [(parameter, its started chunk)]."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items):
+        self.items = items
+
+
+def _start_group(waiting) -> _Started:
+    """One collective for the gradients that split evenly over the axis, one each for the others."""
+    even = [w for w in waiting if w[1].shape[w[3]] % w[4].axis_size(w[2]) == 0]
+    items = []
+    if even:
+        rows = start_reduce_scatters(even[0][4], [(g, axis, dim) for _, g, axis, dim, _ in even])
+        items += [(w[0], row) for w, row in zip(even, rows)]
+    items += [(p, comm.start_reduce_scatter(g, axis, dim)) for p, g, axis, dim, comm in waiting
+              if g.shape[dim] % comm.axis_size(axis)]
+    return _Started(items)
+
+
 class Zero3Overlap:
     """One rank module's ZeRO-3 prefetches and deferred reduce-scatters (see the module docstring).
 
@@ -189,7 +213,8 @@ class Zero3Overlap:
         self.prefetched: dict = {}  # call index -> (call, its started gather)
         self.handles: list = []  # this forward's re-gather handles, by call
         self.passes: list = []  # deferred reduce-scatters per backward pass: [(parameter, started)]
-        self.waiting: list = []  # gradients of the layer backward is in, not started yet
+        self.waiting: list = []  # gradients of the layer backward is in, not grouped yet
+        self.overlap = True  # False: nothing prefetched, the reduce-scatters start in finish (after backward)
         self.waiting_key = None
         self.pass_open = False
         self.regather_order: list = []  # call indices in the order the last backward re-gathered them
@@ -216,7 +241,7 @@ class Zero3Overlap:
             if entry is not None:
                 entry[1].wait()  # this forward differs from the last: the prefetch is dropped
             out = comm.all_gather(shard, axis, dim)
-        ahead = [j for j in range(i + 1, self.horizon[i] + 1 if i < len(self.horizon) else 0)
+        ahead = [j for j in range(i + 1, self.horizon[i] + 1 if self.overlap and i < len(self.horizon) else 0)
                  if j not in self.prefetched]
         values = [(c[0].detach() if c[3] is None else c[0].detach().to(c[3]), c[1], c[2])
                   for c in (self.previous[j] for j in ahead)]
@@ -244,7 +269,7 @@ class Zero3Overlap:
         """
         self._open_pass()
         self.order_now.append(handle.index)
-        pos = self.position.get(handle.index) if self.regather_order else None
+        pos = self.position.get(handle.index) if self.overlap and self.regather_order else None
         if pos is None:
             return
         ahead = [handle.siblings[index] for index in self.regather_order[pos + 1:self.backward_horizon[pos] + 1]
@@ -285,14 +310,10 @@ class Zero3Overlap:
         return True
 
     def _flush(self) -> None:
-        """Start the waiting gradients' reduce-scatters: one collective for those that split evenly."""
-        even = [w for w in self.waiting if w[1].shape[w[3]] % w[4].axis_size(w[2]) == 0]
-        if even:
-            rows = start_reduce_scatters(even[0][4], [(g, axis, dim) for _, g, axis, dim, _ in even])
-            self.passes[-1] += [(w[0], row) for w, row in zip(even, rows)]
-        self.passes[-1] += [(p, comm.start_reduce_scatter(g, axis, dim)) for p, g, axis, dim, comm in self.waiting
-                            if g.shape[dim] % comm.axis_size(axis)]
-        self.waiting = []
+        """Close the waiting gradients' group (a layer's) and, when overlapping, start it now."""
+        if self.waiting:
+            self.passes[-1].append(self.waiting if not self.overlap else _start_group(self.waiting))
+            self.waiting = []
 
     def _open_pass(self) -> None:
         if not self.pass_open:  # the pass's end closes its group (summed as autograd sums one pass)
@@ -323,9 +344,10 @@ class Zero3Overlap:
                 handle.pending.wait()
                 handle.pending = None
         self.started = []
+        self.passes = [[g if isinstance(g, _Started) else _start_group(g) for g in p] for p in self.passes]
         for one_pass in self.passes:
             totals: dict = {}
-            for param, started in one_pass:
+            for param, started in (item for group in one_pass for item in group.items):
                 shard = compact(started.wait())
                 total = totals.get(id(param))
                 totals[id(param)] = (param, shard if total is None else total[1] + shard)
