@@ -17,7 +17,13 @@ import sys
 import torch
 
 from .report import table, write_section
-from .timing import interleaved_times, median_ratio, timed_on_ranks
+from .timing import (
+    CSV_HEADERS,
+    csv_samples,
+    interleaved_times,
+    median_ratio,
+    timed_on_ranks,
+)
 
 N_LAYERS = 4
 # hidden -> (repetitions, steps per timed sample)
@@ -140,11 +146,7 @@ def report(rows) -> tuple[str, list, list]:
         "same data-parallel code, measured DP / DDP 0.93-0.98 on all four rows); a CPU-time ratio above 1 is work "
         "autoshard's step does that the other's does not (at 4 ranks on 2 cores every collective also waits for "
         "4 processes to be scheduled, so the number of collectives per step weighs most at the smallest width).")
-    csv_headers = ["ranks", "hidden", "contender", "clock", "median_ms", "samples_ms"]
-    csv_rows = [[r["world"], r["hidden"], n, "wall" if key == "times" else "cpu", f"{statistics.median(v) * 1e3:.4f}",
-                 " ".join(f"{x * 1e3:.3f}" for x in v)]
-                for r in rows for key in ("times", "cpu") for n, v in r[key].items()]
-    return body, csv_headers, csv_rows
+    return body, CSV_HEADERS, csv_samples(rows)
 
 
 def main(quick: bool = False) -> None:

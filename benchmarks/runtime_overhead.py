@@ -15,7 +15,13 @@ import sys
 import torch
 
 from .report import table, write_section
-from .timing import interleaved_times, median_ratio, timed_on_ranks
+from .timing import (
+    CSV_HEADERS,
+    csv_samples,
+    interleaved_times,
+    median_ratio,
+    timed_on_ranks,
+)
 
 N_LAYERS = 4
 # hidden -> (repetitions, steps per timed sample): small steps are repeated to rise above timer noise.
@@ -139,11 +145,7 @@ def report(rows) -> tuple[str, list, list]:
         "cannot scale: read efficiency as a ratio between the parallel contenders). autoshard uses gloo's native "
         "all-reduce here (communicator_for(..., exact=False)); its default on gloo (exact=True, every reduction "
         "from an all_gather, bitwise reproducible) moves k times the bytes on k ranks and is for verification.")
-    csv_headers = ["ranks", "hidden", "contender", "clock", "median_ms", "samples_ms"]
-    csv_rows = [[r["world"], r["hidden"], n, "wall" if key == "times" else "cpu", f"{statistics.median(v) * 1e3:.4f}",
-                 " ".join(f"{x * 1e3:.3f}" for x in v)]
-                for r in rows for key in ("times", "cpu") for n, v in r[key].items()]
-    return body, csv_headers, csv_rows
+    return body, CSV_HEADERS, csv_samples(rows)
 
 
 def _why(cpu_ratio: float, target: float) -> str:

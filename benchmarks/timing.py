@@ -56,3 +56,13 @@ def timed_on_ranks(rank_task, worlds, configs, timeout_s: float) -> list[dict]:
                         "times": slowest_rank([r["times"] for r in ranks]),
                         "cpu": slowest_rank([r["cpu"] for r in ranks])})
     return out
+
+
+CSV_HEADERS = ["ranks", "hidden", "contender", "clock", "median_ms", "samples_ms"]
+
+
+def csv_samples(rows) -> list:
+    """CSV rows (CSV_HEADERS) of every contender's wall and CPU samples, per row's ranks and hidden size."""
+    return [[r["world"], r["hidden"], n, "wall" if key == "times" else "cpu", f"{statistics.median(v) * 1e3:.4f}",
+             " ".join(f"{x * 1e3:.3f}" for x in v)]
+            for r in rows for key in ("times", "cpu") for n, v in r[key].items()]
