@@ -19,6 +19,7 @@ BENCHMARKS = [
     "planning_llama",    # 8. torchtitan's Llama 3.1 8B/70B/405B runs on H100 clusters: choice and tokens/s vs published
     "planning_cli",      # 9. `python -m autoshard plan` at the Llama 3 8B/70B/405B shapes: time and memory vs targets
     "compiled",          # 10. parallelize(compile=True) vs eager: step time per rank and equality (gloo ranks)
+    "overlap",           # 11. overlapped gradient sync / ZeRO-3 vs DDP and FSDP2, step time (gloo ranks)
 ]
 
 

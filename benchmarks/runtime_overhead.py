@@ -15,7 +15,13 @@ import sys
 import torch
 
 from .report import table, write_section
-from .timing import interleaved_times, median_ratio, slowest_rank
+from .timing import (
+    CSV_HEADERS,
+    csv_samples,
+    interleaved_times,
+    median_ratio,
+    timed_on_ranks,
+)
 
 N_LAYERS = 4
 # hidden -> (repetitions, steps per timed sample): small steps are repeated to rise above timer noise.
@@ -77,19 +83,11 @@ def rank_task(rank, world, configs):
 
 
 def measure(worlds, configs) -> list[dict]:
-    import os
-
-    from autoshard.runtime.launch import run_distributed
     rows = []
-    for world in worlds:
-        load = os.getloadavg()
-        per_rank = run_distributed(rank_task, world, configs, timeout_s=600)
-        for hidden in configs:
-            times = slowest_rank([per_rank[r][hidden]["times"] for r in sorted(per_rank)])
-            cpu = slowest_rank([per_rank[r][hidden]["cpu"] for r in sorted(per_rank)])
-            rank0 = per_rank[0][hidden]
-            rows.append(dict(world=world, hidden=hidden, times=times, cpu=cpu, loss=rank0["loss"],
-                             calls=rank0["calls"], load=load))
+    for run in timed_on_ranks(rank_task, worlds, configs, timeout_s=600):
+        rank0 = run["ranks"][0]
+        rows.append({"world": run["world"], "hidden": run["config"], "times": run["times"], "cpu": run["cpu"],
+                     "loss": rank0["loss"], "calls": rank0["calls"], "load": run["load"]})
     return rows
 
 
@@ -147,11 +145,7 @@ def report(rows) -> tuple[str, list, list]:
         "cannot scale: read efficiency as a ratio between the parallel contenders). autoshard uses gloo's native "
         "all-reduce here (communicator_for(..., exact=False)); its default on gloo (exact=True, every reduction "
         "from an all_gather, bitwise reproducible) moves k times the bytes on k ranks and is for verification.")
-    csv_headers = ["ranks", "hidden", "contender", "clock", "median_ms", "samples_ms"]
-    csv_rows = [[r["world"], r["hidden"], n, "wall" if key == "times" else "cpu", f"{statistics.median(v) * 1e3:.4f}",
-                 " ".join(f"{x * 1e3:.3f}" for x in v)]
-                for r in rows for key in ("times", "cpu") for n, v in r[key].items()]
-    return body, csv_headers, csv_rows
+    return body, CSV_HEADERS, csv_samples(rows)
 
 
 def _why(cpu_ratio: float, target: float) -> str:

@@ -37,3 +37,32 @@ def slowest_rank(per_rank: list[dict]) -> dict:
 
 def median_ratio(numerator: list, denominator: list) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def timed_on_ranks(rank_task, worlds, configs, timeout_s: float) -> list[dict]:
+    """`rank_task(rank, world, configs)` -> {config: {"times", "cpu", ...}} on each number of gloo ranks in
+    `worlds`: per world and config {"world", "config", "load" (when the world started), "ranks" (each rank's
+    result), "times", "cpu" (the slowest rank per repetition)}."""
+    import os
+
+    from autoshard.runtime.launch import run_distributed
+    out = []
+    for world in worlds:
+        load = os.getloadavg()
+        per_rank = run_distributed(rank_task, world, configs, timeout_s=timeout_s)
+        for config in configs:
+            ranks = [per_rank[r][config] for r in sorted(per_rank)]
+            out.append({"world": world, "config": config, "load": load, "ranks": ranks,
+                        "times": slowest_rank([r["times"] for r in ranks]),
+                        "cpu": slowest_rank([r["cpu"] for r in ranks])})
+    return out
+
+
+CSV_HEADERS = ["ranks", "hidden", "contender", "clock", "median_ms", "samples_ms"]
+
+
+def csv_samples(rows) -> list:
+    """CSV rows (CSV_HEADERS) of every contender's wall and CPU samples, per row's ranks and hidden size."""
+    return [[r["world"], r["hidden"], n, "wall" if key == "times" else "cpu", f"{statistics.median(v) * 1e3:.4f}",
+             " ".join(f"{x * 1e3:.3f}" for x in v)]
+            for r in rows for key in ("times", "cpu") for n, v in r[key].items()]

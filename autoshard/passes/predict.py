@@ -3,9 +3,12 @@
 Reads the graph after insert_comm (collective nodes, specs, `autoshard.choice`) and
 `state.grad_reduce`. Writes `autoshard.comm_cost` = {"fwd_bytes", "bwd_bytes", "seconds"} on each
 collective node and `state.predicted` = {"step_time_s", "compute_s", "comm_s", "comm_bytes_per_step":
-{axis: {"fwd", "bwd", "sync"}}, "memory_bytes_per_rank", "memory" (its parts, `memory_parts`)}. Bytes use the runtime's counting convention
-(all_gather: gathered output; others: the rank's input), so `verify --json` can compare them.
-Communication is assumed not to overlap compute (an upper bound on step time).
+{axis: {"fwd", "bwd", "sync"}}, "memory_bytes_per_rank", "memory" (its parts, `memory_parts`),
+"overlapped_step_s"}. Bytes use the runtime's counting convention (all_gather: gathered output; others: the
+rank's input), so `verify --json` can compare them. `step_time_s` assumes communication does not overlap
+compute (an upper bound; the searches compare it); `overlapped_step_s` is the step as the runtime overlaps it
+by default (gradient buckets during backward, ZeRO-3's gathers prefetched and reduce-scatters started in
+backward): autoshard/cost/overlap.py.
 
 The examples use Megatron's MLP on a 2-way tensor-parallel axis:
 
@@ -24,6 +27,7 @@ import math
 from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
 from autoshard.cost.flops import node_bytes
 from autoshard.cost.model import all_reduce_time, collective_time
+from autoshard.cost.overlap import hidden_seconds
 from autoshard.cost.recompute_cost import account_recompute
 from autoshard.cost.zero_cost import apply_zero, gather_bytes, memory_breakdown
 from autoshard.ir import meta
@@ -70,7 +74,7 @@ def predict(state) -> None:
     >>> state = state_before("predict", model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), hints=hints)
     >>> predict(state)
     >>> sorted(state.predicted), state.predicted["comm_bytes_per_step"]["tp"]
-    (['comm_bytes_per_step', 'comm_s', 'compute_s', 'memory', 'memory_bytes_per_rank', 'step_time_s'], {'fwd': 1024, 'bwd': 0, 'sync': 0})
+    (['comm_bytes_per_step', 'comm_s', 'compute_s', 'memory', 'memory_bytes_per_rank', 'overlapped_step_s', 'step_time_s'], {'fwd': 1024, 'bwd': 0, 'sync': 0})
     """
     mesh = state.mesh
     profile = state.options.profile
@@ -116,6 +120,7 @@ def predict(state) -> None:
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
     account_recompute(state)  # activation checkpointing: recompute time, activations not kept
     state.predicted["memory"] = memory_parts(state)
+    state.predicted["overlapped_step_s"] = state.predicted["step_time_s"] - hidden_seconds(state)
 
 
 def memory_parts(state) -> dict:

@@ -16,8 +16,8 @@ Schema (version 2):
   grad_reduce  {parameter FQN: [mesh axis name]}
   predicted    {"step_time_s", "compute_s", "comm_s": number >= 0, "memory_bytes_per_rank": int >= 0,
                 "comm_bytes_per_step": {axis name: {"fwd", "bwd", "sync": int >= 0}},
-                optional "recompute_s": number >= 0, optional "memory": {"params", "grads", "optimizer",
-                "gathered", "inputs", "activations": int >= 0}}
+                optional "recompute_s", "overlapped_step_s": number >= 0, optional "memory": {"params",
+                "grads", "optimizer", "gathered", "inputs", "activations": int >= 0}}
   fingerprint  16 hex digits or null
 
 The examples save and load the plan of a small data-parallel MLP:
@@ -53,7 +53,8 @@ _ROW_KEYS = (*_ROW_STR_KEYS, "bytes_fwd", "bytes_bwd", "choice")
 _TOP_KEYS = ("version", "mesh", "hints", "nodes", "grad_reduce", "predicted", "fingerprint")
 _OPTIONAL_TOP_KEYS = ("pipeline", "search")  # pipelined plans / unnamed-mesh search records
 _PREDICTED_SECONDS = ("step_time_s", "compute_s", "comm_s")
-_OPTIONAL_PREDICTED_SECONDS = ("recompute_s",)  # activation checkpointing's recompute time
+_OPTIONAL_PREDICTED_SECONDS = ("recompute_s",  # activation checkpointing's recompute time
+                               "overlapped_step_s")  # the step with the runtime's overlap (cost/overlap.py)
 _MEMORY_PARTS = ("params", "grads", "optimizer", "gathered", "inputs", "activations")  # predict.memory_parts
 
 

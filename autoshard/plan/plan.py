@@ -360,8 +360,10 @@ class Plan:
                   f"fingerprint {self.fingerprint}"),
                  # A pipeline's rows are one micro-batch's program; its step is the pipeline line's.
                  (f"  {'one micro-batch' if self.pipeline else 'predicted step'} {p['step_time_s']:.3g} s (compute "
-                  f"{p['compute_s']:.3g} s, communication {p['comm_s']:.3g} s), memory per rank "
-                  f"{p['memory_bytes_per_rank'] / 2**20:.1f} MiB")]
+                  f"{p['compute_s']:.3g} s, communication {p['comm_s']:.3g} s"
+                  + ("" if self.pipeline or "overlapped_step_s" not in p else
+                     f"; {p['overlapped_step_s']:.3g} s overlapped") +
+                  f"), memory per rank {p['memory_bytes_per_rank'] / 2**20:.1f} MiB")]
         lines += self._memory_lines()
         for axis in self.mesh.names:
             b = self.predicted["comm_bytes_per_step"][axis]

@@ -28,7 +28,6 @@ from autoshard.ir.placement import local_shape, unshard_tensors
 from autoshard.passes.codegen import build_rank_module
 from autoshard.passes.split_stages import split_stages
 from autoshard.program.program import Program
-from autoshard.report.timeline import planned_timeline
 from autoshard.runtime.communicator import DistCommunicator
 from autoshard.runtime.pipeline import (
     PipelineRankModule,
@@ -124,16 +123,6 @@ class PipelineProgram(Program):
         c = self.config
         return (f"PipelineProgram({self.mesh!r}, {c.num_stages} stages over {c.axis!r}, {c.schedule}, "
                 f"{c.microbatches} micro-batches, fingerprint={self.plan.fingerprint})\n{self.plan.summary()}")
-
-    def planned_timeline(self):
-        """The step this plan predicts: the schedule's action order run on the predicted stage times
-        (print it, or `.plot()` it in a notebook).
-
-        >>> timeline = prog.planned_timeline()
-        >>> timeline.span() > 0, 0 < timeline.bubble_fraction() < 1
-        (True, True)
-        """
-        return planned_timeline(self)
 
     def _tied_params(self) -> dict:
         """Parameter FQN -> the stages using it, for parameters used by more than one stage."""

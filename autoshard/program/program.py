@@ -38,6 +38,7 @@ from autoshard.passes.codegen import attr_names, build_rank_module
 from autoshard.passes.manager import CompileState, History
 from autoshard.passes.random_ops import describe_random_ops
 from autoshard.plan.plan import Plan
+from autoshard.report.timeline import planned_timeline
 from autoshard.runtime.compiled import compile_rank_graph
 from autoshard.runtime.rank_module import RankModule
 from autoshard.runtime.rank_program import RankProgram
@@ -115,6 +116,17 @@ class Program:
         True
         """
         return self.plan.draw(collapse, color_by)
+
+    def planned_timeline(self):
+        """The step this plan predicts (print it, or `.plot()` it in a notebook): a flat program's with the
+        runtime's overlap, the compute and each mesh axis's link, the gradient sync under the backward of
+        earlier layers; a pipelined program's schedule run on the predicted stage times.
+
+        >>> timeline = prog.planned_timeline()
+        >>> [timeline.row_name(row) for row in timeline.ranks], timeline.span() > 0
+        (['compute', 'link dp'], True)
+        """
+        return planned_timeline(self)
 
     def graph(self, rank: int) -> torch.fx.GraphModule:
         """Rank `rank`'s GraphModule: local parameter shards, local shapes, visible collectives (cached).

@@ -1,4 +1,5 @@
-"""Pipeline timelines: planned (the schedule simulated on predicted stage times) and measured.
+"""Timelines: a pipeline's, planned (the schedule simulated on predicted stage times) and measured, and a
+flat program's planned step with its overlap (compute and each link as rows: `overlap_timeline`).
 
 A timeline is a list of events `(pp rank, stage, kind, micro-batch, start_s, end_s)` with kind "F"
 (forward), "B" (full backward), "I" (input-gradient backward) or "W" (weight-gradient backward) —
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoshard.cost.overlap import step_works, two_streams
 from autoshard.ir.errors import PlanError
 from autoshard.report.viz import plot_timeline
 
@@ -31,6 +33,15 @@ class Timeline:
 
     events: list = field(default_factory=list)
     source: str = "planned"
+    rows: dict = field(default_factory=dict)  # row -> its name (default: "pp rank <row>")
+
+    def row_name(self, row: int) -> str:
+        """What row `row` shows: a pp rank, or the compute stream / a link of an overlap timeline.
+
+        >>> Timeline(rows={1: "link dp"}).row_name(1), Timeline().row_name(0)
+        ('link dp', 'pp rank 0')
+        """
+        return self.rows.get(row, f"pp rank {row}")
 
     @property
     def ranks(self) -> list[int]:
@@ -75,7 +86,7 @@ class Timeline:
         [('pp rank 0', 0.0, 1.0, 'B', 3)]
         """
         t0 = min(e[4] for e in self.events) if self.events else 0.0
-        return [(f"pp rank {r}", s0 - t0, s1 - t0, "B" if kind == "I" else kind, mb)
+        return [(self.row_name(r), s0 - t0, s1 - t0, "B" if kind == "I" else kind, mb)
                 for r, _, kind, mb, s0, s1 in sorted(self.events, key=lambda e: (e[0], e[4]))]
 
     def plot(self, title: str | None = None):
@@ -83,7 +94,7 @@ class Timeline:
 
         >>> figure = Timeline([(0, 0, "F", 0, 0.0, 1.0), (1, 1, "F", 0, 1.0, 2.0)]).plot()
         """
-        return plot_timeline(self.plot_events(), title=title or f"{self.source} pipeline step")
+        return plot_timeline(self.plot_events(), title=title or f"{self.source} {'' if self.rows else 'pipeline '}step")
 
     def __repr__(self) -> str:
         """One text row per rank: each column a slice of the step, the letter of what ran (. idle)."""
@@ -99,7 +110,7 @@ class Timeline:
                     for c in range(int((s0 - t0) / span * width), max(int((s1 - t0) / span * width),
                                                                      int((s0 - t0) / span * width) + 1)):
                         row[min(c, width - 1)] = kind
-            lines.append(f"  pp rank {rank}: {''.join(row)}")
+            lines.append(f"  {self.row_name(rank)}: {''.join(row)}")
         return "\n".join(lines)
 
 
@@ -219,7 +230,8 @@ def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
 
 
 def planned_timeline(program) -> Timeline:
-    """The step the plan predicts for a pipelined program (its stage table and the pp link).
+    """The step the plan predicts: for a pipelined program its schedule (stage table and pp link), for a
+    flat one the compute and the links with the overlap (`overlap_timeline`).
 
     >>> import autoshard
     >>> from autoshard.zoo import mlp
@@ -230,7 +242,32 @@ def planned_timeline(program) -> Timeline:
     >>> planned.ranks, planned.span() == pipe.plan.pipeline["predicted_step_s"]
     ([0, 1], True)
     """
+    if not getattr(program.state, "pipeline_stages", None):
+        return overlap_timeline(program.state)
     return pipeline_timeline(program.config, program.state.pipeline_stages)
+
+
+def overlap_timeline(state) -> Timeline:
+    """A flat program's predicted step: row 0 the compute (F forward, B backward), then one row per mesh axis
+    link (C collectives, S gradient sync); the sync runs under the backward of earlier layers, and the span
+    is the plan's `overlapped_step_s` without ZeRO's optimizer gathers and recomputation
+    (autoshard/cost/overlap.py computes both).
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+    ...                              hints={"input:0": {"dp": "S(0)"}})
+    >>> timeline = overlap_timeline(prog.state)
+    >>> [timeline.row_name(r) for r in timeline.ranks]
+    ['compute', 'link dp']
+    """
+    _, events = two_streams(step_works(state))
+    names = ["compute"] + sorted({stream for stream, *_ in events} - {"compute"})
+    rows = {i: name if i == 0 else f"link {name}" for i, name in enumerate(names)}
+    index = {name: i for i, name in enumerate(names)}
+    return Timeline([(index[stream], 0, label, 0, start, end) for stream, label, start, end in events],
+                    rows=rows)
 
 
 def pipeline_timeline(config, table) -> Timeline:

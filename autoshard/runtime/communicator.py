@@ -1,7 +1,8 @@
 """Communicators: how the ranks of one mesh axis exchange tensors.
 
-Every collective is built from one primitive, `all_gather_list` (each rank's tensor, in axis order),
-plus local arithmetic in a fixed order, in both the in-process simulator and the exact gloo path.
+Every collective is built from one primitive, `all_gather_list` (each rank's tensor, in axis order; or
+`start_all_gather_list`, the same started now and waited for later), plus local arithmetic in a fixed
+order, in both the in-process simulator and the exact gloo path.
 So the simulator and a real run agree bit for bit in float64. On GPUs (`exact=False`) the native
 NCCL collectives run instead. Each call is recorded (kind, axis, bytes, forward/backward) so
 `verify --json` can count collectives per mesh axis.
@@ -198,6 +199,77 @@ class Communicator:
         k = self.axis_size(axis)
         return torch.cat([p.chunk(k, scatter_dim)[mine] for p in parts], gather_dim).contiguous()
 
+    # Started collectives (`Pending`): the same results, completed later on a DistCommunicator.
+    def start_all_gather_list(self, tensor, axis, what) -> Pending:
+        """`all_gather_list`, started: here it completes at once (the simulator's threads meet now).
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_all_gather_list(torch.tensor([comm.rank]), "dp", "x"))[0].wait()
+        [tensor([0]), tensor([2])]
+        """
+        parts = self.all_gather_list(tensor, axis, what)
+        return Pending(lambda: parts)
+
+    def start_all_reduce(self, tensor, axis) -> Pending:
+        """`all_reduce`, started; the result may reuse `tensor`'s storage (the caller gives it up).
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_all_reduce(torch.tensor([comm.rank]), "dp").wait())[1]
+        tensor([4])
+        """
+        return self.start_all_gather_list(tensor, axis, "all_reduce").then(_ordered_sum)
+
+    def start_reduce_scatter(self, tensor, axis, dim) -> Pending:
+        """`reduce_scatter`, started.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_reduce_scatter(torch.tensor([1, 10]), "tp", 0).wait())[1]
+        tensor([20])
+        """
+        k, mine = self.axis_size(axis), self.axis_rank(axis)
+        return self.start_all_gather_list(tensor, axis, "reduce_scatter").then(
+            lambda parts: _ordered_sum(parts).chunk(k, dim)[mine].contiguous())
+
+
+class Pending:
+    """A collective started by a `Communicator.start_*` method: `wait()` returns its result. The simulator's
+    collectives complete when started; a DistCommunicator's run on the backend's threads meanwhile (gloo's
+    async_op), so the caller computes while they travel (gradient buckets during backward).
+
+    >>> pending = run_on_mesh(mesh, lambda comm: comm.start_all_reduce(torch.tensor([comm.rank]), "tp"))
+    >>> pending[3].wait()
+    tensor([5])
+    """
+
+    def __init__(self, finish, work=None, comm=None, what: str = "", axis=None):
+        self.finish, self.work, self.comm, self.what, self.axis = finish, work, comm, what, axis
+        self.started = time.monotonic()
+
+    def then(self, fn) -> Pending:
+        """This collective followed by local work `fn(result)` (done in `wait`).
+
+        >>> Pending(lambda: torch.ones(2)).then(lambda t: t * 3).wait()
+        tensor([3., 3.])
+        """
+        finish = self.finish
+        self.finish = lambda: fn(finish())
+        return self
+
+    def wait(self):
+        """Block until the collective completes (within the communicator's timeout), then its result.
+
+        >>> Pending(lambda: torch.zeros(1)).wait()
+        tensor([0.])
+        """
+        if self.work is not None:
+            work, self.work = self.work, None
+            try:
+                completed = work.wait(self.comm.timeout)
+            except RuntimeError as exc:
+                raise CollectiveTimeout(self.comm.failure(self.what, self.axis, exc,
+                                                          time.monotonic() - self.started)) from exc
+            if completed is False:
+                raise CollectiveTimeout(self.comm.failure(self.what, self.axis, RuntimeError("timed out"),
+                                                          time.monotonic() - self.started))
+        return self.finish()
+
 
 def _ordered_sum(parts):
     total = parts[0].clone()
@@ -328,6 +400,47 @@ class DistCommunicator(Communicator):
         parts = [torch.empty_like(tensor) for _ in range(self.axis_size(axis))]
         self._run(what, axis, lambda: dist.all_gather(parts, tensor, group=self.groups[axis]))
         return parts
+
+    def start_all_gather_list(self, tensor, axis, what) -> Pending:
+        """`all_gather_list` started on the backend's threads (async_op); `wait()` gives the parts.
+
+        >>> solo.start_all_gather_list(torch.ones(2), "pp", "example").wait()
+        [tensor([1., 1.])]
+        """
+        import torch.distributed as dist
+        if self.axis_size(axis) == 1:
+            return super().start_all_gather_list(tensor, axis, what)
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.axis_size(axis))]
+        work = self._run(what, axis, lambda: dist.all_gather(parts, tensor, group=self.groups[axis], async_op=True))
+        return Pending(lambda: parts, work, self, what, axis)
+
+    def start_all_reduce(self, tensor, axis) -> Pending:
+        """`all_reduce` started: exact (gathered, summed in `wait`) or gloo/NCCL's own, in place on `tensor`.
+
+        >>> solo.start_all_reduce(torch.ones(2), "pp").wait()
+        tensor([1., 1.])
+        """
+        if self.exact or self.axis_size(axis) == 1:
+            return super().start_all_reduce(tensor, axis)
+        import torch.distributed as dist
+        work = self._run("all_reduce", axis, lambda: dist.all_reduce(tensor, group=self.groups[axis], async_op=True))
+        return Pending(lambda: tensor, work, self, "all_reduce", axis)
+
+    def start_reduce_scatter(self, tensor, axis, dim) -> Pending:
+        """`reduce_scatter` started: exact, or gloo/NCCL's own.
+
+        >>> solo.start_reduce_scatter(torch.arange(2.0), "pp", 0).wait()
+        tensor([0., 1.])
+        """
+        if self.exact or self.axis_size(axis) == 1:
+            return super().start_reduce_scatter(tensor, axis, dim)
+        import torch.distributed as dist
+        chunks = [c.contiguous() for c in tensor.chunk(self.axis_size(axis), dim)]
+        out = torch.empty_like(chunks[0])
+        work = self._run("reduce_scatter", axis,
+                         lambda: dist.reduce_scatter(out, chunks, group=self.groups[axis], async_op=True))
+        return Pending(lambda: out, work, self, "reduce_scatter", axis)
 
     def all_reduce(self, tensor, axis):
         """The sum over `axis`: exact (gathered, fixed-order sum) on gloo, NCCL's all_reduce otherwise.

@@ -3,8 +3,11 @@
 `PipelineRankModule` (real ranks) wraps each of its stages in a `PipelineStage` on the pp axis's
 process group and runs the chosen schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
 InterleavedZeroBubble, ZBVZeroBubble); the stages' own collectives run on the other axes' groups
-through the intra-op communicator. Gradients: summed over micro-batches by autograd, reduced on
-their partial axes (`sync_grads`), tied parameters summed across the pp ranks holding a copy, then
+through the intra-op communicator. Stage-to-stage sends and receives are the schedule's own:
+asynchronous (isend/irecv, batched per step of the schedule and waited for only before the compute that
+needs them, or at the end of the step for sends). Gradients: summed over micro-batches by autograd, reduced
+after the last micro-batch on their partial axes (`sync_grads`; no overlap: every micro-batch is a backward
+pass, so a bucket is complete only at the end), tied parameters summed across the pp ranks holding a copy, then
 divided by the micro-batch count (so a step equals one full-batch step of a batch-mean loss; the
 schedule's own scaling is off because a tied parameter shared by two local stages would be
 scaled twice). Each stage's forward/backward chunks are timed for the measured timeline.
@@ -103,6 +106,7 @@ class _StagesModule(RankModule):
     def __init__(self, stage_graphs, comm, rank_program: RankProgram, rng: RankRng, program=None):
         super().__init__(torch.nn.ModuleList([s.gm for s in stage_graphs]), comm, rank_program, rng, program)
         self.stage_graphs = stage_graphs
+        self.overlap = False  # a step runs one backward per micro-batch: its gradients are reduced after the last
 
     def named_local_parameters(self):
         seen = set()

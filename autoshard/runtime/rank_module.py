@@ -4,7 +4,10 @@
 partial sum on batch-sharded axes, which is the right thing to call `.backward()` on: its gradient
 is 1 on every rank). After backward, `sync_grads()` reduces the gradients that came back partial on
 some mesh axes (the duality rule), bucketed per axis set; with ZeRO-2/3 the ZeroOptimizer
-(autoshard/runtime/zero.py) reduce-scatters the gradients of replicated parameters on the ZeRO axis.
+(autoshard/runtime/zero.py) reduce-scatters the gradients of replicated parameters on the ZeRO axis. With
+`overlap` (the default) these reductions start during backward, bucket by bucket, and ZeRO-3's gathers are
+prefetched (autoshard/runtime/grad_sync.py, zero_overlap.py); `module.overlap = False` runs them after
+backward. Both give bitwise the same gradients.
 
 The examples run the ranks of a data-parallel MLP as threads (`run_ranks`, the simulator):
 
@@ -29,11 +32,15 @@ from autoshard.ir.placement import R, Shard, Spec, shard_tensor
 from autoshard.runtime.collectives import use_communicator
 from autoshard.runtime.communicator import Communicator
 from autoshard.runtime.grad_norm import clip_grad_norm_, global_loss
+from autoshard.runtime.grad_sync import OverlappedSync, grad_buckets, reduce_buckets
 from autoshard.runtime.rank_program import RankProgram
 from autoshard.runtime.rng import RankRng
-from autoshard.runtime.zero_gather import GatheredMemory, save_shards_for_backward
-
-BUCKET_BYTES = 25 << 20
+from autoshard.runtime.zero_gather import (
+    GatheredMemory,
+    overlapping,
+    save_shards_for_backward,
+)
+from autoshard.runtime.zero_overlap import Zero3Overlap
 
 
 class RankModule(torch.nn.Module):
@@ -56,6 +63,10 @@ class RankModule(torch.nn.Module):
         self.grads_synced = True  # False from a forward until sync_grads: gradients may still be partial
         self.gathered_memory = GatheredMemory()  # ZeRO-3: bytes of gathered parameters alive at once
         self.rng = rng  # dropout masks (autoshard/runtime/rng.py)
+        self.overlap = True  # reduce gradient buckets during backward (autoshard/runtime/grad_sync.py)
+        self._overlapped = None  # OverlappedSync, once the first sync_grads has learnt the buckets
+        self._no_sync = False
+        self._zero3 = None  # Zero3Overlap: ZeRO-3's prefetched gathers and deferred reduce-scatters
 
     @property
     def program(self):
@@ -74,11 +85,22 @@ class RankModule(torch.nn.Module):
         (True, torch.Size([4, 32]))
         """
         zero = self.rank_program.zero
-        regather = save_shards_for_backward(self.gathered_memory) if zero is not None and zero.stage == 3 \
-            else contextlib.nullcontext()
+        zero3 = zero is not None and zero.stage == 3
+        regather = save_shards_for_backward(self.gathered_memory) if zero3 else contextlib.nullcontext()
+        if zero3 and self._zero3 is None:
+            self._zero3 = Zero3Overlap(self)
         self.rng.new_step()
-        with use_communicator(self.comm), regather, self.rng.drawing():
-            flat = self.gm(*local_inputs)
+        if self._overlapped is not None:
+            self._overlapped.armed = self.overlap and not self._no_sync
+        overlap = self._zero3
+        if overlap is not None:
+            overlap.overlap = self.overlap
+        try:
+            with use_communicator(self.comm), regather, overlapping(overlap), self.rng.drawing():
+                flat = self.gm(*local_inputs)
+        finally:
+            if overlap is not None:
+                overlap.end_forward()
         self.grads_synced = False
         loss, outputs = flat[0], list(flat[1:])
         spec = self.rank_program.output_spec
@@ -125,7 +147,9 @@ class RankModule(torch.nn.Module):
                 yield fqn, getattr(self.gm, attr)
 
     def sync_grads(self) -> None:
-        """All-reduce partial gradients on exactly their partial axes (bucketed, fixed order).
+        """All-reduce partial gradients on exactly their partial axes (bucketed, fixed order). From the second
+        step on, with `overlap` (the default), buckets started during backward are only waited for here;
+        `module.overlap = False` reduces everything here, after backward (bitwise the same gradients).
 
         >>> def step(module):
         ...     module(*module.local_inputs(*inputs))[0].backward()
@@ -136,28 +160,48 @@ class RankModule(torch.nn.Module):
         >>> torch.allclose(grads[0], model.layers[1].bias.grad), torch.equal(grads[0], grads[1])
         (True, True)
         """
-        scattered = self._zero_scattered()
-        groups: dict = {}
-        for fqn, param in self.named_local_parameters():
-            axes = self.rank_program.grad_reduce.get(fqn)
-            if fqn in scattered:  # reduce-scattered on the ZeRO axis below, after the other axes
-                axes = tuple(a for a in axes if a != self.rank_program.zero.axis)
-            if axes and param.grad is not None:
-                groups.setdefault(axes, []).append(param)
-        for axes, params in groups.items():
-            for bucket in buckets(params, lambda p: p.grad):
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-                for axis in axes:
-                    self.comm.log.record(axis, "all_reduce", flat.numel() * flat.element_size(), "sync", flat.dtype)
-                    flat = self.comm.all_reduce(flat, axis)
-                offset = 0
-                for p in bucket:
-                    n = p.grad.numel()
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                    offset += n
+        if self._zero3 is not None:  # ZeRO-3's reduce-scatters started in backward
+            self._zero3.finish()
+        zero = self.rank_program.zero
+        skip = {fqn: zero.axis for fqn in self._zero_scattered()}  # reduce-scattered on the ZeRO axis
+        layout = grad_buckets(self, skip)
+        scatter = self.zero_optimizer.scatter_buckets() if self.zero_optimizer is not None else []
+        # a gradient also reduced on another axis (dp x tp) is reduce-scattered after that: not with it
+        together = not {id(p) for b in scatter for p in b.params} & {id(p) for b in layout for p in b.params}
+        if together:
+            layout += scatter
+        overlapped = self._overlapped
+        if overlapped is not None and self.overlap and overlapped.matches(layout):
+            overlapped.finish()
+        else:
+            if overlapped is not None:
+                overlapped.close()
+            reduce_buckets(layout, self.comm)
+            self._overlapped = OverlappedSync(layout, self.comm) if self.overlap and layout else None
         if self.zero_optimizer is not None:
-            self.zero_optimizer.reduce_gradients()
+            self.zero_optimizer.reduce_gradients(scattered=together)
         self.grads_synced = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forward and backward passes inside start no gradient reduction (gradient accumulation: wrap every
+        pass but the last, as with DDP's no_sync; the last pass's backward and `sync_grads` reduce the sum).
+
+        >>> def accumulate(module):
+        ...     for half in (slice(0, 4), slice(4, 8)):
+        ...         with module.no_sync() if half.start == 0 else contextlib.nullcontext():
+        ...             module(*module.local_inputs_of_rows(inputs[0][half]))[0].backward()
+        ...     module.sync_grads()
+        ...     return module.gm.layers_1_bias.grad
+        >>> grads = run_ranks(prog, accumulate)
+        >>> torch.equal(grads[0], grads[1])
+        True
+        """
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every gradient by the global norm of the single-device model's gradients (collective; after
@@ -196,23 +240,3 @@ class RankModule(torch.nn.Module):
                                  "opt = autoshard.runtime.zero.ZeroOptimizer(module, torch.optim.Adam("
                                  "module.parameters(), ...)), then backward, module.sync_grads(), opt.step()")
         return self.zero_optimizer.managed()
-
-
-def buckets(entries, tensor_of):
-    """Runs of entries whose tensors share a dtype, up to BUCKET_BYTES each (same order on every rank).
-
-    >>> tensors = [torch.zeros(2), torch.zeros(3), torch.zeros(1, dtype=torch.float64)]
-    >>> [[t.numel() for t in bucket] for bucket in buckets(tensors, lambda t: t)]
-    [[2, 3], [1]]
-    """
-    bucket, size = [], 0
-    for e in entries:
-        t = tensor_of(e)
-        nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != tensor_of(bucket[0]).dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(e)
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -47,7 +47,7 @@ import torch
 
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import Shard
-from autoshard.runtime.rank_module import buckets
+from autoshard.runtime.grad_sync import buckets
 from autoshard.runtime.zero_gather import compact
 
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
@@ -163,10 +163,27 @@ class ZeroOptimizer:
         """
         return {e.fqn for e in self._flat_entries() if e.reduce} if self.config.stage >= 2 else set()
 
-    def reduce_gradients(self) -> None:
+    def scatter_buckets(self) -> list:
+        """Stage >= 2: the reduce-scatter buckets of the partial gradients of replicated parameters now, last
+        parameter first (`RankModule.sync_grads` starts them during backward, as it does its all-reduces).
+
+        >>> def layout(module):
+        ...     opt = ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        ...     module(*module.local_inputs(*inputs))[0].backward()
+        ...     return [len(b.params) for b in opt.scatter_buckets()]
+        >>> run_ranks(prog, layout)[0]
+        [4]
+        """
+        if self.config.stage < 2:
+            return []
+        reduced = [e for e in reversed(self._flat_entries()) if e.reduce and e.param.grad is not None]
+        return [ScatterBucket((self.axis,), tuple(e.param for e in bucket), tuple(bucket), self.k)
+                for bucket in buckets(reduced, lambda e: e.param.grad)]
+
+    def reduce_gradients(self, scattered: bool = False) -> None:
         """Stage >= 2: reduce-scatter the partial gradients of replicated parameters into this rank's chunks
-        (bucketed) and free the full gradients; replicated gradients just keep their chunk.
-        `RankModule.sync_grads` calls it:
+        (bucketed; already done when `scattered`) and free the full gradients; replicated gradients just keep
+        their chunk. `RankModule.sync_grads` calls it:
 
         >>> def backward_only(module):
         ...     opt = ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
@@ -178,15 +195,11 @@ class ZeroOptimizer:
         """
         if self.config.stage < 2:
             return
-        flat = [e for e in self._flat_entries() if e.param.grad is not None]
-        for bucket in buckets([e for e in flat if e.reduce], lambda e: e.param.grad):
-            rows = torch.cat([_padded_rows(e.param.grad, self.k, e.chunk) for e in bucket], dim=1)
-            self.comm.log.record(self.axis, "reduce_scatter", rows.numel() * rows.element_size(), "sync", rows.dtype)
-            mine = compact(self.comm.reduce_scatter(rows, self.axis, 0)).reshape(-1)
-            for e, piece in zip(bucket, mine.split([e.chunk for e in bucket])):
-                e.grad_shard = piece
-        for e in flat:
-            if not e.reduce:
+        if not scattered:
+            for bucket in self.scatter_buckets():
+                bucket.finish(bucket.start(self.comm).wait())
+        for e in self._flat_entries():
+            if e.param.grad is not None and not e.reduce:
                 e.grad_shard = self._flat_chunk(e.param.grad.detach(), e.chunk).clone()
             e.param.grad = None
 
@@ -267,6 +280,59 @@ class ZeroOptimizer:
         seen: set = set()
         return {"params": unique_bytes(params, seen), "grads": unique_bytes(grads, seen),
                 "optimizer": unique_bytes(state, seen)}
+
+
+@dataclass(frozen=True)
+class ScatterBucket:
+    """Gradients of replicated parameters reduce-scattered together on the ZeRO axis, in the rank-major
+    layout [k, sum of chunks]: each rank gets its chunk of every parameter (see `scatter_buckets`).
+
+    >>> def reduce(module):
+    ...     opt = ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    ...     module(*module.local_inputs(*inputs))[0].backward()
+    ...     bucket = opt.scatter_buckets()[0]
+    ...     bucket.finish(bucket.start(module.comm).wait())
+    ...     return [e.grad_shard.shape for e in bucket.entries], bucket.params[0].grad
+    >>> run_ranks(prog, reduce)[1]  # this rank's chunks; the full gradients are freed
+    ([torch.Size([16]), torch.Size([2048]), torch.Size([64]), torch.Size([2048])], None)
+    """
+
+    axes: tuple
+    params: tuple
+    entries: tuple
+    k: int
+
+    def start(self, comm):
+        """Start the reduce-scatter of the bucket's padded gradient rows (see the class).
+
+        >>> def start(module):
+        ...     opt = ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        ...     module(*module.local_inputs(*inputs))[0].backward()
+        ...     return opt.scatter_buckets()[0].start(module.comm).wait().shape
+        >>> run_ranks(prog, start)[0]  # [1, sum of this rank's chunks]
+        torch.Size([1, 4176])
+        """
+        rows = torch.cat([_padded_rows(e.param.grad, self.k, e.chunk) for e in self.entries], dim=1)
+        comm.log.record(self.axes[0], "reduce_scatter", rows.numel() * rows.element_size(), "sync", rows.dtype)
+        return comm.start_reduce_scatter(rows, self.axes[0], 0)
+
+    def finish(self, rows: torch.Tensor, views: bool = False) -> None:
+        """Keep this rank's chunk of each parameter's reduced gradient and free the full gradient (`views`
+        changes nothing: the chunks are views of the reduced rows either way).
+
+        >>> def finish(module):
+        ...     opt = ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        ...     module(*module.local_inputs(*inputs))[0].backward()
+        ...     bucket = opt.scatter_buckets()[0]
+        ...     bucket.finish(bucket.start(module.comm).wait())
+        ...     return sorted(opt.full_grads())
+        >>> run_ranks(prog, finish)[0]
+        ['layers.0.bias', 'layers.0.weight', 'layers.1.bias', 'layers.1.weight']
+        """
+        mine = compact(rows).reshape(-1)
+        for e, piece in zip(self.entries, mine.split([e.chunk for e in self.entries])):
+            e.grad_shard = piece
+            e.param.grad = None
 
 
 def unique_bytes(tensors, seen: set) -> int:

@@ -6,8 +6,9 @@ duality rule) or takes this rank's chunk of a replicated one. Autograd would kee
 for the consumers' backward (a matmul saves its weight), so the rank module runs forward inside
 `save_shards_for_backward()`: a saved tensor that is a gathered parameter (or a view of one) is saved as
 a handle holding only the shard, and backward re-gathers it once, on first use, dropping the copy when
-the parameter's gradient is reduce-scattered. `GatheredMemory` measures the bytes of gathered copies
-alive at once (ZeRO-3's transient memory).
+the parameter's gradient is reduce-scattered. A rank module runs forward `overlapping` a Zero3Overlap:
+gathers prefetched, reduce-scatters started per layer in backward (autoshard/runtime/zero_overlap.py).
+`GatheredMemory` measures the bytes of gathered copies alive at once (ZeRO-3's transient memory).
 
 The examples gather a parameter split over two ranks (threads of the simulator):
 
@@ -88,20 +89,26 @@ class GatheredMemory:
 
 
 class _Handle:
-    """What backward needs to re-gather one parameter: its shard and where to gather it."""
+    """What backward needs to re-gather one parameter: its shard and where to gather it; under overlap the
+    Zero3Overlap that may have started the re-gather already (`pending`) and learns the backward's order."""
 
-    __slots__ = ("axis", "comm", "dim", "full", "memory", "shard")
+    __slots__ = ("axis", "comm", "dim", "full", "index", "memory", "overlap", "pending", "shard", "siblings")
 
     def __init__(self, shard, comm, axis, dim, memory):
         self.shard, self.comm, self.axis, self.dim, self.memory = shard, comm, axis, dim, memory
-        self.full = None
+        self.full = self.pending = self.overlap = self.siblings = self.index = None
 
     def regather(self) -> torch.Tensor:
         if self.full is None:
-            self.full = self.comm.all_gather(self.shard, self.axis, self.dim)
+            if self.pending is not None:
+                self.full, self.pending = self.pending.wait(), None
+            else:
+                self.full = self.comm.all_gather(self.shard, self.axis, self.dim)
             self.comm.log.record(self.axis, "all_gather", _nbytes(self.full), "bwd")
             if self.memory is not None:
                 self.memory.track(self.full)
+            if self.overlap is not None:
+                self.overlap.regathered(self)
         return self.full
 
 
@@ -136,14 +143,18 @@ class ParamAllGather(torch.autograd.Function):
         gathered = getattr(_LOCAL, "gathered", None)
         memory = gathered[1] if gathered is not None else None
         shard = x.detach() if dtype is None else x.detach().to(dtype)
-        out = comm.all_gather(shard, axis, dim)
+        overlap = getattr(_LOCAL, "overlap", None)
+        out = comm.all_gather(shard, axis, dim) if overlap is None else overlap.gather(x, shard, comm, axis, dim, dtype)
         comm.log.record(axis, "all_gather", _nbytes(out), "fwd", out.dtype)
         handle = _Handle(shard, comm, axis, dim, memory)
+        if overlap is not None:
+            overlap.track(handle, x)
         if gathered is not None:
             gathered[0][id(out)] = (weakref.ref(out), handle)
         if memory is not None:
             memory.track(out)
         ctx.handle, ctx.reduce_grad, ctx.master_dtype = handle, reduce_grad, x.dtype
+        ctx.overlap, ctx.param = (overlap, x) if overlap is not None and x.is_leaf else (None, None)
         return out
 
     @staticmethod
@@ -164,6 +175,8 @@ class ParamAllGather(torch.autograd.Function):
         grad = grad.to(ctx.master_dtype)
         if ctx.reduce_grad:
             comm.log.record(axis, "reduce_scatter", _nbytes(grad), "bwd", grad.dtype)
+            if ctx.overlap is not None and ctx.overlap.defer(ctx.param, grad.contiguous(), comm, axis, dim):
+                return None, None, None, None, None, None  # the shard reaches the parameter in sync_grads
             shard = comm.reduce_scatter(grad.contiguous(), axis, dim)
         else:
             shard = grad.chunk(comm.axis_size(axis), dim)[comm.axis_rank(axis)].contiguous()
@@ -185,6 +198,23 @@ def _unpack(saved):
     if isinstance(saved, _SavedView):
         return saved.handle.regather().as_strided(saved.size, saved.stride, saved.offset)
     return saved
+
+
+@contextlib.contextmanager
+def overlapping(overlap):
+    """Run a ZeRO-3 forward with `overlap` (a Zero3Overlap, autoshard/runtime/zero_overlap.py, or None):
+    gathers prefetched one layer ahead, reduce-scatters of the gradients started in backward.
+
+    >>> with overlapping(None):  # nothing to overlap: every gather runs when called
+    ...     run_on_mesh(mesh, lambda comm: ParamAllGather.apply(torch.ones(1), comm, "dp", 0, True))[0]
+    tensor([1., 1.])
+    """
+    previous = getattr(_LOCAL, "overlap", None)
+    _LOCAL.overlap = overlap
+    try:
+        yield
+    finally:
+        _LOCAL.overlap = previous
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -201,12 +202,14 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
     for step in range(steps):
         module.zero_grad()
         total = None
-        for local_inputs in passes:
-            loss, out = module(*local_inputs)
-            loss = loss / training.accumulate if training.accumulate > 1 else loss
-            module.comm.phase = "bwd"
-            if loss.requires_grad:
-                (loss if scaler is None else scaler.scale(loss)).backward()
+        for j, local_inputs in enumerate(passes):
+            last = j == len(passes) - 1  # only the last pass's backward starts the gradient reductions
+            with contextlib.nullcontext() if last else module.no_sync():
+                loss, out = module(*local_inputs)
+                loss = loss / training.accumulate if training.accumulate > 1 else loss
+                module.comm.phase = "bwd"
+                if loss.requires_grad:
+                    (loss if scaler is None else scaler.scale(loss)).backward()
             module.comm.phase = "fwd"
             total = loss.detach().clone() if total is None else total + loss.detach()
             if step == 0 and outputs is None:

@@ -36,20 +36,22 @@ def _step_task(rank, world, mode, at_call, mesh, names):
     module = prog.module(rank, comm)
     if rank == 1:
         calls = {"n": 0}
-        gather = comm.all_gather_list
 
-        def misbehave(tensor, axis, what):
-            calls["n"] += 1
-            if calls["n"] == at_call:
-                if mode == "exit":
-                    os._exit(1)
-                if mode == "raise":
-                    raise ValueError("injected failure in rank 1")
-                if mode == "hang":
-                    time.sleep(600)
-            return gather(tensor, axis, what)
+        def misbehaving(collective):  # every collective is one of the two primitives, blocking or started
+            def misbehave(tensor, axis, what):
+                calls["n"] += 1
+                if calls["n"] == at_call:
+                    if mode == "exit":
+                        os._exit(1)
+                    if mode == "raise":
+                        raise ValueError("injected failure in rank 1")
+                    if mode == "hang":
+                        time.sleep(600)
+                return collective(tensor, axis, what)
+            return misbehave
 
-        comm.all_gather_list = misbehave
+        comm.all_gather_list = misbehaving(comm.all_gather_list)
+        comm.start_all_gather_list = misbehaving(comm.start_all_gather_list)
     started = time.monotonic()
     try:
         loss, _ = module(*module.local_inputs(*inputs))
