@@ -1,6 +1,7 @@
 """The plans the pinned cases produce: (case, fingerprint, md5 of plan.dumps()). `python tests/plan_pins.py`
 prints them as JSON (tests/data/plan_pins.json holds the values from before issue 16's restructuring, regenerated
-once by issue 17, which added `predicted.memory` to every plan: each plan without that key kept its old md5)."""
+once by issue 17, which added `predicted.memory` and `predicted.overlapped_step_s` to every plan and records
+pipeline candidates it did not re-plan as expected steps: without those, all 30 plans are the old ones)."""
 import hashlib
 import json
 import sys

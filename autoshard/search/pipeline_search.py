@@ -143,12 +143,17 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
     estimates = {m: estimate_step(prog.state.pipeline_stages, m0, m, config.virtual, config.link) for m in candidates}
     best = min(candidates, key=lambda m: (estimates[m], m))
     sync = max(row.get("sync_s", 0.0) for row in prog.state.pipeline_stages)
-    if best != m0 and estimates[best] - sync < to_beat:
+    # The estimates rank the counts; scaled to the plan's own predicted step at m0 they say what best would take.
+    expected = estimates[best] * prog.plan.pipeline["predicted_step_s"] / estimates[m0]
+    pruned = best != m0 and expected - sync >= to_beat
+    if best != m0 and not pruned:
         try:
             prog = parallelize_pipeline(request, axis, dict(opts, microbatches=best))
         except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep m0
             log.info("pipelining with %d micro-batches is not possible (%s); keeping %d", best, exc, m0)
     prog.plan.pipeline["microbatch_search"] = {str(m): estimates[m] for m in candidates}
+    if pruned:
+        prog.plan.pipeline["not_replanned"] = {"microbatches": best, "expected_step_s": expected}
     return prog
 
 
@@ -179,7 +184,12 @@ def _search_axes(request: CompileRequest, opts: dict):
             errors.append(exc)
             continue
         step = prog.plan.pipeline["predicted_step_s"]
-        candidates.append({"axis": name, "microbatches": prog.config.microbatches, "predicted_step_s": step})
+        skipped = prog.plan.pipeline.get("not_replanned")
+        if skipped:  # its best count was not planned: it cannot win
+            candidates.append({"axis": name, "microbatches": skipped["microbatches"],
+                               "predicted_step_s": skipped["expected_step_s"], "estimated": True})
+        else:
+            candidates.append({"axis": name, "microbatches": prog.config.microbatches, "predicted_step_s": step})
         if step < best_step:
             best, best_step = prog, step
     chosen = best.config.axis if best is not None else None
@@ -211,6 +221,8 @@ def _why(candidates, chosen) -> str:
             parts.append(f"{label}: same size and links as {c['same_as']}, same prediction")
         else:
             extra = f", {c['microbatches']} micro-batches" if c.get("microbatches") else ""
-            parts.append(f"{label}{extra}: predicted step {c['predicted_step_s']:.3g} s")
+            how = "expected (scaled from its plan at another count; not planned: it cannot win)" \
+                if c.get("estimated") else "predicted"
+            parts.append(f"{label}{extra}: {how} step {c['predicted_step_s']:.3g} s")
     head = f"pipelined over axis {chosen!r}" if chosen else "no axis pipelined"
     return f"{head} (fastest predicted step): " + "; ".join(parts)
