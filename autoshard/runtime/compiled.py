@@ -42,6 +42,7 @@ from torch import fx
 
 from autoshard.ir.errors import UserInputError
 from autoshard.runtime.collectives import COLLECTIVES
+from autoshard.runtime.communicator import ThreadCommunicator
 from autoshard.runtime.graph_collectives import IN_GRAPH, register
 from autoshard.runtime.rng import random_op
 
@@ -80,6 +81,11 @@ def compile_rank_graph(gm: fx.GraphModule, comm, mixed_precision: bool = False) 
     >>> next(n.target for n in gm.graph.nodes if n.op == "call_function")  # all_reduce, as a graph op
     <OpOverload(op='autoshard.collective', overload='default')>
     """
+    if isinstance(comm, ThreadCommunicator):  # simulated ranks are threads of one process
+        warnings.warn("compile=True: the in-process simulator runs its ranks as threads, and compiling the same "
+                      "program in several threads at once gave wrong results (a race in torch.compile); simulated "
+                      "ranks run eagerly, real ranks (gloo/NCCL processes) compile", stacklevel=2)
+        return gm
     _quiet_imports()
     options = {"emulate_precision_casts": True} if mixed_precision else None
     key = register(comm)
