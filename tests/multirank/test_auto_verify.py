@@ -26,7 +26,7 @@ THREE_AXES = FACTORIES if FULL else ("mlp", "gpt2", "llama")  # by default the o
 # by default llama's automatic plan runs on (2,2,2) (on gloo) only, resnet's on (2,) (convolutions: zoo_verify)
 TWO_AXES = FACTORIES if FULL else [m for m in FACTORIES if m not in ("llama", "resnet")]
 AUTO_CASES = [(m, mesh) for m in FACTORIES for mesh in [(2,), (2, 2), (2, 2, 2)]
-              if len(mesh) == 1 or (len(mesh) == 2 and m in TWO_AXES) or m in THREE_AXES]
+              if len(mesh) == 1 or (len(mesh) == 2 and m in TWO_AXES) or (len(mesh) == 3 and m in THREE_AXES)]
 ON_GLOO = {("mlp", (2,)), ("gpt2", (2, 2)), ("llama", (2, 2, 2))}
 
 
