@@ -1,5 +1,7 @@
 """The smallest configuration of each benchmark runs end to end (so the benchmarks cannot silently rot).
 Nothing is timed or judged here and RESULTS.md is not written; `python -m benchmarks` does that."""
+import os
+
 import pytest
 
 from benchmarks import (
@@ -20,6 +22,12 @@ def no_pass_verifier(monkeypatch):
     monkeypatch.setenv("AUTOSHARD_DEBUG", "0")
 
 
+FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
+GLOO_BENCHMARKS = pytest.mark.skipif(not FULL, reason="a gloo benchmark's smallest run (about 6 s); "
+                                                      "AUTOSHARD_FULL_MATRIX=1 runs it")
+
+
+@GLOO_BENCHMARKS
 def test_plan_quality_smallest():
     rows = plan_quality.measure([((2,), ("tp",))], ["gpt2"], shapes=TINY_GPT2)
     assert {r["variant"] for r in rows} == {"autoshard auto", "autoshard + Megatron hints", *plan_quality.TORCH_PLANS}
@@ -29,6 +37,7 @@ def test_plan_quality_smallest():
     assert "gpt2" in body and len(csv_rows) == len(rows) and len(headers) == len(csv_rows[0])
 
 
+@GLOO_BENCHMARKS
 def test_runtime_overhead_smallest():
     rows = runtime_overhead.measure((2,), {64: (1, 1)})
     assert set(rows[0]["times"]) == {"single device", "hand-written Megatron", "DTensor parallelize_module",
