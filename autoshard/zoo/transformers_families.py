@@ -31,6 +31,8 @@ True
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 BATCH, SEQ, VOCAB, HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 4, 8, 128, 32, 4, 2, 64, 2
@@ -73,14 +75,15 @@ def _positional(model, names: tuple[str, ...]):
 
 
 def _build(model_class: str, config_class: str, names=("input_ids", "labels"), attn_implementation=None,
-           device="cpu", **config):
+           device=None, **config):
     """Seeded random `model_class(config_class(**config))` in training mode, forward over `names`."""
     transformers = _transformers()
     torch.manual_seed(0)
     cfg = getattr(transformers, config_class)(**config)
     cfg.use_cache = False
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    with torch.device(device):  # "meta": shapes only, nothing allocated (models at their real size)
+    # "meta": shapes only, nothing allocated (models at their real size); None: the caller's default device
+    with torch.device(device) if device is not None else contextlib.nullcontext():
         model = getattr(transformers, model_class)._from_config(cfg, **kwargs)
     model.train()  # verify trains; every dropout probability is 0, so train and eval agree
     return _positional(model, names)
