@@ -46,6 +46,7 @@ from autoshard.plan.io import (
     read_plan_file,
     save_plan,
 )
+from autoshard.plan.memory_summary import memory_lines
 from autoshard.report.viz import draw_graph, draw_mesh
 
 
@@ -364,7 +365,7 @@ class Plan:
                   + ("" if self.pipeline or "overlapped_step_s" not in p else
                      f"; {p['overlapped_step_s']:.3g} s overlapped") +
                   f"), memory per rank {p['memory_bytes_per_rank'] / 2**20:.1f} MiB")]
-        lines += self._memory_lines()
+        lines += memory_lines(self.predicted, self.hints)
         for axis in self.mesh.names:
             b = self.predicted["comm_bytes_per_step"][axis]
             ops = ", ".join(f"{n} {k}" for k, n in sorted(counts.get(axis, {}).items())) or "none"
@@ -391,27 +392,6 @@ class Plan:
         options = self._state.options
         budget = options.checkpoint_budget if options.checkpoint == "auto" else options.memory_budget
         return budget if budget is not None and math.isfinite(budget) else None
-
-    def _memory_lines(self) -> list[str]:
-        """The memory breakdown of the summary (plans made before it was predicted have none) and the memory
-        savers the plan uses (ZeRO, recomputed layers: the plan's hints record them). The budget is the
-        compile's option, not the plan's (`memory_budget()`): a loaded plan prints the same."""
-        parts = self.predicted.get("memory")
-        if not parts:
-            return []
-        names = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-                 "gathered": "ZeRO-3 gathered parameters", "inputs": "inputs", "activations": "saved activations"}
-        total = self.predicted["memory_bytes_per_rank"]
-        shown = ", ".join(f"{label} {_size(parts[key])}" for key, label in names.items() if parts.get(key))
-        lines = [f"  memory per rank {_size(total)}: {shown}"]
-        savers = [f"ZeRO-{stage} on {axis!r}" for axis, stage in self.hints.get("zero", {}).items()]
-        recomputed = self.hints.get("recompute", [])
-        if recomputed:
-            savers.append(f"{len(recomputed)} regions recomputed in backward ({', '.join(recomputed[:3])}"
-                          f"{', ...' if len(recomputed) > 3 else ''})")
-        if savers:
-            lines.append("  memory savers: " + "; ".join(savers))
-        return lines
 
     def _pipeline_lines(self) -> list[str]:
         """The pipeline part of the summary: axis, schedule, cut, predicted step and bubble, stage table
@@ -516,12 +496,3 @@ def op_name(node) -> str:
     if comm:
         return comm["op"]
     return str(node.target).replace("aten.", "")
-
-
-def _size(nbytes) -> str:
-    """Bytes in the unit a person reads best: GiB from 1 GiB, else MiB.
-
-    >>> _size(3 * 2**30), _size(5 * 2**20)
-    ('3.00 GiB', '5.0 MiB')
-    """
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
