@@ -1,4 +1,6 @@
 """Costs of one node's candidate strategy on one mesh axis, broken down for the ILP and for `explain`.
+An attention's ring messages count as its communication, its score blocks as its memory
+(autoshard/cost/attention_cost.py).
 
 Sizes are local after the axes solved before this one. Compute is FLOPs (matmul-like) or bytes moved
 (everything else) over the profile's peak, times 3 for forward + backward, divided by the axis size
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoshard.cost.attention_cost import attention_terms
 from autoshard.cost.flops import is_matmul_like, node_bytes, node_flops
 from autoshard.cost.model import INF, all_reduce_time, conversion_time
 from autoshard.ir import meta
@@ -148,7 +151,14 @@ class AxisCostModel:
         split = math.prod(self.mesh.shape[b] for b, c in other.items() if c.divides_compute)
         split *= self.k if cand.divides_compute else 1
         compute = compute_time(node, split, self.profile)
-        comm_bwd = sync = 0.0
+        comm_bwd = sync = extra_memory = 0.0
+        if node.target is aten.scaled_dot_product_attention.default:  # a ring's messages; the score blocks
+            strategies = {**other, self.axis: cand}
+            in_bytes = [self.input_bytes(p, pos, other) / (self.k if isinstance(cand.inputs[pos], Shard) else 1)
+                        for pos, p in enumerate(tensor_inputs(node))]
+            terms = attention_terms(node, strategies, self.mesh, self.profile, compute, in_bytes, kept,
+                                    self.grad.get(node, False))
+            compute, comm_bwd, extra_memory = terms.compute_s, terms.comm_s, terms.memory_bytes
         if cand.splits_work:
             for pos, producer in enumerate(tensor_inputs(node)):
                 if cand.partial_grad(pos) and self.grad.get(producer, False):
@@ -158,7 +168,7 @@ class AxisCostModel:
                     else:
                         comm_bwd += t
         saved = kept if self.grad.get(node, False) else 0.0
-        return CostBreakdown(compute, comm_bwd, sync, saved)
+        return CostBreakdown(compute, comm_bwd, sync, saved + extra_memory)
 
     def edge(self, producer, produced, wanted, producer_other: dict) -> float:
         """Seconds (forward + backward) to turn the producer's placement into the consumer's.

@@ -52,6 +52,7 @@ class HardwareProfile:
     intra_node: Link = Link(5e-6, 2.0e11)
     inter_node: Link = Link(2e-5, 2.5e10)
     axis_links: tuple = field(default=())
+    fused_attention: bool = True  # flash-style kernels: attention keeps no rows x keys weights for backward
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -63,7 +64,8 @@ class HardwareProfile:
                 "memory_bytes": self.memory_bytes, "devices_per_node": self.devices_per_node,
                 "intra_node": [self.intra_node.alpha, self.intra_node.bandwidth],
                 "inter_node": [self.inter_node.alpha, self.inter_node.bandwidth],
-                "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links]}
+                "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links],
+                "fused_attention": self.fused_attention}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
@@ -102,7 +104,8 @@ DEFAULT_PROFILE = HardwareProfile()
 # A CPU host whose ranks talk over loopback gloo (measured order of magnitude on the 2-core dev box;
 # `python -m autoshard calibrate` measures the links of the machine at hand).
 CPU_PROFILE = HardwareProfile(name="cpu-gloo", peak_flops=2e10, memory_bandwidth=5e9, memory_bytes=16e9,
-                              devices_per_node=64, intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9))
+                              devices_per_node=64, intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9),
+                              fused_attention=False)
 # DGX A100-80GB nodes of 8 (Narayanan et al. 2021): 312 TFLOP/s bf16, ~2 TB/s HBM, NVLink ~300 GB/s per GPU
 # per direction inside a node, one ~25 GB/s (200 Gb/s HDR) InfiniBand link per GPU between nodes; nominal figures.
 A100_80GB = HardwareProfile(name="A100-80GB", peak_flops=312e12, memory_bandwidth=2.0e12, memory_bytes=80e9,

@@ -3,7 +3,10 @@
 Keys: a parameter-path glob (`layers.*.attn.q.weight`), a module-path glob with `:output`
 (`layers.*.mlp:output`) or `:input` (the activations entering the module, as its ops consume them:
 `layers.*.mlp.fc1:input` R on tp gathers before a column-parallel matmul), or `input:<i>`.
-Values map axis names to `"S(d)"`, `"R"` or `"P"`.
+Values map axis names to `"S(d)"`, `"R"` or `"P"`. A module glob with `:attention` picks the context-parallel
+strategy of the attentions inside (`"layers.*.attn:attention": {"cp": "ring"}`; "allgather", "ring" or
+"alltoall": autoshard/strategies/attention.py); sharding the sequence (`"input:0": {"cp": "S(1)"}`) is what
+makes an axis a context-parallel one.
 A module glob with `:shard` takes MindSpore-style split counts for the module's one op:
 `{"in_strategy": [[2, 1], [4, 1]]}`. Unmentioned axes are free. The top-level key `"zero"` asks for
 ZeRO on a data-parallel axis: `{"zero": {"dp": 3}}` (stage 1, 2 or 3; autoshard/passes/zero.py); the key
@@ -26,9 +29,10 @@ from pathlib import Path
 from autoshard.ir.errors import HintError
 from autoshard.ir.json_files import parse_json_bytes
 from autoshard.ir.placement import Partial, Placement, Shard, parse_placement
+from autoshard.strategies.attention import SEQUENCE_METHODS
 
 MAX_HINT_FILE_BYTES = 4 << 20
-_KEY_RE = re.compile(r"^(?P<target>[A-Za-z0-9_.*?\[\]\-]+)(?::(?P<suffix>output|input|stage|shard))?$")
+_KEY_RE = re.compile(r"^(?P<target>[A-Za-z0-9_.*?\[\]\-]+)(?::(?P<suffix>output|input|stage|shard|attention))?$")
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,9 @@ class HintEntry:
     """
 
     key: str
-    target_kind: str  # "param" | "output" | "module_input" | "input" | "shard" | "stage"
+    target_kind: str  # "param" | "output" | "module_input" | "input" | "shard" | "stage" | "attention"
     pattern: str
-    placements: dict = field(default_factory=dict)  # axis name -> Placement
+    placements: dict = field(default_factory=dict)  # axis name -> Placement (":attention": a strategy name)
     split_counts: tuple = ()
 
 
@@ -137,7 +141,7 @@ class Hints:
             elif e.target_kind == "stage":
                 out[e.key] = e.split_counts[0]
             else:
-                out[e.key] = {axis: repr(p) for axis, p in e.placements.items()}
+                out[e.key] = {axis: p if isinstance(p, str) else repr(p) for axis, p in e.placements.items()}
         if self.zero:
             out[ZERO_KEY] = dict(self.zero)
         if self.recompute:
@@ -179,7 +183,7 @@ def _parse_entry(key, value, source) -> HintEntry:
     match = _KEY_RE.match(key)
     if match is None:
         raise HintError(f"{source}: key {key!r} is not a parameter glob, '<module glob>:output', '<module glob>:input', "
-                        "'<module glob>:shard', '<module glob>:stage' or 'input:<i>'; write e.g. "
+                        "'<module glob>:shard', '<module glob>:stage', '<module glob>:attention' or 'input:<i>'; write e.g. "
                         "'layers.*.attn.q.weight', 'layers.*.mlp:output' or 'input:0'")
     suffix = match.group("suffix")
     if suffix == "shard":
@@ -195,6 +199,8 @@ def _parse_entry(key, value, source) -> HintEntry:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise HintError(f"{source}: {key!r} maps to a pipeline stage number (int >= 0), got {value!r}")
         return HintEntry(key, "stage", match.group("target"), {}, (value,))
+    if suffix == "attention":
+        return HintEntry(key, "attention", match.group("target"), _attention_methods(key, value, source))
     kind = {"output": "output", "input": "module_input"}.get(suffix, "param")
     return HintEntry(key, kind, match.group("target"), _placements(key, value, source))
 
@@ -213,6 +219,15 @@ def _placements(key, value, source) -> dict:
         except ValueError as exc:
             raise HintError(str(exc)) from None
     return out
+
+
+def _attention_methods(key, value, source) -> dict:
+    names = " | ".join(f"'{m}'" for m in SEQUENCE_METHODS)
+    if (not isinstance(value, dict) or not value or not all(isinstance(a, str) for a in value)
+            or not all(m in SEQUENCE_METHODS for m in value.values())):
+        raise HintError(f"{source}: {key!r} maps mesh axis names to a context-parallel strategy ({names}), e.g. "
+                        f"{{\"cp\": \"ring\"}}; got {value!r:.80}")
+    return dict(value)
 
 
 def match_paths(pattern: str, paths) -> list[str]:

@@ -12,6 +12,7 @@
   comm         for inserted collectives: {"op", "axis", ...} (insert_comm)
   rng_index    a random op's number in the single device's order of draws (normalize)
   input_hint   {axis: {position: Placement}} wanted of an op's inputs by a hint on a module output (annotate)
+  attention_hint {axis: "allgather" | "ring" | "alltoall"} an attention's context-parallel strategy (annotate)
   recompute    the recompute region (module path) a node belongs to (recompute)
   comm_cost    {"fwd_bytes", "bwd_bytes", "seconds"} on a collective (predict)
   node_cost    {"seconds", "memory_bytes", "sync_s"}: what one node adds (predict)
@@ -40,6 +41,7 @@ GRAD_PARTIAL = "autoshard.grad_partial"
 COMM = "autoshard.comm"
 RNG_INDEX = "autoshard.rng_index"
 INPUT_HINT = "autoshard.input_hint"
+ATTENTION_HINT = "autoshard.attention_hint"
 RECOMPUTE = "autoshard.recompute"
 COMM_COST = "autoshard.comm_cost"
 NODE_COST = "autoshard.node_cost"

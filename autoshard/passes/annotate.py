@@ -37,7 +37,7 @@ from autoshard.strategies.base import output_shapes
 
 
 @compiler_pass("annotate", reads=(NORMALIZED, meta.KIND, meta.PATH, "state.hints"),
-               writes=(meta.HINT, meta.INPUT_HINT, "state.hints"))
+               writes=(meta.HINT, meta.INPUT_HINT, meta.ATTENTION_HINT, "state.hints"))
 def annotate(state) -> None:
     """The pass: parse `state.hints` and write each hinted node's `autoshard.hint` {axis index: placement}.
 
@@ -67,6 +67,8 @@ def annotate(state) -> None:
             _apply_module_input(entry, ops, state, sources)
         elif entry.target_kind == "shard":
             _apply_split_counts(entry, ops, state, sources)
+        elif entry.target_kind == "attention":
+            _apply_attention(entry, ops, state)
         elif entry.target_kind == "stage" and state.options.pipeline is None:  # cut_stages reads them
             raise HintError(f"hint {entry.key!r} puts modules into a pipeline stage but the mesh has no pipeline "
                             f"axis; name a mesh axis 'pp' (mesh axes: {list(state.mesh.names)}) or remove the "
@@ -185,6 +187,22 @@ def _apply_module_input(entry, ops, state, sources):
                                         f"axis {axis_name!r}: {wanted[pos]!r} vs {placement!r}; keep one of them")
                     wanted[pos] = placement
                     sources[(node, axis, pos)] = entry.key
+
+
+def _apply_attention(entry, ops, state):
+    """`<module>:attention`: the context-parallel strategy of every attention inside the matched modules."""
+    modules = sorted(match_paths(entry.pattern, _module_paths(ops) | {""}))
+    attentions = [n for n in ops if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    found = [n for n in attentions for m in modules
+             if m == "" or (n.meta.get(meta.PATH, "") + ".").startswith(m + ".")]
+    if not found:
+        where = ", ".join(sorted({n.meta.get(meta.PATH) or "the top level" for n in attentions})) or "none"
+        raise HintError(f"hint {entry.key!r} matches no attention (scaled_dot_product_attention) of the model; the "
+                        f"attentions are in: {where}. An unfused attention (matmul, softmax, matmul) takes "
+                        "'allgather' and 'alltoall' by placement hints on its matmuls instead")
+    for node in dict.fromkeys(found):
+        for axis_name, method in entry.placements.items():
+            node.meta.setdefault(meta.ATTENTION_HINT, {})[state.mesh.axis(axis_name)] = method
 
 
 def _apply_split_counts(entry, ops, state, sources):

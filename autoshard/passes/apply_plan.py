@@ -142,7 +142,7 @@ class ApplyPlan:
                 wanted = row.choice[axis]
                 chosen = next((c for c in feasible if c.to_json() == wanted), None)
                 if chosen is None:
-                    text = f"({', '.join(wanted['inputs'])}) -> {wanted['output']}"
+                    text = f"({', '.join(wanted['inputs'])}) -> {wanted['output']} {wanted.get('method', '')}".rstrip()
                     raise PlanMismatchError(
                         f"the plan chooses {text} for node {row.name!r} ({row.op} at {row.path or 'the top level'}) "
                         f"on mesh axis {mesh.names[axis]!r}, which is not a strategy autoshard can use there "

@@ -19,7 +19,8 @@ from autoshard.ir import meta
 from autoshard.ir.errors import HintError
 from autoshard.ir.placement import Shard, Spec
 from autoshard.strategies import tensor_inputs
-from autoshard.strategies.base import RuleContext, feasible, output_shapes
+from autoshard.strategies.attention import method_of
+from autoshard.strategies.base import REGISTRY, RuleContext, feasible, output_shapes
 
 
 def record_choice(node, chosen, grad) -> None:
@@ -65,13 +66,20 @@ def axis_candidates(node, axis, mesh, choices):
     out_shapes = [_local(s, [c.output for c in prior], mesh, axis) for s in output_shapes(node)]
     ctx = RuleContext(node, in_shapes, out_shapes, mesh.shape[axis])
     found = [c for c in node.meta[meta.CANDIDATES][axis] if feasible(c, ctx)]
+    rule = REGISTRY.lookup(node.target) if node.op == "call_function" else None
+    if rule is not None and rule.combine is not None:
+        found = [c for c in found if rule.combine(node, [*prior, c])]
+    wanted_method = node.meta.get(meta.ATTENTION_HINT, {}).get(axis)
+    if wanted_method is not None:
+        found = [c for c in found if method_of(node, c) == wanted_method]
     hint = node.meta.get(meta.HINT, {}).get(axis)
     if hint is not None:
         found = [c for c in found if c.output == hint]
     for pos, placement in node.meta.get(meta.INPUT_HINT, {}).get(axis, {}).items():
         found = [c for c in found if c.inputs[pos] == placement]
     if not found:
-        what = f"hint {hint!r}" if hint is not None else "the split counts given for it"
+        what = (f"hint {hint!r}" if hint is not None else f"context-parallel strategy {wanted_method!r}"
+                if wanted_method is not None else "the split counts given for it")
         raise HintError(f"{what} on mesh axis {mesh.names[axis]!r} cannot be met at {node.meta.get(meta.PATH) or ''} "
                         f"(node {node.name!r}, op {node.target}): after the earlier axes' choices no sharding of "
                         "this op produces it; relax the hint or shard a dim that divides evenly")

@@ -22,6 +22,7 @@ from torch import fx
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
 from autoshard.ir.placement import local_shape, shard_tensor
+from autoshard.passes.attention_lowering import lower_attention
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.recompute import wrap_regions
 from autoshard.runtime.rng import random_op
@@ -107,6 +108,7 @@ def build_rank_module(state, rank: int, keep=None, local=None) -> fx.GraphModule
             new = graph.node_copy(node, lambda n: env[n])
             if node.op == "call_function":
                 _localize_args(new, node, mesh)
+                lower_attention(new, node, mesh, coord)  # context parallelism: a ring, or shifted causal rows
                 if local is not None:
                     _off_meta(new)
                 if meta.RNG_INDEX in node.meta:  # drawn from the rank's stream (autoshard/runtime/rng.py)

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from autoshard.cost.attention_cost import attention_terms
 from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
 from autoshard.cost.flops import node_bytes
 from autoshard.cost.model import all_reduce_time, collective_time
@@ -35,6 +38,9 @@ from autoshard.ir.collective_table import direction_bytes
 from autoshard.ir.meta import COMM_COST, NODE_COST
 from autoshard.ir.placement import Shard
 from autoshard.passes.contract import compiler_pass
+from autoshard.strategies import tensor_inputs
+
+aten = torch.ops.aten
 
 
 def local_bytes(node, spec, mesh) -> int:
@@ -109,10 +115,24 @@ def predict(state) -> None:
             comm += sync
             node.meta[NODE_COST] = {"seconds": 0.0, "memory_bytes": held, "sync_s": sync}
             continue
-        split = math.prod(mesh.shape[a] for a, c in enumerate(node.meta.get(meta.CHOICE, [])) if c.divides_compute)
+        choice = node.meta.get(meta.CHOICE, [])
+        split = math.prod(mesh.shape[a] for a, c in enumerate(choice) if c.divides_compute)
         seconds = compute_time(node, split, profile)
-        compute += seconds
         saved = kept if grad.get(node) else 0
+        if node.target is aten.scaled_dot_product_attention.default and choice:
+            in_bytes = [local_bytes(p, s, mesh) for p, s in zip(tensor_inputs(node), node.meta[meta.IN_SPECS])]
+            terms = attention_terms(node, dict(enumerate(choice)), mesh, profile, seconds, in_bytes, kept,
+                                    bool(grad.get(node)))
+            seconds, saved = terms.compute_s, saved + int(terms.memory_bytes)
+            if terms.ring is not None:  # the ring's messages: its axis's bytes, exposed time in the node's
+                name = mesh.names[terms.ring_axis]
+                per_axis[name]["fwd"] += terms.ring.fwd_bytes
+                per_axis[name]["bwd"] += terms.ring.bwd_bytes
+                comm += terms.comm_s
+            compute += terms.compute_s
+            seconds += terms.comm_s
+        else:
+            compute += seconds
         memory += saved
         node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": saved, "sync_s": 0.0}
     state.predicted = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,

@@ -12,7 +12,8 @@ Schema (version 2):
   hints        the hint-file object (autoshard/frontend/hints.py), as the plan was made with
   nodes        [{"name", "op", "path", "kind", "type", "spec", "strategy", "collective", "axis": str,
                  "bytes_fwd", "bytes_bwd": int >= 0,
-                 "choice": [per mesh axis: {"inputs": [placement], "output": placement}] (empty for "comm")}]
+                 "choice": [per mesh axis: {"inputs": [placement], "output": placement, "method"?}] (empty for "comm";
+                 "method" only where the placements do not say how the op runs: attention's "ring")}]
   grad_reduce  {parameter FQN: [mesh axis name]}
   predicted    {"step_time_s", "compute_s", "comm_s": number >= 0, "memory_bytes_per_rank": int >= 0,
                 "comm_bytes_per_step": {axis name: {"fwd", "bwd", "sync": int >= 0}},
@@ -287,7 +288,8 @@ class _Checker:
             raise self.fail(at("choice"), f"expected {expected}, got {len(value)}")
         out, n_inputs = [], None
         for axis, strategy in enumerate(value):
-            self.obj(strategy, at(f"choice[{axis}]"), ("inputs", "output"), "a strategy")
+            self.obj(strategy, at(f"choice[{axis}]"), ("inputs", "output", "method") if isinstance(strategy, dict)
+                     and "method" in strategy else ("inputs", "output"), "a strategy")
             inputs = self.listing(strategy["inputs"], at(f"choice[{axis}].inputs"), "the input placements")
             if n_inputs is not None and len(inputs) != n_inputs:
                 raise self.fail(at(f"choice[{axis}].inputs"), f"{len(inputs)} input placements, but axis 0 gives "
@@ -295,6 +297,8 @@ class _Checker:
             n_inputs = len(inputs)
             out.append({"inputs": [self.placement(p, at(f"choice[{axis}].inputs[{j}]")) for j, p in enumerate(inputs)],
                         "output": self.placement(strategy["output"], at(f"choice[{axis}].output"))})
+            if "method" in strategy:
+                out[-1]["method"] = self.string(strategy["method"], at(f"choice[{axis}].method"))
         if out and Spec(parse_placement(s["output"]) for s in out) != spec:
             outputs = "[" + ", ".join(s["output"] for s in out) + "]"
             raise self.fail(at("choice"), f"the chosen outputs {outputs} disagree with the node's spec {spec!r}")

@@ -199,6 +199,41 @@ class Communicator:
         k = self.axis_size(axis)
         return torch.cat([p.chunk(k, scatter_dim)[mine] for p in parts], gather_dim).contiguous()
 
+    def exchange(self, outgoing: dict, incoming: dict, axis: str, what: str) -> dict:
+        """Point to point along `axis`: send `outgoing[j]` to the rank at index j of the axis and receive, from
+        every index i in `incoming`, a tensor shaped like `incoming[i]`; returns {i: tensor}. A rank's message
+        to itself stays local. Every rank of the axis calls it (a ring's shift, a zigzag reordering).
+
+        >>> def shift(comm):  # each rank sends its number to the next rank of the axis
+        ...     k, i = comm.axis_size("tp"), comm.axis_rank("tp")
+        ...     got = comm.exchange({(i + 1) % k: torch.tensor([comm.rank])}, {(i - 1) % k: torch.zeros(1, dtype=torch.long)},
+        ...                         "tp", "example")
+        ...     return got[(i - 1) % k]
+        >>> run_on_mesh(mesh, shift)
+        {0: tensor([1]), 1: tensor([0]), 2: tensor([3]), 3: tensor([2])}
+        """
+        return self.start_exchange(outgoing, incoming, axis, what).wait()
+
+    def start_exchange(self, outgoing: dict, incoming: dict, axis: str, what: str) -> Pending:
+        """`exchange`, started (a ring overlaps its next shift with the block it computes).
+
+        >>> run_on_mesh(mesh, lambda comm: comm.start_exchange({comm.axis_rank("dp"): torch.ones(1)}, {comm.axis_rank("dp"):
+        ...                                                    torch.zeros(1)}, "dp", "example").wait())[0]
+        {0: tensor([1.])}
+        """
+        mine = self.axis_rank(axis)
+        boxes = self.meet(axis, {j: t.detach().clone() for j, t in outgoing.items()}, what)
+        received = {i: boxes[i][mine] for i in incoming}
+        return Pending(lambda: received)
+
+    def meet(self, axis: str, value, what: str) -> list:
+        """Every rank's `value` (any object) along `axis`, in axis order: the simulator's meeting point.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.meet("dp", comm.rank, "example"))[1]
+        [1, 3]
+        """
+        raise NotImplementedError(f"{type(self).__name__} exchanges tensors with collectives, not by meeting")
+
     # Started collectives (`Pending`): the same results, completed later on a DistCommunicator.
     def start_all_gather_list(self, tensor, axis, what) -> Pending:
         """`all_gather_list`, started: here it completes at once (the simulator's threads meet now).
@@ -271,6 +306,16 @@ class Pending:
         return self.finish()
 
 
+class _AllWorks:
+    """Several backend works waited on as one (a batch of point-to-point sends and receives)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout):
+        return all(work.wait(timeout) is not False for work in self.works)
+
+
 def _ordered_sum(parts):
     total = parts[0].clone()
     for part in parts[1:]:
@@ -326,12 +371,20 @@ class ThreadCommunicator(Communicator):
         >>> run_on_mesh(mesh, lambda comm: comm.all_gather_list(torch.tensor(comm.rank), "tp", "example"))[3]
         [tensor(2), tensor(3)]
         """
+        return self.meet(axis, tensor.detach().clone(), what)  # a snapshot: the owner may update it in place
+
+    def meet(self, axis, value, what):
+        """Every rank's `value` along `axis`, in axis order, through the hub's slot and barrier of the group.
+
+        >>> run_on_mesh(mesh, lambda comm: comm.meet("tp", comm.rank * 10, "example"))[3]
+        [20, 30]
+        """
         index = self.mesh.axis(axis)
         group = self.mesh.axis_group(self.rank, index)
         key = (index, group)
         slot, barrier = self.hub.slots[key], self.hub.barriers[key]
         try:
-            slot[self.coord[index]] = tensor.detach().clone()  # a snapshot: the owner may update it in place
+            slot[self.coord[index]] = value
             barrier.wait()
             parts = list(slot)
             barrier.wait()
@@ -414,6 +467,30 @@ class DistCommunicator(Communicator):
         parts = [torch.empty_like(tensor) for _ in range(self.axis_size(axis))]
         work = self._run(what, axis, lambda: dist.all_gather(parts, tensor, group=self.groups[axis], async_op=True))
         return Pending(lambda: parts, work, self, what, axis)
+
+    def start_exchange(self, outgoing, incoming, axis, what) -> Pending:
+        """`exchange` as gloo/NCCL point-to-point sends and receives on the axis's group, started.
+
+        >>> solo.start_exchange({0: torch.ones(1)}, {0: torch.zeros(1)}, "pp", "example").wait()
+        {0: tensor([1.])}
+        """
+        import torch.distributed as dist
+        mine = self.axis_rank(axis)
+        ranks = self.mesh.axis_group(self.rank, axis)  # global ranks (the mesh covers the world from rank 0)
+        received, ops = {}, []
+        for j, tensor in outgoing.items():
+            if j == mine:
+                received[j] = tensor.clone()
+            else:
+                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), ranks[j], self.groups[axis]))
+        for i, like in incoming.items():
+            if i != mine:
+                received[i] = torch.empty_like(like)
+                ops.append(dist.P2POp(dist.irecv, received[i], ranks[i], self.groups[axis]))
+        if not ops:
+            return Pending(lambda: received)
+        works = self._run(what, axis, lambda: dist.batch_isend_irecv(ops))
+        return Pending(lambda: received, _AllWorks(works), self, what, axis)
 
     def start_all_reduce(self, tensor, axis) -> Pending:
         """`all_reduce` started: exact (gathered, summed in `wait`) or gloo/NCCL's own, in place on `tensor`.

@@ -4,7 +4,7 @@
 >>> REGISTRY.lookup(torch.ops.aten.gelu.default).note
 'elementwise'
 """
-from autoshard.strategies import einsum, nn_ops, pointwise, reduction, views  # noqa: F401  (rules register on import)
+from autoshard.strategies import attention, einsum, nn_ops, pointwise, reduction, views  # noqa: F401  (rules register on import)
 from autoshard.strategies.base import (
     REGISTRY,
     AxisStrategy,

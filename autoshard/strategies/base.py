@@ -35,9 +35,11 @@ class AxisStrategy:
 
     inputs: tuple[Placement, ...]
     output: Placement
+    method: str = ""  # how the op runs when its placements alone do not say (attention's "ring")
 
     def __repr__(self) -> str:
-        return f"({', '.join(map(repr, self.inputs))}) -> {self.output!r}"
+        text = f"({', '.join(map(repr, self.inputs))}) -> {self.output!r}"
+        return f"{text} {self.method}" if self.method else text
 
     @property
     def splits_work(self) -> bool:
@@ -72,8 +74,13 @@ class AxisStrategy:
 
         >>> AxisStrategy((Shard(0), R), Shard(0)).to_json()
         {'inputs': ['S(0)', 'R'], 'output': 'S(0)'}
+        >>> AxisStrategy((Shard(2), Shard(2), Shard(2)), Shard(2), "ring").to_json()["method"]
+        'ring'
         """
-        return {"inputs": [repr(p) for p in self.inputs], "output": repr(self.output)}
+        out = {"inputs": [repr(p) for p in self.inputs], "output": repr(self.output)}
+        if self.method:
+            out["method"] = self.method
+        return out
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -174,6 +181,7 @@ class Rule:
     fn: RuleFn
     shape_arg: int | None = None
     note: str = ""
+    combine: Callable | None = None  # combine(node, [AxisStrategy per axis so far]) -> whether they go together
 
 
 @dataclass
@@ -190,8 +198,9 @@ class Registry:
 
     rules: dict = field(default_factory=dict)
 
-    def register(self, ops, fn: RuleFn, shape_arg: int | None = None, note: str = ""):
-        """Map `ops` (one op or a list: overloads or packets) to the rule `fn`.
+    def register(self, ops, fn: RuleFn, shape_arg: int | None = None, note: str = "", combine=None):
+        """Map `ops` (one op or a list: overloads or packets) to the rule `fn`; `combine(node, strategies)`, where
+        given, says whether per-axis candidates may be chosen together (a sequence split by one axis only).
 
         >>> registry = Registry()
         >>> registry.register([torch.ops.aten.relu.default], lambda ctx: [ctx.replicated()])
@@ -199,7 +208,7 @@ class Registry:
         ['aten.relu.default']
         """
         for op in ops if isinstance(ops, (list, tuple)) else [ops]:
-            self.rules[op] = Rule(fn, shape_arg, note)
+            self.rules[op] = Rule(fn, shape_arg, note, combine)
 
     def lookup(self, target) -> Rule | None:
         """The rule of an op: its overload's entry, else its packet's, else None.

@@ -39,23 +39,6 @@ def _batch_norm(ctx):
 REGISTRY.register([aten.batch_norm.default], _batch_norm, note="channels shard; batch only in eval")
 
 
-def _attention(ctx):
-    """q, k, v [..., L, E] (usually [B, H, L, E]): batch dims (heads included) shard; L, S, E stay whole."""
-    ndim = len(ctx.out_shape)
-    found = []
-    # Only the dims before the last two: a 3-D q [B, L, E] must not shard its L with k and v.
-    for d in range(ndim - 2):
-        placements = []
-        for shape in ctx.in_shapes:  # q, k, v and the mask broadcast against [..., L, S], right-aligned
-            j = d - (ndim - len(shape))
-            placements.append(Shard(j) if j >= 0 and shape[j] != 1 else R)
-        found.append(AxisStrategy(tuple(placements), Shard(d)))
-    return found
-
-
-REGISTRY.register([aten.scaled_dot_product_attention.default], _attention, note="batch and head sharding")
-
-
 def _nll_loss(ctx):
     """input [N, C, ...], target [N, ...]: sharded N or spatial dims make partial sums (reduction=sum)."""
     reduction = ctx.arg(3, "reduction", 1)

@@ -158,6 +158,8 @@ def check_candidates(fn, *args, target, index=0, axis_size=2, modules=None, comp
     generator = torch.Generator().manual_seed(0)
     candidates = candidates_for(node, ins, outs, axis_size, warn=False)
     for strategy in candidates:
+        if strategy.method:  # not the op on local blocks (a ring, shifted causal rows): tests/test_context_parallel.py
+            continue
         blocks = [_split(values[n], p, axis_size, generator) for n, p in zip(inputs, strategy.inputs)]
         expected = values[node]
         per_rank = []

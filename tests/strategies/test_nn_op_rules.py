@@ -55,40 +55,74 @@ Q = torch.randn(2, 4, 6, 8)  # [B, H, L, E]
 
 def test_sdpa_batch_and_heads():
     got = candidates_of(F.scaled_dot_product_attention, Q, Q, Q, target=aten.scaled_dot_product_attention.default)
-    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)"}
+    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)",
+                   # context parallel: query rows against gathered keys, or a ring of key/value blocks
+                   "(S(2), R, R) -> S(2) allgather", "(S(2), S(2), S(2)) -> S(2) ring"}
 
 
 def test_sdpa_causal():
     got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), Q, Q, Q,
                         target=aten.scaled_dot_product_attention.default)
-    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)"}
+    # no causal ring: its zigzag order cuts L = 6 into 2 x 2 chunks, which do not divide it
+    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)",
+                   "(S(2), R, R) -> S(2) allgather"}
+
+
+def test_sdpa_causal_ring_when_chunks_divide():
+    q = torch.randn(2, 4, 8, 8)
+    got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q, q,
+                        target=aten.scaled_dot_product_attention.default)
+    assert "(S(2), S(2), S(2)) -> S(2) ring" in got
+
+
+def test_sdpa_no_ring_with_attention_dropout():
+    got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), Q, Q, Q,
+                        target=aten.scaled_dot_product_attention.default)
+    assert not any(c.endswith("ring") for c in got) and "(S(2), R, R) -> S(2) allgather" in got
 
 
 def test_sdpa_with_2d_mask():
     mask = torch.ones(6, 6, dtype=torch.bool).tril()
     got = candidates_of(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), Q, Q, Q, mask,
                         target=aten.scaled_dot_product_attention.default)
-    assert got == {"(R, R, R, R) -> R", "(S(0), S(0), S(0), R) -> S(0)", "(S(1), S(1), S(1), R) -> S(1)"}
+    assert got == {"(R, R, R, R) -> R", "(S(0), S(0), S(0), R) -> S(0)", "(S(1), S(1), S(1), R) -> S(1)",
+                   "(S(2), R, R, S(0)) -> S(2) allgather", "(S(2), S(2), S(2), S(0)) -> S(2) ring"}  # mask rows
 
 
 def test_sdpa_with_per_batch_mask_broadcast_over_heads():
     mask = torch.zeros(2, 1, 6, 6)
     got = candidates_of(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), Q, Q, Q, mask,
                         target=aten.scaled_dot_product_attention.default)
-    assert got == {"(R, R, R, R) -> R", "(S(0), S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1), R) -> S(1)"}
+    assert got == {"(R, R, R, R) -> R", "(S(0), S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1), R) -> S(1)",
+                   "(S(2), R, R, S(2)) -> S(2) allgather", "(S(2), S(2), S(2), S(2)) -> S(2) ring"}
 
 
-def test_sdpa_3d_inputs_never_shard_the_sequence():
-    q = torch.randn(2, 6, 8)  # [B, L, E]: dim 1 is L, which k and v need whole
+def test_sdpa_3d_inputs_shard_the_sequence_only_by_context_parallelism():
+    q = torch.randn(2, 6, 8)  # [B, L, E]: dim 1 is L, which k and v need whole unless they travel in a ring
     got = candidates_of(F.scaled_dot_product_attention, q, q, q, target=aten.scaled_dot_product_attention.default)
-    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)"}
+    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)", "(S(1), R, R) -> S(1) allgather",
+                   "(S(1), S(1), S(1)) -> S(1) ring"}
 
 
 def test_sdpa_grouped_query_heads():
     q, kv = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
     got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), q, kv, kv,
                         target=aten.scaled_dot_product_attention.default)
-    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)"}
+    assert got == {"(R, R, R) -> R", "(S(0), S(0), S(0)) -> S(0)", "(S(1), S(1), S(1)) -> S(1)",
+                   "(S(2), R, R) -> S(2) allgather", "(S(2), S(2), S(2)) -> S(2) ring"}
+
+
+def test_sdpa_causal_ring_when_chunks_divide():
+    q = torch.randn(2, 4, 8, 8)
+    got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q, q,
+                        target=aten.scaled_dot_product_attention.default)
+    assert "(S(2), S(2), S(2)) -> S(2) ring" in got
+
+
+def test_sdpa_no_ring_with_attention_dropout():
+    got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), Q, Q, Q,
+                        target=aten.scaled_dot_product_attention.default)
+    assert not any(c.endswith("ring") for c in got) and "(S(2), R, R) -> S(2) allgather" in got
 
 
 # --- nll_loss ------------------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""How codegen writes a context-parallel attention into a rank's graph (autoshard/strategies/attention.py):
+
+- "allgather" with `is_causal`: the rank holds query rows from its block's first row on, so the causal mask is
+  made explicit and shifted by that row (`causal_rows_mask`); without `is_causal` the op runs as it is.
+- "ring": the op becomes `ring_attention(..., axis=<the axis>)`, which passes the key/value blocks around.
+
+>>> import autoshard
+>>> from autoshard.zoo import gpt2
+>>> model, inputs, loss_fn = gpt2(batch=2, seq=8, n_layers=1)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("cp",),
+...                              hints={"input:0": {"cp": "S(1)"}, "*:attention": {"cp": "ring"}})
+>>> [n.target.__name__ for n in prog.graph(0).graph.nodes if "attention" in str(n.target)]
+['ring_attention']
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autoshard.ir import meta
+from autoshard.ir.placement import shard_index
+from autoshard.runtime.context_parallel import causal_rows_mask, ring_attention
+from autoshard.strategies.attention import attention_args
+
+aten = torch.ops.aten
+
+
+def lower_attention(new: fx.Node, node: fx.Node, mesh, coord) -> None:
+    """Rewrite `new` (the rank graph's copy of `node`) when `node`'s chosen strategy splits the sequence.
+
+    >>> prog.graph(1).code.count("ring_attention(")  # one attention, one ring
+    1
+    """
+    if node.target is not aten.scaled_dot_product_attention.default:
+        return
+    methods = [(axis, c.method) for axis, c in enumerate(node.meta.get(meta.CHOICE, ())) if c.method]
+    if not methods:
+        return
+    axis, method = methods[0]
+    args = attention_args(new)
+    query, key = args.pop("query"), args.pop("key")
+    value = args.pop("value")
+    if method == "ring":
+        new.target = ring_attention
+        new.args, new.kwargs = (query, key, value), {**args, "axis": mesh.names[axis]}
+        return
+    if args["is_causal"]:  # allgather: this rank's rows start at its block's first row
+        q_spec = node.meta[meta.IN_SPECS][0]
+        rows = node.args[0].meta["val"].dim() - 2
+        index, count = shard_index(q_spec, rows, coord, mesh.shape)
+        offset = index * (node.args[0].meta["val"].shape[rows] // count)
+        with new.graph.inserting_before(new):
+            mask = new.graph.call_function(causal_rows_mask, (query, key, offset))
+        new.args, new.kwargs = (query, key, value), {**args, "attn_mask": mask, "is_causal": False}

@@ -1,0 +1,248 @@
+"""Context parallelism at run time: attention whose query rows are split over a mesh axis.
+
+autoshard/strategies/attention.py offers the strategies and autoshard/passes/attention_lowering.py puts these
+functions into the rank programs:
+- "allgather" (keys and values gathered whole, Llama 3's form): a rank's query rows attend to every key;
+  a causal mask is shifted by the rank's first row (`causal_rows_mask`).
+- "ring" (`ring_attention`): keys and values stay sharded and travel around the axis, one block per step,
+  each block merged into the output by the online softmax (running log-sum-exp). Each shift is started
+  before the block is computed, so it travels meanwhile. The backward runs the ring again; the key and
+  value gradients travel with their blocks and arrive home after the last step. Nothing of size
+  rows x keys is kept for backward: only the output and the log-sum-exp of each row.
+- Causal rings are load balanced (zigzag): the sequence is cut in 2k chunks and rank r computes on chunks r
+  and 2k-1-r, so every rank has the same share of the causal triangle. The placements stay contiguous (every
+  other op, checkpoints and the data loader are unchanged); the attention reorders its query, key and
+  value blocks on entry and its output on exit (`_Permute`), one exchange each way, priced by the cost model.
+- "alltoall" (DeepSpeed-Ulysses) needs nothing here: it is the head-sharded attention with all-to-all
+  conversions on both sides, which the solver already places.
+
+Messages are counted in the rank's log as "send_recv" (a ring shift: the bytes sent) and "permute" (a zigzag
+reordering: the rank's input, as all_to_all counts it).
+
+>>> import torch
+>>> from autoshard.ir.mesh import Mesh
+>>> from autoshard.runtime.simulator import run_on_mesh
+>>> _ = torch.manual_seed(0)
+>>> q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+>>> whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+>>> def rank_part(comm):
+...     r = comm.axis_rank("cp")
+...     rows = slice(4 * r, 4 * r + 4)
+...     return ring_attention(q[..., rows, :], k[..., rows, :], v[..., rows, :], is_causal=True, axis="cp")
+>>> parts = run_on_mesh(Mesh((2,), ("cp",)), rank_part)
+>>> torch.allclose(torch.cat([parts[0], parts[1]], -2), whole)
+True
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoshard.ir.errors import UserInputError
+from autoshard.runtime.collectives import current
+
+
+def causal_rows_mask(query: torch.Tensor, key: torch.Tensor, row_offset: int) -> torch.Tensor:
+    """The causal mask of query rows `row_offset`... against every key: row i may see keys j <= i (torch's
+    top-left causal alignment, as `is_causal=True` on the whole sequence).
+
+    >>> causal_rows_mask(torch.zeros(2, 3), torch.zeros(4, 3), 2).int()
+    tensor([[1, 1, 1, 0],
+            [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    rows = torch.arange(query.size(-2), device=query.device).unsqueeze(-1) + row_offset
+    return torch.arange(key.size(-2), device=query.device) <= rows
+
+
+def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                   *, axis: str):
+    """scaled_dot_product_attention of this rank's query rows, with keys and values sharded like the rows over
+    mesh axis `axis`: the ring (see the module docstring). Causal rings run in zigzag order.
+
+    >>> out = run_on_mesh(Mesh((2,), ("cp",)), lambda comm: ring_attention(q[..., :4, :], k[..., :4, :],
+    ...                                                                    v[..., :4, :], axis="cp"))
+    >>> out[0].shape  # each rank holds its rows of the output
+    torch.Size([1, 2, 4, 4])
+    """
+    if dropout_p:
+        raise UserInputError("ring attention has no attention dropout: plan the attention with the 'allgather' or "
+                             "'alltoall' context-parallel strategy, or set the attention's dropout to 0")
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise UserInputError("ring attention takes a constant attention mask; this one requires a gradient (a "
+                             "learned bias): plan the attention with 'allgather' or 'alltoall'")
+    comm = current()
+    k, r = comm.axis_size(axis), comm.axis_rank(axis)
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    if not is_causal:
+        owned = [[j] for j in range(k)]
+        return _RingAttention.apply(query, key, value, attn_mask, comm, axis, owned, False, scale, enable_gqa)
+    contiguous, zigzag = [[2 * j, 2 * j + 1] for j in range(k)], [[j, 2 * k - 1 - j] for j in range(k)]
+    q, kk, v = (_Permute.apply(t, comm, axis, contiguous, zigzag) for t in (query, key, value))
+    out = _RingAttention.apply(q, kk, v, None, comm, axis, zigzag, True, scale, enable_gqa)
+    return _Permute.apply(out, comm, axis, zigzag, contiguous)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _permute(x: torch.Tensor, comm, axis: str, before: list, after: list, phase: str) -> torch.Tensor:
+    """Move chunks of dim -2 between the ranks of `axis`: rank j holds chunks `before[j]` (in order) and will hold
+    `after[j]`. A rank sends each peer, in one message, the chunks it will hold, in their new order."""
+    comm.log.record(axis, "permute", _nbytes(x), phase)
+    r = comm.axis_rank(axis)
+    pieces = dict(zip(before[r], x.chunk(len(before[r]), -2)))
+    where = {c: j for j, chunks in enumerate(after) for c in chunks}
+    outgoing: dict = {}
+    for c in sorted(pieces, key=lambda c: after[where[c]].index(c)):
+        outgoing.setdefault(where[c], []).append(pieces[c])
+    outgoing = {j: torch.cat(parts, -2) for j, parts in outgoing.items()}
+    holder = {c: j for j, chunks in enumerate(before) for c in chunks}
+    sources: dict = {}
+    for c in after[r]:
+        sources.setdefault(holder[c], []).append(c)
+    chunk = pieces[before[r][0]]
+    incoming = {i: chunk.new_empty(*chunk.shape[:-2], chunk.size(-2) * len(cs), chunk.size(-1))
+                for i, cs in sources.items()}
+    got = comm.exchange(outgoing, incoming, axis, "zigzag reordering")
+    parts = {}
+    for i, cs in sources.items():
+        parts.update(zip(cs, got[i].chunk(len(cs), -2)))
+    return torch.cat([parts[c] for c in after[r]], -2).contiguous()
+
+
+class _Permute(torch.autograd.Function):
+    """A chunk reordering over the axis; its backward is the reverse reordering."""
+
+    @staticmethod
+    def forward(ctx, x, comm, axis, before, after):
+        ctx.comm, ctx.axis, ctx.before, ctx.after = comm, axis, before, after
+        return _permute(x, comm, axis, before, after, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _permute(grad.contiguous(), ctx.comm, ctx.axis, ctx.after, ctx.before, "bwd"), None, None, None, None
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.size(-3) == heads else t.repeat_interleave(heads // t.size(-3), -3)
+
+
+def _fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of `_repeat_heads`: sum each group of repeated heads."""
+    if grad.size(-3) == heads:
+        return grad
+    return grad.unflatten(-3, (heads, grad.size(-3) // heads)).sum(-3)
+
+
+class _Blocks:
+    """The query chunks of this rank against one visiting key/value block: which chunk pairs to compute, with
+    what mask (causal: skip chunks after the query's, mask the diagonal; else the given mask's columns)."""
+
+    def __init__(self, q_ids, kv_ids, causal, mask, q_len, kv_len, device):
+        self.q_ids, self.kv_ids, self.causal, self.mask, self.device = q_ids, kv_ids, causal, mask, device
+        self.qc, self.kc = q_len // len(q_ids), kv_len // len(kv_ids)
+
+    def pairs(self):
+        for a, x in enumerate(self.q_ids):
+            for b, y in enumerate(self.kv_ids):
+                if self.causal and y > x:
+                    continue
+                rows, cols = slice(a * self.qc, (a + 1) * self.qc), slice(b * self.kc, (b + 1) * self.kc)
+                yield rows, cols, self._mask(rows, y, x)
+
+    def _mask(self, rows, y, x):
+        if self.causal:
+            return torch.ones(self.qc, self.kc, dtype=torch.bool, device=self.device).tril() if x == y else None
+        if self.mask is None:
+            return None
+        m = self.mask[..., rows, :] if self.mask.size(-2) > 1 else self.mask
+        return m.narrow(-1, y * self.kc, self.kc) if m.size(-1) > 1 else m
+
+
+def _scores(q, k, scale, mask):
+    s = (q @ k.transpose(-2, -1)) * scale
+    if mask is None:
+        return s
+    if mask.dtype == torch.bool:
+        return s.masked_fill(~mask, float("-inf"))
+    return s + mask.to(s.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring over `axis` (see the module docstring); `owned[j]` lists the sequence chunks rank j holds."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, comm, axis, owned, causal, scale, gqa):
+        n, r = comm.axis_size(axis), comm.axis_rank(axis)
+        dtype = _compute_dtype(q)
+        heads = q.size(-3)
+        qc = q.to(dtype)
+        out = torch.zeros_like(qc)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=dtype, device=q.device)
+        block = torch.stack([k, v])
+        for step in range(n):
+            j = (r - step) % n
+            pending = _shift(comm, axis, block, "fwd") if step < n - 1 else None
+            kb, vb = (_repeat_heads(t.to(dtype), heads) for t in block)
+            for rows, cols, m in _Blocks(owned[r], owned[j], causal, mask, q.size(-2), kb.size(-2), q.device).pairs():
+                s = _scores(qc[..., rows, :], kb[..., cols, :], scale, m)
+                top = s.amax(-1, keepdim=True)
+                top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+                p = torch.exp(s - top)
+                total = p.sum(-1, keepdim=True)
+                o = torch.where(total > 0, (p @ vb[..., cols, :]) / total, torch.zeros_like(out[..., rows, :]))
+                new = torch.logaddexp(lse[..., rows, :], top + torch.log(total))
+                safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows, :] - safe)
+                                     + o * torch.exp(top + torch.log(total) - safe))
+                lse[..., rows, :] = new
+            if pending is not None:
+                block = pending.wait()
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        ctx.args = (comm, axis, owned, causal, scale, gqa)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *mask = ctx.saved_tensors
+        mask = mask[0] if mask else None
+        comm, axis, owned, causal, scale, gqa = ctx.args
+        n, r = comm.axis_size(axis), comm.axis_rank(axis)
+        dtype, heads = out.dtype, q.size(-3)
+        qc, do = q.to(dtype), grad_out.to(dtype)
+        delta = (do * out).sum(-1, keepdim=True)
+        lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # masked rows: p = 0
+        dq = torch.zeros_like(qc)
+        block = torch.stack([k, v])
+        grads = torch.zeros(block.shape, dtype=dtype, device=q.device)
+        for step in range(n):
+            j = (r - step) % n
+            pending = _shift(comm, axis, block, "bwd") if step < n - 1 else None
+            kb, vb = (_repeat_heads(t.to(dtype), heads) for t in block)
+            dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+            for rows, cols, m in _Blocks(owned[r], owned[j], causal, mask, q.size(-2), kb.size(-2), q.device).pairs():
+                p = torch.exp(_scores(qc[..., rows, :], kb[..., cols, :], scale, m) - lse[..., rows, :])
+                dv[..., cols, :] += p.transpose(-2, -1) @ do[..., rows, :]
+                ds = p * (do[..., rows, :] @ vb[..., cols, :].transpose(-2, -1) - delta[..., rows, :])
+                dq[..., rows, :] += (ds @ kb[..., cols, :]) * scale
+                dk[..., cols, :] += (ds.transpose(-2, -1) @ qc[..., rows, :]) * scale
+            grads = grads + torch.stack([_fold_heads(dk, k.size(-3)), _fold_heads(dv, v.size(-3))])
+            grads = _shift(comm, axis, grads, "bwd").wait()  # the gradients travel with their block, home at last
+            if pending is not None:
+                block = pending.wait()
+        dk, dv = grads
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def _shift(comm, axis: str, block: torch.Tensor, phase: str):
+    """Start sending `block` to the next rank of the axis and receiving the previous rank's."""
+    n, r = comm.axis_size(axis), comm.axis_rank(axis)
+    comm.log.record(axis, "send_recv", _nbytes(block), phase)
+    pending = comm.start_exchange({(r + 1) % n: block.contiguous()}, {(r - 1) % n: block}, axis, "ring attention shift")
+    return pending.then(lambda got: got[(r - 1) % n])
