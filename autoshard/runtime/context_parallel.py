@@ -58,7 +58,8 @@ def causal_rows_mask(query: torch.Tensor, key: torch.Tensor, row_offset: int) ->
 def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                    *, axis: str):
     """scaled_dot_product_attention of this rank's query rows, with keys and values sharded like the rows over
-    mesh axis `axis`: the ring (see the module docstring). Causal rings run in zigzag order.
+    mesh axis `axis`: the ring (see the module docstring). Causal rings run in zigzag order. Fewer key/value heads
+    than query heads are repeated per block, as `enable_gqa` asks (the shapes say it).
 
     >>> out = run_on_mesh(Mesh((2,), ("cp",)), lambda comm: ring_attention(q[..., :4, :], k[..., :4, :],
     ...                                                                    v[..., :4, :], axis="cp"))
@@ -72,14 +73,14 @@ def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         raise UserInputError("ring attention takes a constant attention mask; this one requires a gradient (a "
                              "learned bias): plan the attention with 'allgather' or 'alltoall'")
     comm = current()
-    k, r = comm.axis_size(axis), comm.axis_rank(axis)
+    k = comm.axis_size(axis)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
     if not is_causal:
         owned = [[j] for j in range(k)]
-        return _RingAttention.apply(query, key, value, attn_mask, comm, axis, owned, False, scale, enable_gqa)
+        return _RingAttention.apply(query, key, value, attn_mask, comm, axis, owned, False, scale)
     contiguous, zigzag = [[2 * j, 2 * j + 1] for j in range(k)], [[j, 2 * k - 1 - j] for j in range(k)]
     q, kk, v = (_Permute.apply(t, comm, axis, contiguous, zigzag) for t in (query, key, value))
-    out = _RingAttention.apply(q, kk, v, None, comm, axis, zigzag, True, scale, enable_gqa)
+    out = _RingAttention.apply(q, kk, v, None, comm, axis, zigzag, True, scale)
     return _Permute.apply(out, comm, axis, zigzag, contiguous)
 
 
@@ -178,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
     """The ring over `axis` (see the module docstring); `owned[j]` lists the sequence chunks rank j holds."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, comm, axis, owned, causal, scale, gqa):
+    def forward(ctx, q, k, v, mask, comm, axis, owned, causal, scale):
         n, r = comm.axis_size(axis), comm.axis_rank(axis)
         dtype = _compute_dtype(q)
         heads = q.size(-3)
@@ -205,14 +206,14 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block = pending.wait()
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
-        ctx.args = (comm, axis, owned, causal, scale, gqa)
+        ctx.args = (comm, axis, owned, causal, scale)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, *mask = ctx.saved_tensors
         mask = mask[0] if mask else None
-        comm, axis, owned, causal, scale, gqa = ctx.args
+        comm, axis, owned, causal, scale = ctx.args
         n, r = comm.axis_size(axis), comm.axis_rank(axis)
         dtype, heads = out.dtype, q.size(-3)
         qc, do = q.to(dtype), grad_out.to(dtype)
@@ -237,7 +238,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block = pending.wait()
         dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _shift(comm, axis: str, block: torch.Tensor, phase: str):

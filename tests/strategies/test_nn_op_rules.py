@@ -112,19 +112,6 @@ def test_sdpa_grouped_query_heads():
                    "(S(2), R, R) -> S(2) allgather", "(S(2), S(2), S(2)) -> S(2) ring"}
 
 
-def test_sdpa_causal_ring_when_chunks_divide():
-    q = torch.randn(2, 4, 8, 8)
-    got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q, q,
-                        target=aten.scaled_dot_product_attention.default)
-    assert "(S(2), S(2), S(2)) -> S(2) ring" in got
-
-
-def test_sdpa_no_ring_with_attention_dropout():
-    got = candidates_of(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), Q, Q, Q,
-                        target=aten.scaled_dot_product_attention.default)
-    assert not any(c.endswith("ring") for c in got) and "(S(2), R, R) -> S(2) allgather" in got
-
-
 # --- nll_loss ------------------------------------------------------------------------------------
 
 LOGP = torch.randn(4, 10).log_softmax(-1)
