@@ -152,7 +152,10 @@ CASES = [c for c in itertools.product(MODELS, ("allgather", "ring", "alltoall"),
 def cp_hints(model: str, method: str, names) -> dict:
     """The sequence of every input on cp, the strategy asked for, and Megatron's tensor parallelism on tp."""
     transformers = model.startswith("transformers")
-    hints = {"input:0": {"cp": "S(1)"}, "*:attention": {"cp": method}}
+    # The tokens stay split entering the q, k, v projections, so that the strategy (not a gather before them)
+    # is what the attention does with them.
+    projections = "model.layers.*.self_attn.[qkv]_proj" if transformers else "layers.*.attn.[qkv]"
+    hints = {"input:0": {"cp": "S(1)"}, f"{projections}:input": {"cp": "S(1)"}, "*:attention": {"cp": method}}
     if transformers:
         hints["input:1"] = {"cp": "S(1)"}  # the labels
     if "tp" in names:

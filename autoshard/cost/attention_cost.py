@@ -11,9 +11,9 @@ per rank, with kv = the rank's key + value block bytes and k the axis size:
   and of each gradient in backward, priced as all-to-alls of those bytes.
 - compute: a causal ring skips the key chunks after each query chunk: (2k + 1) / 4k of the rows x keys work
   (the other strategies compute the masked product whole, as torch's math kernel does).
-- memory of the score blocks: without a fused attention kernel (the profile's `fused_attention`, False for CPUs)
-  torch keeps the attention weights for backward: rows x keys per head; a ring holds one chunk pair at a time
-  and keeps only the output and each row's log-sum-exp.
+- memory of the score blocks: without a fused attention kernel (a profile with `fused_attention=False`) torch
+  keeps the attention weights for backward: rows x keys per head; a ring holds one chunk pair at a time and
+  keeps only the output and each row's log-sum-exp.
 
 >>> from autoshard.cost.model import Link
 >>> link = Link(alpha=1e-5, bandwidth=1e9)

@@ -47,6 +47,7 @@ class CostBreakdown:
     comm_bwd: float = 0.0
     sync: float = 0.0
     memory: float = 0.0
+    in_op_comm: float = 0.0  # messages inside the op (an attention ring's exposed seconds): per node, like compute
 
     def to_json(self):
         """The breakdown as JSON (what `explain` shows).
@@ -54,7 +55,10 @@ class CostBreakdown:
         >>> CostBreakdown(sync=2e-6).to_json()["sync_s"]
         2e-06
         """
-        return {"compute_s": self.compute, "comm_bwd_s": self.comm_bwd, "sync_s": self.sync, "memory_bytes": self.memory}
+        out = {"compute_s": self.compute, "comm_bwd_s": self.comm_bwd, "sync_s": self.sync, "memory_bytes": self.memory}
+        if self.in_op_comm:
+            out["in_op_comm_s"] = self.in_op_comm
+        return out
 
 
 def compute_time(node, split: int, profile) -> float:
@@ -151,14 +155,14 @@ class AxisCostModel:
         split = math.prod(self.mesh.shape[b] for b, c in other.items() if c.divides_compute)
         split *= self.k if cand.divides_compute else 1
         compute = compute_time(node, split, self.profile)
-        comm_bwd = sync = extra_memory = 0.0
+        comm_bwd = sync = extra_memory = in_op = 0.0
         if node.target is aten.scaled_dot_product_attention.default:  # a ring's messages; the score blocks
             strategies = {**other, self.axis: cand}
             in_bytes = [self.input_bytes(p, pos, other) / (self.k if isinstance(cand.inputs[pos], Shard) else 1)
                         for pos, p in enumerate(tensor_inputs(node))]
             terms = attention_terms(node, strategies, self.mesh, self.profile, compute, in_bytes, kept,
                                     self.grad.get(node, False))
-            compute, comm_bwd, extra_memory = terms.compute_s, terms.comm_s, terms.memory_bytes
+            compute, in_op, extra_memory = terms.compute_s, terms.comm_s, terms.memory_bytes
         if cand.splits_work:
             for pos, producer in enumerate(tensor_inputs(node)):
                 if cand.partial_grad(pos) and self.grad.get(producer, False):
@@ -168,7 +172,7 @@ class AxisCostModel:
                     else:
                         comm_bwd += t
         saved = kept if self.grad.get(node, False) else 0.0
-        return CostBreakdown(compute, comm_bwd, sync, saved + extra_memory)
+        return CostBreakdown(compute, comm_bwd, sync, saved + extra_memory, in_op)
 
     def edge(self, producer, produced, wanted, producer_other: dict) -> float:
         """Seconds (forward + backward) to turn the producer's placement into the consumer's.

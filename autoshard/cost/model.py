@@ -52,7 +52,9 @@ class HardwareProfile:
     intra_node: Link = Link(5e-6, 2.0e11)
     inter_node: Link = Link(2e-5, 2.5e10)
     axis_links: tuple = field(default=())
-    fused_attention: bool = True  # flash-style kernels: attention keeps no rows x keys weights for backward
+    # Flash-style attention kernels keep no rows x keys weights for backward (torch has them on CUDA and, for
+    # float32/bf16, on CPUs); False prices the weights a math kernel keeps.
+    fused_attention: bool = True
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -104,8 +106,7 @@ DEFAULT_PROFILE = HardwareProfile()
 # A CPU host whose ranks talk over loopback gloo (measured order of magnitude on the 2-core dev box;
 # `python -m autoshard calibrate` measures the links of the machine at hand).
 CPU_PROFILE = HardwareProfile(name="cpu-gloo", peak_flops=2e10, memory_bandwidth=5e9, memory_bytes=16e9,
-                              devices_per_node=64, intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9),
-                              fused_attention=False)
+                              devices_per_node=64, intra_node=Link(5e-5, 1e9), inter_node=Link(5e-5, 1e9))
 # DGX A100-80GB nodes of 8 (Narayanan et al. 2021): 312 TFLOP/s bf16, ~2 TB/s HBM, NVLink ~300 GB/s per GPU
 # per direction inside a node, one ~25 GB/s (200 Gb/s HDR) InfiniBand link per GPU between nodes; nominal figures.
 A100_80GB = HardwareProfile(name="A100-80GB", peak_flops=312e12, memory_bandwidth=2.0e12, memory_bytes=80e9,

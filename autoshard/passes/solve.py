@@ -431,7 +431,8 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
         c = class_of[n]
         kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
         for s, per_axis in enumerate(breakdowns[n]):
-            costs[c][s] += copies(n) * per_axis[0].compute * _SCALE  # compute and memory are per node, not per axis
+            # compute (with a ring's messages inside the op) and memory are per node, not per axis
+            costs[c][s] += copies(n) * (per_axis[0].compute + per_axis[0].in_op_comm) * _SCALE
             memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n], state,
                                                                              models)
     pipeline = state.options.pipeline
