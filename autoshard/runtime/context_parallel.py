@@ -159,7 +159,7 @@ class _Blocks:
 
     def _mask(self, rows, y, x):
         if self.causal:
-            return torch.ones(self.qc, self.kc, dtype=torch.bool, device=self.device).tril() if x == y else None
+            return _DIAGONAL if x == y else None
         if self.mask is None:
             return None
         m = self.mask[..., rows, :] if self.mask.size(-2) > 1 else self.mask
@@ -173,6 +173,48 @@ def _scores(q, k, scale, mask):
     if mask.dtype == torch.bool:
         return s.masked_fill(~mask, float("-inf"))
     return s + mask.to(s.dtype)
+
+
+_DIAGONAL = "diagonal"  # a causal chunk pair on the diagonal: `_Blocks` marks it so the fused kernel can take it
+
+
+def _fused(q, mask) -> bool:
+    """torch's CPU flash kernel takes a chunk pair without a mask, or the diagonal's causal one: it keeps no
+    rows x keys matrix (the math below holds one per pair)."""
+    return q.device.type == "cpu" and q.dim() == 4 and (mask is None or isinstance(mask, str))
+
+
+def _pair_forward(q, k, v, mask, scale):
+    """One query chunk against one key/value chunk: (output, log-sum-exp [..., rows, 1]); rows that see no key
+    give 0 and -inf."""
+    if _fused(q, mask):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, mask is not None, scale=scale)
+        return out.to(q.dtype), lse.unsqueeze(-1).to(q.dtype)
+    s = _scores(q, k, scale, _dense(mask, q, k))
+    top = s.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(s - top)
+    total = p.sum(-1, keepdim=True)
+    o = torch.where(total > 0, (p @ v) / total, torch.zeros_like(q[..., :1]).expand_as(p @ v))
+    return o, top + torch.log(total)
+
+
+def _pair_backward(do, q, k, v, out, lse, delta, mask, scale):
+    """The pair's share of dq, dk, dv, from the whole row's output and log-sum-exp."""
+    if _fused(q, mask):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse.squeeze(-1), 0.0, mask is not None, scale=scale)
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # rows that see nothing: p = 0
+    p = torch.exp(_scores(q, k, scale, _dense(mask, q, k)) - lse)
+    ds = p * (do @ v.transpose(-2, -1) - delta)
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
+
+
+def _dense(mask, q, k):
+    if isinstance(mask, str):  # the diagonal
+        return torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    return mask
 
 
 class _RingAttention(torch.autograd.Function):
@@ -192,16 +234,11 @@ class _RingAttention(torch.autograd.Function):
             pending = _shift(comm, axis, block, "fwd") if step < n - 1 else None
             kb, vb = (_repeat_heads(t.to(dtype), heads) for t in block)
             for rows, cols, m in _Blocks(owned[r], owned[j], causal, mask, q.size(-2), kb.size(-2), q.device).pairs():
-                s = _scores(qc[..., rows, :], kb[..., cols, :], scale, m)
-                top = s.amax(-1, keepdim=True)
-                top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-                p = torch.exp(s - top)
-                total = p.sum(-1, keepdim=True)
-                o = torch.where(total > 0, (p @ vb[..., cols, :]) / total, torch.zeros_like(out[..., rows, :]))
-                new = torch.logaddexp(lse[..., rows, :], top + torch.log(total))
+                o, block_lse = _pair_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], m, scale)
+                new = torch.logaddexp(lse[..., rows, :], block_lse)
                 safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
                 out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows, :] - safe)
-                                     + o * torch.exp(top + torch.log(total) - safe))
+                                     + o * torch.exp(block_lse - safe))
                 lse[..., rows, :] = new
             if pending is not None:
                 block = pending.wait()
@@ -218,7 +255,6 @@ class _RingAttention(torch.autograd.Function):
         dtype, heads = out.dtype, q.size(-3)
         qc, do = q.to(dtype), grad_out.to(dtype)
         delta = (do * out).sum(-1, keepdim=True)
-        lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # masked rows: p = 0
         dq = torch.zeros_like(qc)
         block = torch.stack([k, v])
         grads = torch.zeros(block.shape, dtype=dtype, device=q.device)
@@ -228,11 +264,11 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = (_repeat_heads(t.to(dtype), heads) for t in block)
             dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
             for rows, cols, m in _Blocks(owned[r], owned[j], causal, mask, q.size(-2), kb.size(-2), q.device).pairs():
-                p = torch.exp(_scores(qc[..., rows, :], kb[..., cols, :], scale, m) - lse[..., rows, :])
-                dv[..., cols, :] += p.transpose(-2, -1) @ do[..., rows, :]
-                ds = p * (do[..., rows, :] @ vb[..., cols, :].transpose(-2, -1) - delta[..., rows, :])
-                dq[..., rows, :] += (ds @ kb[..., cols, :]) * scale
-                dk[..., cols, :] += (ds.transpose(-2, -1) @ qc[..., rows, :]) * scale
+                got = _pair_backward(do[..., rows, :], qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
+                                     out[..., rows, :], lse[..., rows, :], delta[..., rows, :], m, scale)
+                dq[..., rows, :] += got[0]
+                dk[..., cols, :] += got[1]
+                dv[..., cols, :] += got[2]
             grads = grads + torch.stack([_fold_heads(dk, k.size(-3)), _fold_heads(dv, v.size(-3))])
             grads = _shift(comm, axis, grads, "bwd").wait()  # the gradients travel with their block, home at last
             if pending is not None:
