@@ -6,7 +6,7 @@ alltoall), and what the planner picks for long sequences.
    the inputs on cp) for cp = 1 (the unsharded attention), 2 and 4, each strategy; no memory budget, so the
    figures are the plans' own footprints.
 2. Measured on gloo at the largest size this machine allows in the run time (benchmarks/models/attention_block.py:
-   one causal attention block, float32, 4 heads of 32, sequence 8192; --quick 1024; the q/k/v projection's output
+   one causal attention block, float32, width 256 in 4 heads, sequence 16384; --quick 1024; the q/k/v projection's output
    pinned to the sequence split, so that the strategies differ only in the attention): peak resident memory of a
    rank through one training step (VmHWM above the rank's RSS before the step) for cp = 1 (one process, the
    unsharded block) and cp = 2, 4 with each strategy, beside the plan's prediction (CPU profile).
@@ -111,7 +111,7 @@ def formula(method: str, k: int, batch: int, seq: int, dim: int, itemsize: int =
 ATTENTION_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "permute")
 
 
-def measured_on_gloo(seq: int, dim: int = 128, heads: int = 4, batch: int = 1) -> tuple[list, list]:
+def measured_on_gloo(seq: int, dim: int = 256, heads: int = 4, batch: int = 1) -> tuple[list, list]:
     from autoshard.runtime.launch import run_distributed
     memory, bytes_rows = [], []
     for cp, method in [(1, "none")] + [(c, m) for c in (2, 4) for m in STRATEGIES]:
@@ -161,7 +161,7 @@ def planner_choice(seqs=(8192, 32768, 131072)) -> list:
 
 
 def main(quick: bool = False) -> None:
-    seq = 1024 if quick else 8192
+    seq = 1024 if quick else 16384
     scale = predicted_at_scale(8192 if quick else SCALE_SEQ)
     memory, bytes_rows = measured_on_gloo(seq)
     choice = planner_choice((8192,) if quick else (8192, 32768, 131072))
