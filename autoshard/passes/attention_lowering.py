@@ -51,4 +51,6 @@ def lower_attention(new: fx.Node, node: fx.Node, mesh, coord) -> None:
         offset = index * (node.args[0].meta["val"].shape[rows] // count)
         with new.graph.inserting_before(new):
             mask = new.graph.call_function(causal_rows_mask, (query, key, offset))
+        # the mask belongs where its attention does (a recomputed region, a pipeline stage)
+        mask.meta.update({k: node.meta[k] for k in (meta.RECOMPUTE, meta.STAGE, "nn_module_stack") if k in node.meta})
         new.args, new.kwargs = (query, key, value), {**args, "attn_mask": mask, "is_causal": False}

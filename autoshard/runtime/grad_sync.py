@@ -162,10 +162,14 @@ class OverlappedSync:
     (True, True)
     """
 
-    def __init__(self, layout: list, comm):
+    def __init__(self, layout: list, comm, late=frozenset()):
         self.layout, self.comm = layout, comm
+        # Buckets holding a parameter whose gradient arrives only after backward (`late`: ZeRO-3's deferred
+        # reduce-scatters put the shard there in sync_grads) start in `finish`, on every rank alike.
+        self.late = [any(id(p) in late for p in b.params) for b in layout]
         self.bucket_of = {id(p): i for i, b in enumerate(layout) for p in b.params}
-        self.handles = [p.register_post_accumulate_grad_hook(self._arrived) for b in layout for p in b.params]
+        self.handles = [p.register_post_accumulate_grad_hook(self._arrived) for b, is_late in zip(layout, self.late)
+                        if not is_late for p in b.params]
         self.armed = True
         self._reset()
 
@@ -198,6 +202,9 @@ class OverlappedSync:
         self.arrived[i] += 1
         while self.next < len(self.layout):  # start complete buckets in the layout's order only
             j = self.next
+            if self.late[j]:
+                self.next += 1
+                continue
             if self.arrived[j] < len(self.layout[j].params):
                 break
             if not self.stale[j]:  # a stale one is reduced from its final gradients in finish

@@ -177,7 +177,8 @@ class RankModule(torch.nn.Module):
             if overlapped is not None:
                 overlapped.close()
             reduce_buckets(layout, self.comm)
-            self._overlapped = OverlappedSync(layout, self.comm) if self.overlap and layout else None
+            late = self._zero3.deferrable if self._zero3 is not None else frozenset()
+            self._overlapped = OverlappedSync(layout, self.comm, late) if self.overlap and layout else None
         if self.zero_optimizer is not None:
             self.zero_optimizer.reduce_gradients(scattered=together)
         self.grads_synced = True

@@ -9,7 +9,7 @@ import autoshard
 from autoshard.cost.zero_cost import memory_breakdown, regathered
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
-from autoshard.verify.verify import verify_simulated
+from autoshard.verify.verify import verify_factory, verify_simulated
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import plan_hints
 from benchmarks.zero_memory import zero3_check
@@ -77,3 +77,12 @@ def test_zero3_memory_is_a_quarter_plus_one_layer_and_predicted_within_ten_perce
     assert abs(check["measured_vs_expected"]) <= 0.05, check
     assert abs(check["predicted_vs_measured"]) <= 0.10, check
     assert check["measured"] < check["replicated"] / 3
+
+
+def test_zero3_with_a_second_batch_axis_trains_like_one_device():
+    """ZeRO-3 on dp and gradients also partial on sp: the sp all-reduce of a ZeRO-3 deferred gradient waits for its
+    shard (it arrives only in sync_grads), from the second step on too, when the other buckets overlap backward."""
+    names = ("dp", "sp", "tp")
+    report, _ = verify_factory("autoshard.zoo:llama", (2, 2, 2), names, hints=plan_hints("llama", names, ("dp", "sp"), "tp"),
+                               steps=3, simulate=True, zero={"dp": 3})
+    assert report.ok, report
