@@ -273,3 +273,18 @@ def test_context_parallel_composes(case):
     report, _ = verify_factory(MODELS["llama"], (2, 2, 2), names, hints=hints, steps=2, simulate=True, **options)
     assert report.ok, f"{case}:\n{report}"
     assert sum(k["fwd"] for k in report.collectives["cp"].values()) > 0
+
+
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+def test_attention_dropout_draws_the_single_device_masks(method):
+    """rng='exact': each rank's attention dropout mask is its block of the single device's (rows for allgather,
+    heads for alltoall); the ring refuses attention dropout (test_ring_is_refused_on_an_attention_with_dropout)."""
+    report, _ = verify_factory("test_context_parallel:llama_dropout", (2,), ("cp",), steps=2, simulate=True,
+                               hints={"input:0": {"cp": "S(1)"}, "*:attention": {"cp": method}})
+    assert report.ok, report
+    assert report.random_ops
+
+
+def llama_dropout():
+    """The zoo Llama with dropout 0.1 (attention weights and residual branches)."""
+    return llama(batch=2, seq=8, n_layers=1, dropout=0.1)

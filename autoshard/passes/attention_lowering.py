@@ -1,7 +1,9 @@
 """How codegen writes a context-parallel attention into a rank's graph (autoshard/strategies/attention.py):
 
-- "allgather" with `is_causal`: the rank holds query rows from its block's first row on, so the causal mask is
-  made explicit and shifted by that row (`causal_rows_mask`); without `is_causal` the op runs as it is.
+- "allgather" with `is_causal`: the rank holds query rows from its block's first row on, so the attention runs
+  shifted by that row: `causal_rows_attention` (the fused kernel on the keys before the rows and on the rows' own
+  block), or with attention dropout (a random op, drawn by the rank's stream) an explicit shifted causal mask
+  (`causal_rows_mask`); without `is_causal` the op runs as it is.
 - "ring": the op becomes `ring_attention(..., axis=<the axis>)`, which passes the key/value blocks around.
 
 >>> import autoshard
@@ -19,7 +21,7 @@ from torch import fx
 
 from autoshard.ir import meta
 from autoshard.ir.placement import shard_index
-from autoshard.runtime.context_parallel import causal_rows_mask, ring_attention
+from autoshard.runtime.context_parallel import causal_rows_attention, causal_rows_mask, ring_attention
 from autoshard.strategies.attention import attention_args
 
 aten = torch.ops.aten
@@ -49,6 +51,10 @@ def lower_attention(new: fx.Node, node: fx.Node, mesh, coord) -> None:
         rows = node.args[0].meta["val"].dim() - 2
         index, count = shard_index(q_spec, rows, coord, mesh.shape)
         offset = index * (node.args[0].meta["val"].shape[rows] // count)
+        if not args["dropout_p"]:  # the fused kernel on the rows' two key ranges: no rows x keys mask
+            new.target = causal_rows_attention
+            new.args, new.kwargs = (query, key, value), {**args, "row_offset": offset}
+            return
         with new.graph.inserting_before(new):
             mask = new.graph.call_function(causal_rows_mask, (query, key, offset))
         # the mask belongs where its attention does (a recomputed region, a pipeline stage)

@@ -55,6 +55,68 @@ def causal_rows_mask(query: torch.Tensor, key: torch.Tensor, row_offset: int) ->
     return torch.arange(key.size(-2), device=query.device) <= rows
 
 
+def causal_rows_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=True, scale=None,
+                          enable_gqa=False, *, row_offset: int):
+    """Causal attention of query rows `row_offset`... against whole keys and values ("allgather"): the keys before
+    the rows in full and the rows' own block causally, each through the fused kernel and merged by log-sum-exp,
+    so no rows x keys mask or matrix is made (codegen uses `causal_rows_mask` instead with attention dropout).
+
+    >>> rows = causal_rows_attention(q[..., 4:, :], k, v, row_offset=4)
+    >>> torch.allclose(rows, whole[..., 4:, :])
+    True
+    """
+    if attn_mask is not None or dropout_p or not is_causal:
+        raise UserInputError("causal_rows_attention takes a causal attention without mask or dropout; codegen passes "
+                             "the others an explicit mask (causal_rows_mask)")
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    return _RowsAttention.apply(query, key, value, row_offset, scale)
+
+
+class _RowsAttention(torch.autograd.Function):
+    """`causal_rows_attention`: two chunk pairs (the keys before the rows, the diagonal block)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offset, scale):
+        dtype, rows, heads = _compute_dtype(q), q.size(-2), q.size(-3)
+        qc = q.to(dtype)
+        kc, vc = (_repeat_heads(t.to(dtype), heads) for t in (k, v))
+        out = lse = None
+        for cols, mask in _row_pairs(offset, rows):
+            o, block_lse = _pair_forward(qc, kc[..., cols, :], vc[..., cols, :], mask, scale)
+            if out is None:
+                out, lse = o, block_lse
+            else:
+                new = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - new) + o * torch.exp(block_lse - new)
+                lse = new
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.offset, ctx.scale = offset, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dtype, heads = out.dtype, q.size(-3)
+        qc, do = q.to(dtype), grad_out.to(dtype)
+        kc, vc = (_repeat_heads(t.to(dtype), heads) for t in (k, v))
+        delta = (do * out).sum(-1, keepdim=True)
+        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+        for cols, mask in _row_pairs(ctx.offset, q.size(-2)):
+            got = _pair_backward(do, qc, kc[..., cols, :], vc[..., cols, :], out, lse, delta, mask, ctx.scale)
+            dq += got[0]
+            dk[..., cols, :] += got[1]
+            dv[..., cols, :] += got[2]
+        return (dq.to(q.dtype), _fold_heads(dk, k.size(-3)).to(k.dtype), _fold_heads(dv, v.size(-3)).to(v.dtype),
+                None, None)
+
+
+def _row_pairs(offset: int, rows: int):
+    """The key ranges rows offset..offset+rows see: those before them whole, their own block causally."""
+    if offset:
+        yield slice(0, offset), None
+    yield slice(offset, offset + rows), _DIAGONAL
+
+
 def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                    *, axis: str):
     """scaled_dot_product_attention of this rank's query rows, with keys and values sharded like the rows over
