@@ -21,7 +21,11 @@ from torch import fx
 
 from autoshard.ir import meta
 from autoshard.ir.placement import shard_index
-from autoshard.runtime.context_parallel import causal_rows_attention, causal_rows_mask, ring_attention
+from autoshard.runtime.context_parallel import (
+    causal_rows_attention,
+    causal_rows_mask,
+    ring_attention,
+)
 from autoshard.strategies.attention import attention_args
 
 aten = torch.ops.aten
