@@ -9,7 +9,8 @@ alltoall), and what the planner picks for long sequences.
    one causal attention block, float32, width 256 in 4 heads, sequence 16384; --quick 1024; the q/k/v projection's output
    pinned to the sequence split, so that the strategies differ only in the attention): peak resident memory of a
    rank through one training step (VmHWM above the rank's RSS before the step) for cp = 1 (one process, the
-   unsharded block) and cp = 2, 4 with each strategy, beside the plan's prediction (CPU profile).
+   unsharded block) and cp = 2, 4 with each strategy, beside the plan's prediction (CPU profile); gloo's own
+   collectives (not autoshard's exact fixed-order sums, which hold every rank's summand of a reduce-scatter).
 3. Bytes per step each rank sends on cp in those runs (the runtime's counting) against the closed forms, with
    q = the rank's query block bytes B H (L/k) E s (keys and values the same size here, k = cp):
    allgather: forward k-gathered k and v = 2 k q, backward their reduce-scatters = 2 k q;
@@ -80,7 +81,9 @@ def _rank_task(rank, world, method, batch, seq, dim, heads):
         reset_peak()
         loss_fn(model(*inputs), *inputs).backward()
         return {"peak": rss_bytes("VmHWM") - base}
-    comm = communicator_for(autoshard.Mesh((world,), ("cp",)))
+    # gloo's own collectives, as NCCL's in training (the exact path gathers every rank's summand to add them
+    # in a fixed order: k times a reduce-scatter's memory)
+    comm = communicator_for(autoshard.Mesh((world,), ("cp",)), exact=False)
     prog = autoshard.parallelize(model, (world,), inputs, loss_fn=loss_fn, axis_names=("cp",), profile="cpu",
                                  hints={"input:0": {"cp": "S(1)"}, "qkv:output": {"cp": "S(1)"},
                                         "*:attention": {"cp": method}})

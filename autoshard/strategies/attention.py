@@ -79,6 +79,31 @@ def _mask_rows(shape):
     return Shard(len(shape) - 2) if len(shape) >= 2 and shape[-2] != 1 else R
 
 
+def why_not(node, method: str, axis_size: int) -> str:
+    """Why an attention offers no `method` candidate on an axis of `axis_size` ('' when it does, as far as the
+    op itself goes: the other axes' choices may still rule it out).
+
+    >>> why_not(node, "ring", 2), why_not(node, "ring", 8)[:48]
+    ('', 'a causal ring cuts the sequence (8) into 2 x 8 =')
+    """
+    args = attention_args(node)
+    q, key = node.args[0].meta["val"].shape, node.args[1].meta["val"].shape
+    if method == "ring":
+        if args["dropout_p"]:
+            return (f"the ring has no attention dropout (this attention drops {args['dropout_p']}); use 'allgather' or "
+                    "'alltoall'")
+        if args["is_causal"] and q[-2] != key[-2]:
+            return f"a causal ring needs as many queries as keys ({q[-2]} vs {key[-2]})"
+        if args["is_causal"] and q[-2] % (2 * axis_size):
+            return (f"a causal ring cuts the sequence ({q[-2]}) into 2 x {axis_size} = {2 * axis_size} zigzag chunks, "
+                    "which do not divide it")
+    if method == "alltoall" and len(q) < 3:
+        return "the attention has no head dim to split ('alltoall' swaps the sequence for the heads)"
+    if method in ("ring", "allgather") and q[-2] % axis_size:
+        return f"the sequence ({q[-2]}) does not split evenly over {axis_size} ranks"
+    return ""
+
+
 def one_sequence_axis(node, strategies) -> bool:
     """At most one mesh axis splits the query's sequence (a ring or a row offset spans one axis).
 
