@@ -9,8 +9,10 @@ alltoall), and what the planner picks for long sequences.
    one causal attention block, float32, width 256 in 4 heads, sequence 16384; --quick 1024; the q/k/v projection's output
    pinned to the sequence split, so that the strategies differ only in the attention): peak resident memory of a
    rank through one training step (VmHWM above the rank's RSS before the step) for cp = 1 (one process, the
-   unsharded block) and cp = 2, 4 with each strategy, beside the plan's prediction (CPU profile); gloo's own
-   collectives (not autoshard's exact fixed-order sums, which hold every rank's summand of a reduce-scatter).
+   unsharded block: "plain" is the model itself, "none" autoshard's program of it on a 1-rank mesh) and cp = 2, 4
+   with each strategy, beside the plan's prediction (CPU profile); gloo's own collectives (not autoshard's exact
+   fixed-order sums, which hold every rank's summand of a reduce-scatter); MALLOC_MMAP_THRESHOLD_=65536, so that
+   the resident peak follows the live tensors.
 3. Bytes per step each rank sends on cp in those runs (the runtime's counting) against the closed forms, with
    q = the rank's query block bytes B H (L/k) E s (keys and values the same size here, k = cp):
    allgather: forward k-gathered k and v = 2 k q, backward their reduce-scatters = 2 k q;
@@ -75,7 +77,7 @@ def _rank_task(rank, world, method, batch, seq, dim, heads):
     _quiet()
     torch.set_num_threads(1)
     model, inputs, loss_fn = attention_block(batch, seq, dim, heads)
-    if method == "none":  # the single device: the unsharded attention
+    if method == "plain":  # the single device: the unsharded attention
         gc.collect()
         base = rss_bytes()
         reset_peak()
@@ -84,9 +86,11 @@ def _rank_task(rank, world, method, batch, seq, dim, heads):
     # gloo's own collectives, as NCCL's in training (the exact path gathers every rank's summand to add them
     # in a fixed order: k times a reduce-scatter's memory)
     comm = communicator_for(autoshard.Mesh((world,), ("cp",)), exact=False)
+    hints = {"input:0": {"cp": "S(1)"}, "qkv:output": {"cp": "S(1)"}}
+    if method != "none":
+        hints["*:attention"] = {"cp": method}
     prog = autoshard.parallelize(model, (world,), inputs, loss_fn=loss_fn, axis_names=("cp",), profile="cpu",
-                                 hints={"input:0": {"cp": "S(1)"}, "qkv:output": {"cp": "S(1)"},
-                                        "*:attention": {"cp": method}})
+                                 hints=hints)
     module = prog.module(rank, comm)
     local = module.local_inputs(*inputs)
     del model
@@ -115,9 +119,14 @@ ATTENTION_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "p
 
 
 def measured_on_gloo(seq: int, dim: int = 256, heads: int = 4, batch: int = 1) -> tuple[list, list]:
+    import os
+
     from autoshard.runtime.launch import run_distributed
+    # Every allocation above 64 KiB its own mapping, returned when freed: the resident peak is then the peak of
+    # live tensors, not of malloc's reuse pattern (glibc reads this when a rank starts).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     memory, bytes_rows = [], []
-    for cp, method in [(1, "none")] + [(c, m) for c in (2, 4) for m in STRATEGIES]:
+    for cp, method in [(1, "plain"), (1, "none")] + [(c, m) for c in (2, 4) for m in STRATEGIES]:
         results = run_distributed(_rank_task, cp, method, batch, seq, dim, heads, timeout_s=1200)
         peak = max(r["peak"] for r in results.values())
         predicted = results[0].get("predicted")
@@ -125,7 +134,7 @@ def measured_on_gloo(seq: int, dim: int = 256, heads: int = 4, batch: int = 1) -
                        f"{max(r.get('seconds', 0) for r in results.values()):.1f}" if cp > 1 else ""])
         print(memory[-1], flush=True)
         if cp == 1:
-            continue
+            continue  # "plain": the model itself; "none": autoshard's program of it on one rank
         counts = results[0]["counts"]
         # send_recv/permute log fwd and bwd separately; the kinds' totals per phase come from the counts' bytes
         counted = sum(counts.get(kind, {}).get("bytes", 0) for kind in ATTENTION_KINDS)
