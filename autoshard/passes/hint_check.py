@@ -5,7 +5,8 @@ Reads the graph after insert_comm (collective nodes, `autoshard.spec`, `autoshar
 nothing; warns. A hinted value is one the user placed S(d) on a mesh axis (a parameter, an input, a
 module output), or one the hint's sharding flowed to (an op that took a hinted value sharded on that axis
 and shards its output there: `W.T`, a column-parallel linear's output). It is not realised when a
-collective gathers it on that axis (all_gather, all_to_all) before an op: that op
+collective gathers it on that axis (all_gather, all_to_all) before an op (an all-to-all that only moves the
+shard to another dim, as expert parallelism's tokens move from groups to experts, keeps it): that op
 has no sharding rule, its rule has no strategy that keeps the sharding, or the planner found gathering
 cheaper. One warning per op and reason, listing the values and the bytes and predicted seconds per step
 of those gathers; each distinct warning is given once per process.
@@ -98,8 +99,8 @@ def unrealised_hints(state) -> list[UnrealisedHint]:
         chain = _chain(start)
         for axis, origin in carried.get(root, {}).items():
             gathers = [c for c in chain if c.meta[meta.COMM]["axis"] == names[axis] and c.meta[meta.COMM]["op"] in GATHERS]
-            if not gathers:
-                continue
+            if not gathers or all(isinstance(c.meta[meta.SPEC][axis], Shard) for c in chain):
+                continue  # nothing gathered, or only moved to another dim (expert parallelism's S(0) -> S(1))
             for consumer, pos in _consumers(chain):
                 reason = _reason(consumer, pos, axis, root.meta[meta.SPEC][axis])
                 key = (str(consumer.target), reason, names[axis], repr(origin.meta[meta.HINT][axis]))

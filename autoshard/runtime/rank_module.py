@@ -177,7 +177,11 @@ class RankModule(torch.nn.Module):
             if overlapped is not None:
                 overlapped.close()
             reduce_buckets(layout, self.comm)
-            self._overlapped = OverlappedSync(layout, self.comm) if self.overlap and layout else None
+            # ZeRO-3 hands a deferred gradient over only in its finish (above), after backward: a bucket holding
+            # one (also reduced on a second batch axis, e.g. dp x ep) cannot start during backward
+            deferred = self._zero3.deferrable if self._zero3 is not None else set()
+            early = self.overlap and layout and not any(id(p) in deferred for b in layout for p in b.params)
+            self._overlapped = OverlappedSync(layout, self.comm) if early else None
         if self.zero_optimizer is not None:
             self.zero_optimizer.reduce_gradients(scattered=together)
         self.grads_synced = True
