@@ -176,8 +176,15 @@ def _meets_another_hint(consumer: fx.Node, pos: int, axis: int, carried: dict) -
     if axis >= len(choice):
         return False
     inputs = choice[axis].inputs
-    return any(q != pos and axis in carried.get(producer, {}) and q < len(inputs) and isinstance(inputs[q], Shard)
-               for q, producer in enumerate(tensor_inputs(consumer)))
+    return any(q != pos and axis in carried.get(_source(producer), {}) and q < len(inputs)
+               and isinstance(inputs[q], Shard) for q, producer in enumerate(tensor_inputs(consumer)))
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The value behind a chain of collectives (a ZeRO-3 parameter gather, a resharding)."""
+    while node.meta.get(meta.KIND) == "comm":
+        node = node.args[0]
+    return node
 
 
 def _chain(start: fx.Node) -> list[fx.Node]:

@@ -18,9 +18,14 @@ torch.Size([4, 64, 32])
 """
 from __future__ import annotations
 
-from autoshard.zoo.transformers_families import _DECODER, DATA_PARALLEL, _causal_lm, mixtral_grouped_mm
+from autoshard.zoo.transformers_families import (
+    DATA_PARALLEL,
+    DECODER,
+    causal_lm,
+    mixtral_grouped_mm,
+)
 
-_QWEN2_MOE = {**_DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+_QWEN2_MOE = {**DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 64, "norm_topk_prob": True, "output_router_logits": True,
               "router_aux_loss_coef": 0.01}
 
@@ -33,7 +38,7 @@ def qwen2_moe():
     >>> model.config._experts_implementation, model.model.layers[0].mlp.shared_expert.gate_proj.out_features
     ('grouped_mm', 64)
     """
-    return _causal_lm("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **_QWEN2_MOE)
+    return causal_lm("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **_QWEN2_MOE)
 
 
 # The routed experts' stacked weights of each family (hint globs), and the hint that asks for expert

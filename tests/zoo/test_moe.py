@@ -12,7 +12,13 @@ import autoshard
 from autoshard.ir.placement import P, R, Shard
 from autoshard.strategies import AxisStrategy, candidates_for
 from autoshard.strategies.base import output_shapes, tensor_inputs
-from autoshard.zoo.moe import MoE, MoEConfig, moe_llama, moe_llama_dropped, moe_llama_uneven
+from autoshard.zoo.moe import (
+    MoE,
+    MoEConfig,
+    moe_llama,
+    moe_llama_dropped,
+    moe_llama_uneven,
+)
 
 
 def loop_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +49,7 @@ def loop_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("factory", [moe_llama, moe_llama_dropped, moe_llama_uneven])
 def test_the_einsum_routing_equals_a_loop_over_tokens(factory):
-    model, (ids,), _ = factory()
-    moe = model.layers[0].moe.double()
+    moe = factory()[0].layers[0].moe.double()
     x = torch.randn(4, 16, 32, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(moe(x)[0], loop_moe(moe, x), rtol=1e-12, atol=1e-12)
@@ -75,7 +80,7 @@ def test_a_skewed_router_loads_its_favourite_expert_most():
 
 def test_a_group_routes_alone_so_slices_of_the_batch_route_as_the_whole():
     """Fixed group size: what a pipeline's micro-batches and gradient accumulation rely on."""
-    model, (ids,), loss_fn = moe_llama_dropped()
+    model, (ids,), _ = moe_llama_dropped()
     with torch.no_grad():
         whole = model(ids)[0]
         halves = torch.cat([model(ids[:4])[0], model(ids[4:])[0]])
