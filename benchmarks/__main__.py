@@ -20,6 +20,7 @@ BENCHMARKS = [
     "planning_cli",      # 9. `python -m autoshard plan` at the Llama 3 8B/70B/405B shapes: time and memory vs targets
     "compiled",          # 10. parallelize(compile=True) vs eager: step time per rank and equality (gloo ranks)
     "overlap",           # 11. overlapped gradient sync / ZeRO-3 vs DDP and FSDP2, step time (gloo ranks)
+    "moe",               # 13. MoE: all-to-all bytes vs the formula (simulator); the planner's choice for 8 and 64 experts
 ]
 
 
