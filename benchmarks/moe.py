@@ -115,8 +115,9 @@ def experts_role(prog) -> str:
     return ", ".join(roles)
 
 
-def plan_choices(quick: bool) -> list:
-    """The automatic plan (pipelines allowed, then not) and the forced alternatives, per shape."""
+def plan_choices(quick: bool, shapes=None, mesh=MESH, batch=BATCH, seq=SEQ, group=BIG_GROUP) -> list:
+    """The automatic plan (pipelines allowed, then not) and, unless `quick`, the forced alternatives, per shape
+    (quick: the first shape only)."""
     import torch
 
     import autoshard
@@ -124,10 +125,9 @@ def plan_choices(quick: bool) -> list:
     from autoshard.zoo.moe import moe_llama
     rows = []
     profile = load_profile("h100")
-    for shape, sizes in SHAPES.items():
-        if quick and not shape.startswith("8 "):
-            continue
-        model, inputs, loss_fn = moe_llama(batch=BATCH, seq=SEQ, group_size=BIG_GROUP, device="meta", **sizes)
+    shapes = shapes or SHAPES
+    for shape, sizes in list(shapes.items())[:1] if quick else shapes.items():
+        model, inputs, loss_fn = moe_llama(batch=batch, seq=seq, group_size=group, device="meta", **sizes)
         model = model.to(torch.bfloat16)
         runs = {"automatic": {}, "automatic, pipeline=False": {"pipeline": False}}
         if not quick:
@@ -136,14 +136,14 @@ def plan_choices(quick: bool) -> list:
             start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                prog = autoshard.parallelize(model, MESH, inputs, loss_fn=loss_fn, profile=profile, **options)
+                prog = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, profile=profile, **options)
             seconds = time.perf_counter() - start
             p = prog.plan.predicted
             step = prog.plan.pipeline["predicted_step_s"] if prog.plan.pipeline else p["step_time_s"]
             rows.append({"shape": shape, "run": run, "choice": experts_role(prog), "step_s": step,
                          "memory_gb": p["memory_bytes_per_rank"] / 1e9, "zero": str(prog.zero or "none"),
                          "recomputed": len(prog.state.recompute_regions or []), "planning_s": seconds,
-                         "tokens_per_s_per_gpu": BATCH * SEQ / step / math.prod(MESH)})
+                         "tokens_per_s_per_gpu": batch * seq / step / math.prod(mesh)})
             print(rows[-1], flush=True)
     return rows
 
