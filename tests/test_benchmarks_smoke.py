@@ -76,7 +76,8 @@ def test_moe_bytes_smallest():
 @pytest.mark.skipif(not FULL, reason="two automatic plans with the pipeline search (about 5 s); "
                                      "AUTOSHARD_FULL_MATRIX=1 runs it")
 def test_moe_choices_smallest():
-    tiny = {"tiny": dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, n_experts=4, top_k=2, vocab_size=64, n_layers=2)}
+    tiny = {"tiny": {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "n_experts": 4, "top_k": 2,
+                     "vocab_size": 64, "n_layers": 2}}
     choices = moe.plan_choices(True, shapes=tiny, mesh=(2, 2), batch=4, seq=16, group=16)
     assert [r["run"] for r in choices] == ["automatic", "automatic, pipeline=False"]
     assert len(moe.report([], choices)[1]) == 2

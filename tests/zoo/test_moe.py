@@ -113,3 +113,18 @@ def test_every_op_has_a_rule_and_the_expert_einsums_can_shard_experts():
     tensor_parallel = AxisStrategy((R, Shard(2)), Shard(3))          # the expert FFN dim split
     contracted = AxisStrategy((Shard(3), Shard(1)), P)               # the model dim contracted: partial sums
     assert {expert_parallel, data_parallel, tensor_parallel, contracted} <= set(found)
+
+
+@pytest.mark.parametrize("joint", [True, False], ids=["joint", "sequential"])
+def test_an_expert_hint_on_the_inner_axis_is_met(monkeypatch, joint):
+    """Two experts on a (2, 2) mesh, hinted S(0) on a1: the outer axis must not take the expert dim first (it
+    would leave a1 nothing to split), whether the axes are solved together or one after the other."""
+    from autoshard.passes import solve
+    if not joint:
+        monkeypatch.setattr(solve, "JOINT_MAX_VARIABLES", 0)
+    model, inputs, loss_fn = moe_llama(n_experts=2)
+    hints = {f"layers.*.moe.w{j}": {"a1": "S(0)"} for j in (1, 2, 3)}
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, hints=hints, pipeline=False)
+    specs = prog.rank_program.param_specs
+    assert all(specs[f"layers.{i}.moe.w{j}"][1] == Shard(0) != specs[f"layers.{i}.moe.w{j}"][0]
+               for i in (0, 1) for j in (1, 2, 3))
