@@ -5,6 +5,7 @@ import os
 import pytest
 
 from benchmarks import (
+    moe,
     plan_quality,
     planning,
     planning_scale,
@@ -63,3 +64,20 @@ def test_parallel_modes_pieces():
     per_axis = tp_modes.per_layer("2d", 4, None)
     assert set(per_axis) == {"row", "col"} and all(counted > 0 for counted, _ in per_axis.values())
     assert zero_memory.check_line(zero_memory.zero3_check("gpt2")).endswith("-- met")
+
+
+def test_moe_bytes_smallest():
+    rows = moe.measure_bytes(moe.BYTES_CASES[:1])
+    assert rows[0]["match"] and rows[0]["verify"] == "OK"
+    body, table_rows = moe.report(rows, [])
+    assert "4 x layers x G x E x C x D" in body and table_rows == []
+
+
+@pytest.mark.skipif(not FULL, reason="two automatic plans with the pipeline search (about 5 s); "
+                                     "AUTOSHARD_FULL_MATRIX=1 runs it")
+def test_moe_choices_smallest():
+    tiny = {"tiny": {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "n_experts": 4, "top_k": 2,
+                     "vocab_size": 64, "n_layers": 2}}
+    choices = moe.plan_choices(True, shapes=tiny, mesh=(2, 2), batch=4, seq=16, group=16)
+    assert [r["run"] for r in choices] == ["automatic", "automatic, pipeline=False"]
+    assert len(moe.report([], choices)[1]) == 2

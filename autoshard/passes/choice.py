@@ -12,6 +12,9 @@ work there).
 >>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
 >>> solved = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
 >>> linear = next(n for n in solved.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+>>> two = state_before("solve", torch.nn.Linear(4, 2), (2, 2), (torch.randn(8, 4),), axis_names=("a", "b"),
+...                    hints={"weight": {"b": "S(0)"}})  # a weight of 2 rows: S(0) on one axis only
+>>> weight = next(n for n in two.gm.graph.nodes if n.meta.get("autoshard.path") == "weight")
 """
 from __future__ import annotations
 
@@ -87,4 +90,50 @@ def axis_candidates(node, axis, mesh, choices):
         raise HintError(f"{what} on mesh axis {mesh.names[axis]!r} cannot be met at {node.meta.get(meta.PATH) or ''} "
                         f"(node {node.name!r}, op {node.target}): after the earlier axes' choices no sharding of "
                         "this op produces it; relax the hint or shard a dim that divides evenly")
+    return found
+
+
+def sequential_candidates(node, axis, mesh, choices) -> list:
+    """`axis_candidates` less those after which a hint of the node on a later axis cannot be met (solving the
+    axes one after another, an expert weight hinted S(0) on the inner axis must not take that dim on the
+    outer one first); all of them when none keeps it (the later axis then raises the hint's error).
+
+    >>> [str(c) for c in axis_candidates(weight, 0, two.mesh, {weight: []})]
+    ['() -> R', '() -> S(0)', '() -> S(1)']
+    >>> [str(c) for c in sequential_candidates(weight, 0, two.mesh, {weight: []})]
+    ['() -> R', '() -> S(1)']
+    """
+    found = axis_candidates(node, axis, mesh, choices)
+    later = [b for b in range(axis + 1, mesh.ndim) if any(b in node.meta.get(key, {})
+                                                          for key in (meta.HINT, meta.INPUT_HINT, meta.ATTENTION_HINT))]
+    if not later:
+        return found
+
+    def keeps(cand) -> bool:
+        try:
+            return all(axis_candidates(node, b, mesh, {node: [*choices[node], cand]}) for b in later)
+        except HintError:
+            return False
+    return [c for c in found if keeps(c)] or found
+
+
+def joint_candidates(node, mesh) -> list[list]:
+    """Every feasible combination of `node`'s candidates over all mesh axes (one list per combination, in
+    axis order), hints applied; a combination whose earlier axes leave a later axis's hint unmet is dropped,
+    and only when every one is does the hint's error stand.
+
+    >>> [[str(c) for c in combo] for combo in joint_candidates(weight, two.mesh)]  # S(0) goes to b alone
+    [['() -> R', '() -> S(0)'], ['() -> S(1)', '() -> S(0)']]
+    """
+    found = [[]]
+    for axis in range(mesh.ndim):
+        extended, unmet = [], None
+        for prior in found:
+            try:
+                extended += [prior + [c] for c in axis_candidates(node, axis, mesh, {node: prior})]
+            except HintError as error:  # this prior leaves the hint unmet; another may not
+                unmet = unmet or error
+        if not extended:
+            raise unmet
+        found = extended
     return found

@@ -5,7 +5,9 @@ Reads the graph after insert_comm (collective nodes, `autoshard.spec`, `autoshar
 nothing; warns. A hinted value is one the user placed S(d) on a mesh axis (a parameter, an input, a
 module output), or one the hint's sharding flowed to (an op that took a hinted value sharded on that axis
 and shards its output there: `W.T`, a column-parallel linear's output). It is not realised when a
-collective gathers it on that axis (all_gather, all_to_all) before an op: that op
+collective gathers it on that axis (all_gather, all_to_all) before an op (except an all-to-all that moves the
+shard to another dim where the op meets a value another hint shards on that axis: expert parallelism's
+tokens, sharded by group, moving to the experts' shards and back): that op
 has no sharding rule, its rule has no strategy that keeps the sharding, or the planner found gathering
 cheaper. One warning per op and reason, listing the values and the bytes and predicted seconds per step
 of those gathers; each distinct warning is given once per process.
@@ -100,7 +102,10 @@ def unrealised_hints(state) -> list[UnrealisedHint]:
             gathers = [c for c in chain if c.meta[meta.COMM]["axis"] == names[axis] and c.meta[meta.COMM]["op"] in GATHERS]
             if not gathers:
                 continue
+            moved = all(isinstance(c.meta[meta.SPEC][axis], Shard) for c in chain)  # to another dim, not gathered
             for consumer, pos in _consumers(chain):
+                if moved and _meets_another_hint(consumer, pos, axis, carried):
+                    continue
                 reason = _reason(consumer, pos, axis, root.meta[meta.SPEC][axis])
                 key = (str(consumer.target), reason, names[axis], repr(origin.meta[meta.HINT][axis]))
                 group = groups.setdefault(key, {"values": [], "consumers": [], "collectives": [], "bytes": 0,
@@ -163,6 +168,23 @@ def _carried_hints(graph: fx.Graph) -> dict:
         if own:
             carried[node] = own
     return carried
+
+
+def _meets_another_hint(consumer: fx.Node, pos: int, axis: int, carried: dict) -> bool:
+    """Whether `consumer` takes, besides input `pos`, a value a hint shards on `axis` (sharded there)."""
+    choice = consumer.meta.get(meta.CHOICE, [])
+    if axis >= len(choice):
+        return False
+    inputs = choice[axis].inputs
+    return any(q != pos and axis in carried.get(_source(producer), {}) and q < len(inputs)
+               and isinstance(inputs[q], Shard) for q, producer in enumerate(tensor_inputs(consumer)))
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The value behind a chain of collectives (a ZeRO-3 parameter gather, a resharding)."""
+    while node.meta.get(meta.KIND) == "comm":
+        node = node.args[0]
+    return node
 
 
 def _chain(start: fx.Node) -> list[fx.Node]:

@@ -131,9 +131,11 @@ def wrap_regions(gm: fx.GraphModule) -> fx.GraphModule:
       (body): Region()
     )
     """
-    regions = list(dict.fromkeys(n.meta[RECOMPUTE] for n in gm.graph.nodes if RECOMPUTE in n.meta))
-    for index, region in enumerate(regions):
-        _wrap_one(gm, region, f"checkpointed_{index}")
+    # A region is wrapped per pipeline stage (split_stages then gives each stage its own part).
+    regions = list(dict.fromkeys((n.meta[RECOMPUTE], n.meta.get(meta.STAGE)) for n in gm.graph.nodes
+                                 if RECOMPUTE in n.meta))
+    for index, (region, stage) in enumerate(regions):
+        _wrap_one(gm, region, stage, f"checkpointed_{index}")
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -179,9 +181,9 @@ class Recomputed(torch.nn.Module):
         return f"region={self.region!r}"
 
 
-def _wrap_one(gm, region, name):
+def _wrap_one(gm, region, stage, name):
     graph = gm.graph
-    inside = [n for n in graph.nodes if n.meta.get(RECOMPUTE) == region]
+    inside = [n for n in graph.nodes if n.meta.get(RECOMPUTE) == region and n.meta.get(meta.STAGE) == stage]
     members = set(inside)
     inputs = list(dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in members))
     outputs = [n for n in inside if any(u not in members for u in n.users)]
@@ -202,6 +204,8 @@ def _wrap_one(gm, region, name):
     gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name="Region"), region))
     with graph.inserting_after(last):
         call = graph.call_module(name, tuple(inputs))
+    if stage is not None:
+        call.meta[meta.STAGE] = stage
     anchor = call
     for i, out in enumerate(outputs):
         with graph.inserting_after(anchor):

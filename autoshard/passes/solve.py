@@ -51,11 +51,14 @@ from autoshard.cost.model import (
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.frontend.request import headroom_budget
 from autoshard.ir import meta
-from autoshard.ir.errors import HintError
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Replicate, Shard, Spec
-from autoshard.passes.choice import axis_candidates, record_choice
+from autoshard.passes.choice import (
+    joint_candidates,
+    record_choice,
+    sequential_candidates,
+)
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.memory_fit import fit_memory, recompute_dropped
 from autoshard.passes.zero import planned_zero
@@ -151,7 +154,7 @@ def _solve_sequential(nodes, state, models, semi_auto) -> dict:
         state.ilp_stats = []
         try:
             for axis in range(mesh.ndim):
-                combos = {n: [{axis: c} for c in _keeping_later_hints(n, axis, mesh, choices)] for n in nodes}
+                combos = {n: [{axis: c} for c in sequential_candidates(n, axis, mesh, choices)] for n in nodes}
                 picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto, optimism)
                 for node in nodes:
                     choices[node].append(picked[node][axis])
@@ -162,42 +165,13 @@ def _solve_sequential(nodes, state, models, semi_auto) -> dict:
     raise AssertionError("unreachable")
 
 
-def _keeping_later_hints(node, axis, mesh, choices) -> list:
-    """`axis_candidates` less those after which a hint of the node on a later axis cannot be met (an expert
-    weight hinted S(0) on the inner axis must not take the same dim on the outer one first); all of them when
-    none keeps it (the later axis then raises the hint's error)."""
-    found = axis_candidates(node, axis, mesh, choices)
-    later = [b for b in range(axis + 1, mesh.ndim) if any(b in node.meta.get(key, {})
-                                                          for key in (meta.HINT, meta.INPUT_HINT, meta.ATTENTION_HINT))]
-    if not later:
-        return found
-
-    def keeps(cand) -> bool:
-        try:
-            return all(axis_candidates(node, b, mesh, {node: [*choices[node], cand]}) for b in later)
-        except HintError:
-            return False
-    return [c for c in found if keeps(c)] or found
-
-
 def _joint_combos(nodes, mesh, copies):
     """Every node's feasible strategy combinations over all axes, or None when the joint ILP would be
     too large (then axes are solved one after another). The size is the whole model's (a folded trace's
     middle layer counts `copies` times), so folding never changes which way a model is solved."""
     combos = {}
     for node in nodes:
-        found = [[]]
-        for axis in range(mesh.ndim):
-            extended, unmet = [], None
-            for prior in found:
-                try:
-                    extended += [prior + [c] for c in axis_candidates(node, axis, mesh, {node: prior})]
-                except HintError as error:  # this prior leaves a later axis's hint unmet; another may not
-                    unmet = unmet or error
-            if not extended:
-                raise unmet
-            found = extended
-        combos[node] = [dict(enumerate(f)) for f in found]
+        combos[node] = [dict(enumerate(f)) for f in joint_candidates(node, mesh)]
     size = sum(copies(n) * len(c) for n, c in combos.items())
     size += sum(copies(v) * len(combos[u]) * len(combos[v]) for v in nodes if v.op == "call_function"
                 for u in tensor_inputs(v) if u in combos)

@@ -56,10 +56,10 @@ def split_stages(gm: fx.GraphModule, num_stages: int) -> list[StageGraph]:
     nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     inputs = [n for n in nodes if n.op == "placeholder"]
-    ops = [n for n in nodes if n.op == "call_function"]
+    ops = [n for n in nodes if n.op in ("call_function", "call_module")]  # call_module: a recomputed region
 
     def defined(node) -> int:
-        return node.meta[meta.STAGE] if node.op == "call_function" else -1
+        return node.meta[meta.STAGE] if node.op in ("call_function", "call_module") else -1
 
     last_use = {}
     for node in inputs + ops:
@@ -95,6 +95,8 @@ def _build_stage(gm, s, entering, body, leaving) -> StageGraph:
         return env[node]
 
     for node in body:
+        if node.op == "call_module":  # a recomputed region of this stage (autoshard/passes/recompute.py)
+            root.add_module(node.target, gm.get_submodule(node.target))
         for src in node.all_input_nodes:
             lookup(src)
         env[node] = graph.node_copy(node, lookup)

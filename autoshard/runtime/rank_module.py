@@ -177,6 +177,8 @@ class RankModule(torch.nn.Module):
             if overlapped is not None:
                 overlapped.close()
             reduce_buckets(layout, self.comm)
+            # ZeRO-3 hands a deferred gradient over only in its finish (above), after backward: a bucket holding
+            # one (also reduced on a second batch axis: dp x sp, dp x ep, dp x cp) starts in sync_grads
             late = self._zero3.deferrable if self._zero3 is not None else frozenset()
             self._overlapped = OverlappedSync(layout, self.comm, late) if self.overlap and layout else None
         if self.zero_optimizer is not None:

@@ -11,10 +11,17 @@ Size keyword arguments allow bigger models; ``device="meta"`` builds without all
 - ``resnet`` -- small ResNet with BasicBlocks; inputs ``(images, labels)``, cross-entropy
 - ``vit``    -- Vision Transformer; inputs ``(images, labels)``, cross-entropy
 
+Not in FACTORIES (its own tests: tests/zoo/test_moe.py, tests/multirank/test_moe_verify.py):
+
+- ``moe_llama`` -- LLaMA whose feed-forward is a top-2 mixture of 4 SwiGLU experts with a fixed capacity
+  per expert (GShard's formulation: fixed shapes, so it traces and its experts shard over a mesh axis,
+  expert parallelism, autoshard/zoo/moe.py); inputs ``(ids,)``, next-token CE plus the balancing loss;
+  ``moe_llama_dropped`` (capacity factor 0.5) and ``moe_llama_uneven`` (a skewed router) for tests
+
 >>> from autoshard.zoo import FACTORIES
 >>> model, inputs, loss_fn = FACTORIES["gpt2"]()
 """
-from autoshard.zoo import bert, gpt2, llama, mlp, resnet, vit
+from autoshard.zoo import bert, gpt2, llama, mlp, moe, resnet, vit
 
 FACTORIES = {
     "mlp": mlp.mlp,
@@ -32,6 +39,7 @@ llama = llama.llama
 bert = bert.bert
 resnet = resnet.resnet
 vit = vit.vit
+moe_llama, moe_llama_dropped, moe_llama_uneven = moe.moe_llama, moe.moe_llama_dropped, moe.moe_llama_uneven
 
 
 
@@ -53,4 +61,5 @@ def llama_dropout():
     return llama(dropout=0.1)
 
 
-__all__ = ["FACTORIES", "bert", "gpt2", "gpt2_dropout", "llama", "llama_dropout", "mlp", "resnet", "vit"]
+__all__ = ["FACTORIES", "bert", "gpt2", "gpt2_dropout", "llama", "llama_dropout", "mlp", "moe_llama",
+           "moe_llama_dropped", "moe_llama_uneven", "resnet", "vit"]

@@ -191,11 +191,13 @@ class Llama(nn.Module):
     torch.Size([16, 4])
     """
 
+    block_class = Block  # a variant's own block (the mixture-of-experts LLaMA's, autoshard/zoo/moe.py)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block_class(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # RoPE tables, [max_seq, head_dim], non-persistent (recomputable, not in state_dict).

@@ -94,13 +94,20 @@ def _tokens(low: int = 3, shape=(BATCH, SEQ)):
     return torch.randint(low, VOCAB, shape)
 
 
-def _causal_lm(model_class: str, config_class: str, attn_implementation=None, **config):
+def causal_lm(model_class: str, config_class: str, attn_implementation=None, **config):
+    """A seeded random transformers causal LM (`model_class` of `config_class(**config)`) with inputs
+    (input_ids, labels) and `model_loss`; the factories here (and autoshard/zoo/transformers_moe.py) use it.
+
+    >>> model, (ids, labels), loss_fn = causal_lm("LlamaForCausalLM", "LlamaConfig", **DECODER)
+    >>> type(model).__name__, tuple(ids.shape)
+    ('LlamaForCausalLM', (4, 8))
+    """
     model = _build(model_class, config_class, attn_implementation=attn_implementation, **config)
     ids = _tokens()
     return model, (ids, ids.clone()), model_loss  # causal LM: the model shifts the labels itself
 
 
-_DECODER = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+DECODER = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
                 "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "max_position_embeddings": 2 * SEQ,
                 "attention_dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
@@ -112,7 +119,7 @@ def llama():
     >>> model.model.layers[0].self_attn.k_proj.out_features  # 2 kv heads of 8
     16
     """
-    return _causal_lm("LlamaForCausalLM", "LlamaConfig", **_DECODER)
+    return causal_lm("LlamaForCausalLM", "LlamaConfig", **DECODER)
 
 
 # Llama 3's published shapes (Meta's model cards): layers, width, heads, kv heads, FFN width.
@@ -170,7 +177,7 @@ def mistral():
     >>> model.config.sliding_window
     4
     """
-    return _causal_lm("MistralForCausalLM", "MistralConfig", sliding_window=4, **_DECODER)
+    return causal_lm("MistralForCausalLM", "MistralConfig", sliding_window=4, **DECODER)
 
 
 def qwen2():
@@ -180,7 +187,7 @@ def qwen2():
     >>> model.model.layers[0].self_attn.q_proj.bias.shape
     torch.Size([32])
     """
-    return _causal_lm("Qwen2ForCausalLM", "Qwen2Config", **_DECODER)
+    return causal_lm("Qwen2ForCausalLM", "Qwen2Config", **DECODER)
 
 
 def qwen3():
@@ -190,7 +197,7 @@ def qwen3():
     >>> model.model.layers[0].self_attn.q_norm.weight.shape
     torch.Size([8])
     """
-    return _causal_lm("Qwen3ForCausalLM", "Qwen3Config", head_dim=HIDDEN // HEADS, **_DECODER)
+    return causal_lm("Qwen3ForCausalLM", "Qwen3Config", head_dim=HIDDEN // HEADS, **DECODER)
 
 
 def gemma2():
@@ -201,8 +208,8 @@ def gemma2():
     >>> model.config.layer_types
     ['sliding_attention', 'full_attention']
     """
-    return _causal_lm("Gemma2ForCausalLM", "Gemma2Config", attn_implementation="eager", head_dim=HIDDEN // HEADS,
-                      query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=4, **_DECODER)
+    return causal_lm("Gemma2ForCausalLM", "Gemma2Config", attn_implementation="eager", head_dim=HIDDEN // HEADS,
+                      query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=4, **DECODER)
 
 
 def phi3():
@@ -212,7 +219,7 @@ def phi3():
     >>> model.model.layers[0].self_attn.qkv_proj.out_features  # q 32 + k 16 + v 16
     64
     """
-    return _causal_lm("Phi3ForCausalLM", "Phi3Config", resid_pdrop=0.0, embd_pdrop=0.0, **_DECODER)
+    return causal_lm("Phi3ForCausalLM", "Phi3Config", resid_pdrop=0.0, embd_pdrop=0.0, **DECODER)
 
 
 def gpt_neox():
@@ -222,7 +229,7 @@ def gpt_neox():
     >>> model.gpt_neox.layers[0].attention.query_key_value.out_features
     96
     """
-    return _causal_lm("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+    return causal_lm("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
                       intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       max_position_embeddings=2 * SEQ, attention_dropout=0.0, hidden_dropout=0.0,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -235,7 +242,7 @@ def opt():
     >>> model.lm_head.weight is model.model.decoder.embed_tokens.weight
     True
     """
-    return _causal_lm("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=FFN,
+    return causal_lm("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=FFN,
                       word_embed_proj_dim=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       max_position_embeddings=2 * SEQ, dropout=0.0, attention_dropout=0.0, layerdrop=0.0,
                       pad_token_id=1, bos_token_id=2, eos_token_id=2)
@@ -248,7 +255,7 @@ def bloom():
     >>> model.transformer.h[0].self_attention.query_key_value.out_features
     96
     """
-    return _causal_lm("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS,
+    return causal_lm("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS,
                       n_head=HEADS, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1,
                       eos_token_id=2)
 
@@ -261,7 +268,7 @@ def falcon():
     >>> model.transformer.h[0].self_attention.query_key_value.out_features  # (4 + 2 * 2) heads of 8
     64
     """
-    return _causal_lm("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+    return causal_lm("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
                       num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_kv_heads=KV_HEADS,
                       new_decoder_architecture=True, ffn_hidden_size=FFN, max_position_embeddings=2 * SEQ,
                       hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=1, eos_token_id=2)
@@ -274,7 +281,7 @@ def gpt2():
     >>> model.transformer.h[0].attn.c_attn.weight.shape  # Conv1D: [in, out]
     torch.Size([32, 96])
     """
-    return _causal_lm("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS,
+    return causal_lm("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS,
                       n_head=HEADS, n_inner=FFN, n_positions=2 * SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                       attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
 
@@ -287,7 +294,7 @@ def gpt2_dropout():
     >>> model.config.resid_pdrop, model.config.attn_pdrop, model.training
     (0.1, 0.1, True)
     """
-    return _causal_lm("GPT2LMHeadModel", "GPT2Config", attn_implementation="sdpa", vocab_size=VOCAB, n_embd=HIDDEN,
+    return causal_lm("GPT2LMHeadModel", "GPT2Config", attn_implementation="sdpa", vocab_size=VOCAB, n_embd=HIDDEN,
                       n_layer=LAYERS, n_head=HEADS, n_inner=FFN, n_positions=2 * SEQ, resid_pdrop=0.1,
                       embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=1, eos_token_id=2)
 
@@ -371,9 +378,9 @@ def mixtral():
     >>> model.model.layers[0].mlp.experts.gate_up_proj.shape  # [experts, 2 * ffn, hidden]
     torch.Size([4, 128, 32])
     """
-    return _causal_lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+    return causal_lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
                       output_router_logits=True, router_aux_loss_coef=0.01, router_jitter_noise=0.0,
-                      experts_implementation="batched_mm", **_DECODER)
+                      experts_implementation="batched_mm", **DECODER)
 
 
 def mixtral_grouped_mm():
@@ -384,8 +391,8 @@ def mixtral_grouped_mm():
     >>> model.config._experts_implementation
     'grouped_mm'
     """
-    return _causal_lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
-                      output_router_logits=True, router_aux_loss_coef=0.01, router_jitter_noise=0.0, **_DECODER)
+    return causal_lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+                      output_router_logits=True, router_aux_loss_coef=0.01, router_jitter_noise=0.0, **DECODER)
 
 
 def mixtral_eager():
@@ -397,9 +404,9 @@ def mixtral_eager():
     >>> model.config._experts_implementation
     'eager'
     """
-    return _causal_lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+    return causal_lm("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
                       output_router_logits=True, router_aux_loss_coef=0.01, router_jitter_noise=0.0,
-                      experts_implementation="eager", **_DECODER)
+                      experts_implementation="eager", **DECODER)
 
 
 FAMILIES = {
