@@ -21,6 +21,13 @@ alltoall), and what the planner picks for long sequences.
    4q reordering.
 4. The planner's own choice (no hints; unnamed (8, 8) mesh, H100, bf16) for the 8B shape at sequences 8k, 32k,
    128k, batch 1.
+
+Reading part 2: one block is the worst case for context parallelism's memory, because the attention's transient
+buffers (the zigzag reordering's copies, a ring's block in flight, the all-gathered keys and values, an
+all-to-all's output) are a large share of one layer; in a model they live one layer at a time while the saved
+activations of every layer shrink by cp. The prediction counts every op's output as kept for backward (an
+upper bound: views and the outputs autograd does not save are counted too), so it overestimates the
+unsharded program and is close where the saved activations dominate.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from .big_model_memory import reset_peak, rss_bytes
 from .report import table, write_section
 
 STRATEGIES = ("allgather", "ring", "alltoall")
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
 SCALE_SEQ, SCALE_TP = 32768, 8
 
 
@@ -130,7 +137,7 @@ def measured_on_gloo(seq: int, dim: int = 256, heads: int = 4, batch: int = 1) -
         results = run_distributed(_rank_task, cp, method, batch, seq, dim, heads, timeout_s=1200)
         peak = max(r["peak"] for r in results.values())
         predicted = results[0].get("predicted")
-        memory.append([cp, method, f"{peak / GIB:.2f}", "" if predicted is None else f"{predicted / GIB:.2f}",
+        memory.append([cp, method, f"{peak / MIB:.0f}", "" if predicted is None else f"{predicted / MIB:.0f}",
                        f"{max(r.get('seconds', 0) for r in results.values()):.1f}" if cp > 1 else ""])
         print(memory[-1], flush=True)
         if cp == 1:
@@ -181,7 +188,7 @@ def main(quick: bool = False) -> None:
             f"### 1. Predicted memory per rank, Llama-3-8B shape, sequence {8192 if quick else SCALE_SEQ}, (cp, tp=8)",
             "", table(["cp", "strategy", "memory GiB", "activations GiB", "step s", "comm s", "plan s"], scale), "",
             f"### 2. Measured peak per rank on gloo, attention block, sequence {seq}", "",
-            table(["cp", "strategy", "measured peak GiB", "predicted GiB (cpu)", "step s"], memory), "",
+            table(["cp", "strategy", "measured peak MiB", "predicted MiB (cpu)", "step s"], memory), "",
             "### 3. Bytes per step on cp: counted vs formula", "",
             table(["cp", "strategy", "counted B", "formula B", "equal", "kinds fwd/bwd"], bytes_rows), "",
             "### 4. The planner's choice, Llama-3-8B shape, batch 1, unnamed (8, 8), H100 bf16", "",

@@ -290,3 +290,55 @@ def test_attention_dropout_draws_the_single_device_masks(method):
 def llama_dropout():
     """The zoo Llama with dropout 0.1 (attention weights and residual branches)."""
     return llama(batch=2, seq=8, n_layers=1, dropout=0.1)
+
+
+def eager_llama():
+    """transformers' Llama with its unfused ("eager") attention: matmul, scale, + causal mask, softmax, matmul."""
+    from autoshard.zoo.transformers_families import DECODER, causal_lm
+    return causal_lm("LlamaForCausalLM", "LlamaConfig", attn_implementation="eager", **DECODER)
+
+
+EAGER = ["ring"] + (["allgather", "alltoall"] if FULL else [])
+
+
+@pytest.mark.parametrize("method", EAGER)
+def test_an_unfused_attention_is_fused_and_takes_every_strategy(method):
+    hints = {"input:0": {"cp": "S(1)"}, "input:1": {"cp": "S(1)"},
+             "model.layers.*.self_attn.[qkv]_proj:input": {"cp": "S(1)"}, "*:attention": {"cp": method}}
+    report, program = verify_factory("test_context_parallel:eager_llama", (2,), ("cp",), hints=hints, steps=2,
+                                     simulate=True)
+    assert report.ok, report
+    ops = [n.target for n in program.state.gm.graph.nodes]
+    assert ops.count(torch.ops.aten.scaled_dot_product_attention.default) == 2  # one per layer
+    assert torch.ops.aten.softmax.int not in ops
+
+
+class HandWritten(torch.nn.Module):
+    """Attention written out: scores scaled, masked with masked_fill(-inf), softmax, optional dropout, a bias."""
+
+    def __init__(self, dropout=0.0, learned_bias=False):
+        super().__init__()
+        self.dropout = torch.nn.Dropout(dropout)
+        self.bias = torch.nn.Parameter(torch.zeros(8, 8)) if learned_bias else None
+
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-2, -1) * 0.5
+        if self.bias is not None:
+            scores = scores + self.bias
+        causal = torch.ones(8, 8, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(causal, float("-inf")) if self.bias is None else scores
+        return self.dropout(torch.softmax(scores, dim=-1)) @ v
+
+
+@pytest.mark.parametrize("kwargs,fused", [({}, True), ({"dropout": 0.1}, False), ({"learned_bias": True}, False)])
+def test_fusion_keeps_the_values_and_leaves_what_it_cannot_fuse(kwargs, fused):
+    torch.manual_seed(0)
+    model = HandWritten(**kwargs)
+    qkv = tuple(torch.randn(2, 4, 8, 4, dtype=torch.float64) for _ in range(3))
+    prog = autoshard.parallelize(model.double(), (2,), qkv, axis_names=("cp",))
+    ops = [n.target for n in prog.state.gm.graph.nodes]
+    assert (torch.ops.aten.scaled_dot_product_attention.default in ops) is fused
+    if fused:
+        model.eval()
+        _, out = prog.simulate(*qkv)
+        torch.testing.assert_close(out, model(*qkv), rtol=1e-12, atol=1e-12)

@@ -198,8 +198,9 @@ def _apply_attention(entry, ops, state):
     if not found:
         where = ", ".join(sorted({n.meta.get(meta.PATH) or "the top level" for n in attentions})) or "none"
         raise HintError(f"hint {entry.key!r} matches no attention (scaled_dot_product_attention) of the model; the "
-                        f"attentions are in: {where}. An unfused attention (matmul, softmax, matmul) takes "
-                        "'allgather' and 'alltoall' by placement hints on its matmuls instead")
+                        f"attentions are in: {where}. An attention written out that normalize could not fuse (a dropout "
+                        "between softmax and matmul, a learned bias) takes 'allgather' and 'alltoall' by placement hints "
+                        "on its matmuls instead")
     for node in dict.fromkeys(found):
         for axis_name, method in entry.placements.items():
             node.meta.setdefault(meta.ATTENTION_HINT, {})[state.mesh.axis(axis_name)] = method

@@ -11,6 +11,7 @@ Reads the traced graph; writes a graph where
   (`x.div_(y)` -> `div(x, y)`), so they shard like any op;
 - higher-order `wrap_with_set_grad_enabled` regions are inlined (outputs detached when grad was off), and
   `torch.autocast` regions (`wrap_with_autocast`) with their casts spelled out as `_to_copy` ops;
+- an unfused attention (matmul, softmax, matmul) is `scaled_dot_product_attention` (autoshard/passes/attention_fusion.py);
 - random ops (dropout, attention with dropout, rand_like, ...) are numbered in graph order, the single
   device's order of draws (`autoshard.rng_index`; autoshard/passes/random_ops.py).
 Rewrites run in graph order and may read nodes earlier rewrites made (their `val`s are filled in first).
@@ -28,6 +29,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import new_node, refresh_vals, val_of
+from autoshard.cost.axis_cost import needs_grad
+from autoshard.passes.attention_fusion import fuse_attention
 from autoshard.passes.contract import NORMALIZED, compiler_pass
 from autoshard.passes.random_ops import number_random_ops
 
@@ -59,6 +62,9 @@ def normalize(state) -> None:
         if rewrite(gm.graph, node):
             changed = True
     if changed:
+        gm.graph.lint()
+        refresh_vals(gm)
+    if fuse_attention(gm, needs_grad(gm.graph)):  # unfused attentions become the fused op
         gm.graph.lint()
         refresh_vals(gm)
     number_random_ops(gm.graph, state.options.rng)
