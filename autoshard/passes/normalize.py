@@ -27,9 +27,9 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autoshard.cost.axis_cost import needs_grad
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import new_node, refresh_vals, val_of
-from autoshard.cost.axis_cost import needs_grad
 from autoshard.passes.attention_fusion import fuse_attention
 from autoshard.passes.contract import NORMALIZED, compiler_pass
 from autoshard.passes.random_ops import number_random_ops
