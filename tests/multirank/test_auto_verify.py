@@ -3,8 +3,8 @@
 A slow-compute profile makes sharding pay even for the tiny zoo models, so these plans really are
 parallel (each test asserts communication happens) and exercise many strategies. By default three cases
 run on gloo and the rest in the simulator, which is bitwise equal to gloo (test_sim_equals_real.py), and
-(2,2,2) plans three models (llama on (2,2,2) only, resnet on (2,) only); the solver finds Megatron for gpt2 at tp=2 and llama at
-tp=4; `AUTOSHARD_FULL_MATRIX=1` runs every model on every mesh on gloo and both models at both degrees.
+(2,2,2) plans three models (llama on (2,2,2) only, resnet on (2,) only); the solver finds Megatron for gpt2 at tp=2 (and llama
+at tp=4 in the full matrix); `AUTOSHARD_FULL_MATRIX=1` runs every model on every mesh on gloo and both models at both degrees.
 """
 import os
 
@@ -44,7 +44,7 @@ def test_auto_plan_matches_single_device(pool_runner, model, mesh):
         assert counted == predicted, (axis, counted, predicted)
 
 
-MEGATRON_CASES = [(m, tp) for m in ("gpt2", "llama") for tp in (2, 4)] if FULL else [("gpt2", 2), ("llama", 4)]
+MEGATRON_CASES = [(m, tp) for m in ("gpt2", "llama") for tp in (2, 4)] if FULL else [("gpt2", 2)]
 
 
 @pytest.mark.parametrize("model,tp", MEGATRON_CASES)

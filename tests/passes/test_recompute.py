@@ -80,6 +80,8 @@ def test_recomputed_collectives_are_counted_as_predicted():
         assert sum(k["bytes"] for k in kinds.values()) == sum(prog.plan.predicted["comm_bytes_per_step"][axis].values())
 
 
+@pytest.mark.skipif(not FULL, reason="about 8 s; tests/passes/test_memory_fit.py covers recomputation under a budget "
+                                     "by default; AUTOSHARD_FULL_MATRIX=1 runs it")
 def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
     four_layers = lambda: gpt2(n_layers=4)
     free, _ = _plan(four_layers, "gpt2", checkpoint="auto")
