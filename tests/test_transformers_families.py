@@ -49,7 +49,8 @@ OPTIONS = {
 @pytest.mark.parametrize(("family", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_family_verifies(family, mode):
     model, inputs, loss_fn = families.FAMILIES[family]()
-    report, program = verify_simulated(model, inputs, loss_fn, dtype=DTYPE.get(family, "float64"),
+    # One SGD step by default (losses, outputs, gradients and the stepped parameters compared); two in the full matrix
+    report, program = verify_simulated(model, inputs, loss_fn, dtype=DTYPE.get(family, "float64"), steps=2 if FULL else 1,
                                        **OPTIONS[mode](family))
     assert report.ok, f"{family} ({mode}):\n{report}"
     comm = program.plan.predicted["comm_bytes_per_step"]
