@@ -115,6 +115,8 @@ def _match(softmax: fx.Node, needs_grad: dict):
     shapes = [x.meta["val"].shape for x in (q, k, v)]
     if len(shapes[0]) < 2 or shapes[0][-1] != shapes[1][-1] or shapes[1][-2] != shapes[2][-2]:
         return None
+    if len({x.meta["val"].dtype for x in (q, k, v, out)}) != 1:  # the fused op computes in one dtype
+        return None
     if _single_user(kt) is not None:
         backward.append(kt)
     return q, k, v, mask, scale, out, forward, backward
