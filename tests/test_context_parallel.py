@@ -341,3 +341,23 @@ def test_fusion_keeps_the_values_and_leaves_what_it_cannot_fuse(kwargs, fused):
         model.eval()
         _, out = prog.simulate(*qkv)
         torch.testing.assert_close(out, model(*qkv), rtol=1e-12, atol=1e-12)
+
+
+class LearnedBias(torch.nn.Module):
+    """SDPA with a trained additive bias as its mask: no ring for it (the ring takes constant masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(8, 8))
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+def test_no_ring_for_a_learned_mask():
+    qkv = tuple(torch.randn(2, 4, 8, 4) for _ in range(3))
+    with pytest.raises(HintError, match="computed from a trained parameter"):
+        autoshard.parallelize(LearnedBias(), (2,), qkv, axis_names=("cp",),
+                              hints={"input:0": {"cp": "S(2)"}, "*:attention": {"cp": "ring"}})
+    prog = autoshard.parallelize(LearnedBias(), (2,), qkv, axis_names=("cp",))  # automatic: never a ring
+    assert not any(c.method == "ring" for n in prog.state.gm.graph.nodes for c in n.meta.get("autoshard.choice", ()))

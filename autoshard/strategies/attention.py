@@ -26,6 +26,7 @@ The examples use a causal attention on q, k, v of shape [2, 4, 8, 16], on an axi
 from __future__ import annotations
 
 import torch
+from torch import fx
 
 from autoshard.ir.placement import R, Shard
 from autoshard.strategies.base import REGISTRY, AxisStrategy
@@ -70,9 +71,32 @@ def _attention(ctx):
     found.append(AxisStrategy((rows, R, R, *mask), rows, "allgather"))
     k = ctx.axis_size
     causal_ok = not args["is_causal"] or (q[-2] == key[-2] and q[-2] % (2 * k) == 0)
-    if not args["dropout_p"] and causal_ok:
+    if not args["dropout_p"] and causal_ok and not learned(args["attn_mask"]):
         found.append(AxisStrategy((rows, Shard(len(key) - 2), Shard(len(ctx.in_shapes[2]) - 2), *mask), rows, "ring"))
     return found
+
+
+def learned(mask, limit: int = 256) -> bool:
+    """Whether an attention mask is computed from a trained parameter (a learned bias: the ring refuses it, its
+    gradient would be lost); masks made from more than `limit` nodes count as learned (not searched further).
+
+    >>> learned(None), learned(node.args[0])  # q is a placeholder without the "param" kind
+    (False, False)
+    """
+    if not isinstance(mask, fx.Node):
+        return False
+    seen, todo = set(), [mask]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.meta.get("autoshard.kind") == "param" and n.meta["val"].is_floating_point():
+            return True
+        if len(seen) > limit:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def _mask_rows(shape):
@@ -92,6 +116,8 @@ def why_not(node, method: str, axis_size: int) -> str:
         if args["dropout_p"]:
             return (f"the ring has no attention dropout (this attention drops {args['dropout_p']}); use 'allgather' or "
                     "'alltoall'")
+        if learned(args["attn_mask"]):
+            return "the ring takes a constant mask, and this one is computed from a trained parameter; use 'allgather' or 'alltoall'"
         if args["is_causal"] and q[-2] != key[-2]:
             return f"a causal ring needs as many queries as keys ({q[-2]} vs {key[-2]})"
         if args["is_causal"] and q[-2] % (2 * axis_size):
