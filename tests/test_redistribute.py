@@ -27,7 +27,7 @@ from autoshard.ir.placement import (
     unshard_tensors,
 )
 from autoshard.runtime import collectives
-from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
 from autoshard.solver.redistribute import Step, plan_redistribute
 
 # --- helpers -------------------------------------------------------------------------------------

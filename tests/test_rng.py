@@ -136,7 +136,7 @@ def test_a_rank_graph_called_by_itself_names_the_random_op():
     x = torch.ones(8, 64)
     prog = autoshard.parallelize(Dropped(), (1, 1), (x,), axis_names=("dp", "tp"), loss_fn=lambda out, x: out[0].sum())
     from autoshard.runtime.collectives import use_communicator
-    from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+    from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
     comm = ThreadCommunicator(ThreadHub(prog.mesh, 5.0), 0)
     with use_communicator(comm), pytest.raises(RuntimeError, match=r"drew random op 0 \(aten.dropout.default\) "
                                                                    "outside its rank"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost.model import all_to_all_time
+from autoshard.strategies.attention import attention_args
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def attention_terms(node, strategies: dict, mesh, profile, compute_s: float, in_
     (0.625, 0, 24576)
     """
     q, key = node.args[0].meta["val"], node.args[1].meta["val"]
-    causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
+    causal = bool(attention_args(node)["is_causal"])
     ring = [(axis, s) for axis, s in strategies.items() if s.method == "ring"]
     fused = getattr(profile, "fused_attention", True)
     if not ring:

@@ -80,10 +80,10 @@ def axis_candidates(node, axis, mesh, choices):
         found = [c for c in found if c.output == hint]
     for pos, placement in node.meta.get(meta.INPUT_HINT, {}).get(axis, {}).items():
         found = [c for c in found if c.inputs[pos] == placement]
-    if not found and wanted_method is not None and why_not(node, wanted_method, mesh.shape[axis]):
+    reason = why_not(node, wanted_method, mesh.shape[axis]) if not found and wanted_method is not None else ""
+    if reason:
         raise HintError(f"context-parallel strategy {wanted_method!r} on mesh axis {mesh.names[axis]!r} cannot be used "
-                        f"at {node.meta.get(meta.PATH) or 'the top level'} (node {node.name!r}): "
-                        f"{why_not(node, wanted_method, mesh.shape[axis])}")
+                        f"at {node.meta.get(meta.PATH) or 'the top level'} (node {node.name!r}): {reason}")
     if not found:
         what = (f"hint {hint!r}" if hint is not None else f"context-parallel strategy {wanted_method!r}"
                 if wanted_method is not None else "the split counts given for it")

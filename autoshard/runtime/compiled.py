@@ -42,9 +42,9 @@ from torch import fx
 
 from autoshard.ir.errors import UserInputError
 from autoshard.runtime.collectives import COLLECTIVES
-from autoshard.runtime.communicator import ThreadCommunicator
 from autoshard.runtime.graph_collectives import IN_GRAPH, register
 from autoshard.runtime.rng import random_op
+from autoshard.runtime.thread_communicator import ThreadCommunicator
 
 _IN_GRAPH = {COLLECTIVES[name]: name for name in IN_GRAPH}
 _EAGER = (frozenset(COLLECTIVES.values()) - set(_IN_GRAPH)) | {random_op}

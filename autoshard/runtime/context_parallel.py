@@ -80,15 +80,10 @@ class _RowsAttention(torch.autograd.Function):
         dtype, rows, heads = _compute_dtype(q), q.size(-2), q.size(-3)
         qc = q.to(dtype)
         kc, vc = (_repeat_heads(t.to(dtype), heads) for t in (k, v))
-        out = lse = None
+        out = torch.zeros_like(qc)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=dtype, device=q.device)
         for cols, mask in _row_pairs(offset, rows):
-            o, block_lse = _pair_forward(qc, kc[..., cols, :], vc[..., cols, :], mask, scale)
-            if out is None:
-                out, lse = o, block_lse
-            else:
-                new = torch.logaddexp(lse, block_lse)
-                out = out * torch.exp(lse - new) + o * torch.exp(block_lse - new)
-                lse = new
+            out, lse = _merge(out, lse, *_pair_forward(qc, kc[..., cols, :], vc[..., cols, :], mask, scale))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.offset, ctx.scale = offset, scale
         return out.to(q.dtype)
@@ -273,6 +268,14 @@ def _pair_backward(do, q, k, v, out, lse, delta, mask, scale):
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ do
 
 
+def _merge(out, lse, block_out, block_lse):
+    """The online softmax: the output and log-sum-exp of rows seen so far merged with one more key block's (rows
+    that saw no key yet keep -inf and 0)."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    return out * torch.exp(lse - safe) + block_out * torch.exp(block_lse - safe), new
+
+
 def _dense(mask, q, k):
     if isinstance(mask, str):  # the diagonal
         return torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
@@ -297,11 +300,7 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = (_repeat_heads(t.to(dtype), heads) for t in block)
             for rows, cols, m in _Blocks(owned[r], owned[j], causal, mask, q.size(-2), kb.size(-2), q.device).pairs():
                 o, block_lse = _pair_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], m, scale)
-                new = torch.logaddexp(lse[..., rows, :], block_lse)
-                safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-                out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows, :] - safe)
-                                     + o * torch.exp(block_lse - safe))
-                lse[..., rows, :] = new
+                out[..., rows, :], lse[..., rows, :] = _merge(out[..., rows, :], lse[..., rows, :], o, block_lse)
             if pending is not None:
                 block = pending.wait()
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))

@@ -17,11 +17,8 @@ import threading
 import torch
 
 from autoshard.runtime.collectives import use_communicator
-from autoshard.runtime.communicator import (
-    CollectiveTimeout,
-    ThreadCommunicator,
-    ThreadHub,
-)
+from autoshard.runtime.communicator import CollectiveTimeout
+from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
 
 
 def run_ranks(program, fn, timeout_s: float = 60.0, **module_options) -> dict:

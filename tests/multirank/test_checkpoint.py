@@ -157,7 +157,7 @@ def test_the_index_is_never_unpickled_freely(saved, tmp_path):
 
 
 def test_saving_needs_real_ranks_and_parameter_shaped_optimizer_state():
-    from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+    from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
     from autoshard.weights.training_checkpoint import _param_state
     mesh, names, hints = PLAN_B
     model, inputs, loss_fn = _case()

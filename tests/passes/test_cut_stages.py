@@ -76,7 +76,7 @@ def test_split_stage_modules_compute_the_rank_program():
     whole = prog.state.gm  # global program == rank program on a 1-device intra-op mesh
     from autoshard.passes.codegen import build_rank_module
     from autoshard.runtime.collectives import use_communicator
-    from autoshard.runtime.communicator import ThreadCommunicator, ThreadHub
+    from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
     gm = build_rank_module(prog.state, 0)
     stages = prog.all_stage_graphs(0)
     mb = tuple(x[: x.shape[0] // prog.config.microbatches] for x in inputs)
