@@ -23,8 +23,8 @@ from autoshard.frontend.request import DEFAULT_HEADROOM, CompileOptions, Compile
 from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.mesh import Mesh
-from autoshard.passes.pipelines import compile_state
 from autoshard.program.program import Program
+from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.pipeline_search import choose_pipeline
 
 
@@ -84,11 +84,11 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
                                    optimizer_state_factor=optimizer_state_factor, memory_headroom=memory_headroom,
                                    fold_layers=fold_layers, compile=compile)
     request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
-    with reuse_exports():  # the pipeline search's candidates often trace the same shapes
+    with reuse_exports():  # the searches' candidates often trace the same shapes
         choice = choose_pipeline(request, pipeline, unnamed=unnamed)
-    if choice is not None:
-        return choice
-    return Program(*compile_state(request))
+        if choice is not None:
+            return choice
+        return plan_with_hand_plans(request)
 
 
 def _traceable_inputs(model, example_inputs):

@@ -56,6 +56,7 @@ PIPELINES = {
     "microbatch": "PASSES with cut_stages after predict: a pipeline's micro-batch program and its stage cut",
     "microbatch_apply_plan": "both: a saved pipeline plan",
     "scale": "PASSES without normalize and codegen, on a graph normalized once (the scale search)",
+    "hand_plan": "PASSES without check_hints: a catalogue plan the search compares (its hints are the planner's)",
 }
 
 
@@ -76,15 +77,18 @@ def declared_pipeline(name: str, plan=None) -> tuple[list, tuple]:
                             [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
     if name.startswith("microbatch"):
         passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
+    if name == "hand_plan":
+        passes = [p for p in passes if p is not check_hints]
     if name == "scale":
         passes = [p for p in passes if p not in (normalize, codegen)]
         provided = TRACED + normalize.contract.writes
     return passes, provided
 
 
-def compile_state(request: CompileRequest, pipeline: bool = False):
+def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bool = False):
     """Trace and run the declared pipeline (with cut_stages for a pipeline's micro-batch program; applying
-    `request.plan` when given): (state, history).
+    `request.plan` when given; without the hint check for a catalogue plan the search compares):
+    (state, history).
 
     >>> request = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn)
     >>> state, history = compile_state(request)
@@ -97,19 +101,27 @@ def compile_state(request: CompileRequest, pipeline: bool = False):
     applied = plan is not None
     name = {(False, False): "plan", (False, True): "apply_plan", (True, False): "microbatch",
             (True, True): "microbatch_apply_plan"}[(bool(pipeline), applied)]
+    if hand_plan and name == "plan":
+        name = "hand_plan"
     passes, _ = declared_pipeline(name, plan)
     debug = request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     options = CompileOptions.of(request.options)
-    traced, fold = _trace(request, hints, options)
+    traced, fold = trace_for_plan(request, hints, options)
     state = CompileState(traced.gm, request.mesh, traced, hints, options, model=request.model, fold=fold)
     history = run_passes(state, passes, verify=debug, describe=describe_graph)
     return state, history
 
 
-def _trace(request: CompileRequest, hints, options: CompileOptions):
+def trace_for_plan(request: CompileRequest, hints, options: CompileOptions):
     """(Traced, Fold or None): the model folded to three of its repeated layers when it has many
     (autoshard/frontend/fold.py), else traced whole; a folded trace that does not stand for the whole
-    model is discarded for the whole one."""
+    model is discarded for the whole one.
+
+    >>> request = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, loss_fn=loss_fn)
+    >>> traced, fold = trace_for_plan(request, None, request.options)
+    >>> fold is None, list(traced.params)[:1]  # two layers: nothing to fold
+    (True, ['layers.0.weight'])
+    """
     fold = fold_model(request.model, hints) if options.fold_layers else None
     if fold is not None:
         traced = trace(fold.model, request.example_inputs, request.loss_fn, options.mixed_precision)

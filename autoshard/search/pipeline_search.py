@@ -30,7 +30,7 @@ from autoshard.passes.pipelines import compile_state
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import batch_size, check_options, parallelize_pipeline
-from autoshard.program.program import Program
+from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.solver.ilp import MemoryBudgetError
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _search_axes(request: CompileRequest, opts: dict):
     """No pipeline, or one axis of each (size, link) class as pp (equal classes plan alike)."""
     mesh = request.mesh
     try:
-        flat = Program(*compile_state(request))
+        flat = plan_with_hand_plans(request)
         candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]
         best_step = flat.plan.predicted["step_time_s"]
     except AutoshardError as exc:  # e.g. no intra-op plan fits the memory budget: a pipeline may

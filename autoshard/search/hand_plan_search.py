@@ -1,0 +1,176 @@
+"""The automatic plan is never worse than a hand plan: the search plans the model by the ILP and, where a hand
+plan could do better, also plans every catalogue plan that applies (autoshard/catalogue/), each priced by the
+same cost model (predict), and keeps the fastest predicted step among those that fit.
+
+When a hand plan cannot win, it is not planned. The ILP over every mesh axis at once is exact over the
+placements a hand plan pins, so a hand plan wins only through what that ILP does not weigh: ZeRO-3 (chosen by
+the memory budget, not by the objective), or the greedy order of a solve axis by axis. So the hand plans are
+planned when the ILP solved the axes one after another, when the plan needed a memory saver, or when its
+memory is more than half the budget (the budget may have kept the ILP from its unbounded optimum); a hand plan
+whose parameters alone cannot fit the budget is refused without planning. Every candidate, planned or not, is
+recorded in `plan.search["hand_plans"]` with its predicted step and memory or why it was not planned.
+
+>>> import autoshard
+>>> from autoshard.zoo import llama
+>>> model, inputs, loss_fn = llama(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
+...                              memory_budget=3e6)  # the plan takes 1.9 MB: the budget may bind
+>>> [(c["name"], c["predicted_step_s"] >= prog.plan.predicted["step_time_s"]) for c in prog.plan.search["hand_plans"]]
+[('automatic', True), ('ddp', True), ('fsdp', True), ('fsdp_tp', True), ('tp_sp', True)]
+"""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+from autoshard.catalogue import hand_plans as catalogue
+from autoshard.catalogue.roles import model_roles
+from autoshard.cost.axis_cost import held_bytes_factor, needs_grad
+from autoshard.frontend.request import CompileRequest, headroom_budget
+from autoshard.ir import meta
+from autoshard.ir.errors import AutoshardError
+from autoshard.passes.pipelines import compile_state, trace_for_plan
+from autoshard.program.program import Program
+
+log = logging.getLogger(__name__)
+
+BINDING_SHARE = 0.5  # memory above this share of the budget: the budget may have bound the ILP
+
+
+def plan_with_hand_plans(request: CompileRequest) -> Program:
+    """The automatic Program, or the hand plan's when one predicts a faster step (see the module docstring).
+
+    >>> prog.plan.search["chosen_plan"]
+    'automatic'
+    """
+    auto = Program(*compile_state(request))
+    if not _hand_plans_may_win(request, auto):
+        return auto
+    record = [_row("automatic", "the ILP's plan", auto)]
+    best, best_step, best_warnings = auto, auto.plan.predicted["step_time_s"], []
+    for name, plan, why in applicable_hand_plans(request):
+        if plan is None:
+            record.append({"name": name, "not_planned": why})
+            continue
+        try:
+            with warnings.catch_warnings(record=True) as caught:  # told only if this plan is the one returned
+                warnings.simplefilter("always")
+                prog = Program(*compile_state(request.replace(
+                    hints=plan.hints, options=request.options.replace(zero=plan.zero)), hand_plan=True))
+        except AutoshardError as exc:
+            record.append({"name": name, "description": plan.description, "error": str(exc).splitlines()[0]})
+            continue
+        record.append(_row(name, plan.description, prog))
+        step = prog.plan.predicted["step_time_s"]
+        if step < best_step * (1 - 1e-9):
+            best, best_step, best_warnings = prog, step, caught
+    for caught in best_warnings:
+        warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
+    chosen = next(r["name"] for r in record if r.get("step") is best)
+    for row in record:
+        row.pop("step", None)
+    best.plan.search = dict(best.plan.search, hand_plans=record, chosen_plan=chosen,
+                            why_plan=_why(record, chosen))
+    log.info(best.plan.search["why_plan"])
+    return best
+
+
+def _row(name: str, description: str, prog: Program) -> dict:
+    predicted = prog.plan.predicted
+    return {"name": name, "description": description, "predicted_step_s": predicted["step_time_s"],
+            "overlapped_step_s": predicted.get("overlapped_step_s", predicted["step_time_s"]),
+            "memory_bytes_per_rank": predicted["memory_bytes_per_rank"],
+            "savers": repr(prog.zero) if prog.zero is not None else "", "step": prog}
+
+
+def _why(record: list, chosen: str) -> str:
+    parts = []
+    for row in record:
+        if "predicted_step_s" in row:
+            parts.append(f"{row['name']} {row['predicted_step_s']:.4g} s")
+        else:
+            parts.append(f"{row['name']}: {row.get('not_planned') or row.get('error')}")
+    return f"plan {chosen!r} (fastest predicted step among the automatic and the hand plans): " + "; ".join(parts)
+
+
+def _hand_plans_may_win(request: CompileRequest, auto: Program) -> bool:
+    """Whether some hand plan could predict a faster step than `auto` (see the module docstring)."""
+    if request.hints or request.plan is not None or request.options.zero is not None:
+        return False  # the user decided the layout (or ZeRO) themselves
+    mesh = request.mesh
+    if sum(n > 1 for n in mesh.shape) < 2 or not hasattr(request.model, "named_parameters"):
+        return False
+    state = auto.state
+    joint = any(len(stats["axes"]) == mesh.ndim for stats in state.ilp_stats)
+    budget = _budget(request)
+    binding = state.zero is not None or bool(state.recompute_regions) or \
+        auto.plan.predicted["memory_bytes_per_rank"] > BINDING_SHARE * budget
+    return not joint or binding
+
+
+def _budget(request: CompileRequest) -> float:
+    options = request.options
+    budget = options.memory_budget
+    return headroom_budget(options.profile, options.memory_headroom) if budget is None else budget
+
+
+def applicable_hand_plans(request: CompileRequest) -> list:
+    """(name, HandPlan or None, why not) for each flat catalogue plan on the request's mesh: tensor parallel on
+    the axis named "tp" (else the innermost), the batch on the others; planned only where its parameters'
+    share of the budget can fit.
+
+    >>> from autoshard.frontend.request import CompileRequest
+    >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("dp", "tp")), inputs, loss_fn=loss_fn)
+    >>> [(name, plan is not None) for name, plan, _ in applicable_hand_plans(request)]
+    [('ddp', True), ('fsdp', True), ('fsdp_tp', True), ('tp_sp', True)]
+    """
+    mesh = request.mesh
+    traced, _ = trace_for_plan(request, None, request.options)
+    roles = model_roles(traced.gm)
+    inputs = [n for n in traced.gm.graph.nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
+    batch = inputs[0].meta["val"].shape[0] if inputs and inputs[0].meta["val"].dim() else 1
+    tp = "tp" if "tp" in mesh.names else next(a for a, n in reversed(list(zip(mesh.names, mesh.shape))) if n > 1)
+    builders = {"ddp": lambda: catalogue.ddp(roles, mesh, batch, len(inputs)),
+                "fsdp": lambda: catalogue.fsdp(roles, mesh, batch, len(inputs)),
+                "fsdp_tp": lambda: catalogue.fsdp_tp(roles, mesh, batch, len(inputs), tp=tp),
+                "tp_sp": lambda: catalogue.tp_sp(roles, mesh, batch, len(inputs), tp=tp)}
+    if roles.experts:
+        builders["ep_dp"] = lambda: catalogue.ep_dp(roles, mesh, batch, len(inputs))
+    state_bytes = _trained_state_bytes(traced, request)
+    out = []
+    for name, build in builders.items():
+        try:
+            plan = build()
+        except catalogue.NotApplicable as exc:
+            out.append((name, None, str(exc)))
+            continue
+        need = state_bytes / _parameter_split(plan, mesh)
+        if need > _budget(request):
+            out.append((name, None, f"its parameters, gradients and optimizer state alone take {need / 2**30:.1f} "
+                                    f"GiB per device, over the budget of {_budget(request) / 2**30:.1f} GiB"))
+            continue
+        out.append((name, plan, ""))
+    return out
+
+
+def _trained_state_bytes(traced, request: CompileRequest) -> float:
+    """Bytes of the parameters with their gradients and optimizer state, unsharded (a folded trace's repeated
+    layers counted for the whole model)."""
+    grad = needs_grad(traced.gm.graph)
+    factor = request.options.optimizer_state_factor
+    total = 0.0
+    for node in traced.gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get(meta.KIND) in ("param", "buffer"):
+            total += node.meta["val"].numel() * node.meta["val"].element_size() * held_bytes_factor(node, grad, factor)
+    params = sum(p.numel() for p in request.model.parameters())
+    traced_params = sum(n.meta["val"].numel() for n in traced.gm.graph.nodes if n.meta.get(meta.KIND) == "param")
+    return total * max(1.0, params / max(traced_params, 1))
+
+
+def _parameter_split(plan, mesh) -> int:
+    """How many ways the hand plan splits most parameters: its ZeRO-3 axis and its tensor-parallel axis."""
+    axes = set((plan.zero or {}).keys())
+    axes |= {a for glob, value in plan.hints.items() if not glob.startswith("input:") and ":" not in glob
+             for a, p in value.items() if p.startswith("S(")}
+    return math.prod(mesh.shape[mesh.axis(a)] for a in axes)
