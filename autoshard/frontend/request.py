@@ -101,12 +101,21 @@ class CompileOptions:
         elif isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0:
             raise UserInputError(f"memory_budget={memory_budget!r}: give bytes per device (a positive number, or "
                                  "float('inf') for no bound)")
-        if checkpoint == "auto":  # the ILP plans with activations kept; recomputation brings them under the budget
-            others.setdefault("checkpoint_budget", memory_budget)
-            memory_budget = float("inf")
-        return cls(profile=profile, mixed_precision=resolve_policy(mixed_precision), rng=rng, seed=seed,
-                   checkpoint=checkpoint, memory_budget=memory_budget, memory_headroom=memory_headroom,
-                   compile=compile, **others)
+        options = cls(profile=profile, mixed_precision=resolve_policy(mixed_precision), rng=rng, seed=seed,
+                      checkpoint=checkpoint, memory_budget=memory_budget, memory_headroom=memory_headroom,
+                      compile=compile, **others)
+        return options.recomputing_as_needed() if checkpoint == "auto" else options
+
+    def recomputing_as_needed(self) -> CompileOptions:
+        """`checkpoint="auto"`: the ILP plans with activations kept (no bound); recomputation of repeated layers
+        then brings the plan under the budget (`checkpoint_budget`, the memory budget unless given).
+
+        >>> options = CompileOptions(memory_budget=1e9).recomputing_as_needed()
+        >>> options.checkpoint, options.memory_budget, options.checkpoint_budget
+        ('auto', inf, 1000000000.0)
+        """
+        budget = self.checkpoint_budget if self.checkpoint_budget is not None else self.memory_budget
+        return self.replace(checkpoint="auto", checkpoint_budget=budget, memory_budget=float("inf"))
 
     @classmethod
     def of(cls, value) -> CompileOptions:

@@ -36,6 +36,7 @@ from autoshard.program.program import Program
 log = logging.getLogger(__name__)
 
 BINDING_SHARE = 0.5  # memory above this share of the budget: the budget may have bound the ILP
+NEAR_BUDGET = 0.9  # memory above this share: the placements may have been bent to fit (try recomputing instead)
 
 
 def plan_with_hand_plans(request: CompileRequest) -> Program:
@@ -48,25 +49,19 @@ def plan_with_hand_plans(request: CompileRequest) -> Program:
     if not _hand_plans_may_win(request, auto):
         return auto
     record = [_row("automatic", "the ILP's plan", auto)]
-    best, best_step, best_warnings = auto, auto.plan.predicted["step_time_s"], []
+    planned = [(auto, [])]
+    _add_recompute_variant(request, "automatic", "the ILP's plan", auto, record, planned, hand_plan=False)
     for name, plan, why in applicable_hand_plans(request):
         if plan is None:
             record.append({"name": name, "not_planned": why})
             continue
-        try:
-            with warnings.catch_warnings(record=True) as caught:  # told only if this plan is the one returned
-                warnings.simplefilter("always")
-                prog = Program(*compile_state(request.replace(
-                    hints=plan.hints, options=request.options.replace(zero=plan.zero)), hand_plan=True))
-        except AutoshardError as exc:
-            record.append({"name": name, "description": plan.description, "error": str(exc).splitlines()[0]})
-            continue
-        record.append(_row(name, plan.description, prog))
-        step = prog.plan.predicted["step_time_s"]
-        if step < best_step * (1 - 1e-9):
-            best, best_step, best_warnings = prog, step, caught
-    for caught in best_warnings:
-        warnings.warn_explicit(caught.message, caught.category, caught.filename, caught.lineno)
+        hand = request.replace(hints=plan.hints, options=request.options.replace(zero=plan.zero))
+        prog = _plan_quietly(hand, name, plan.description, record, planned)
+        if prog is not None:
+            _add_recompute_variant(hand, name, plan.description, prog, record, planned)
+    best, caught = min(planned, key=lambda pair: pair[0].plan.predicted["step_time_s"])  # the first on a tie
+    for warning in caught:  # a hand plan's warnings are told only when it is the plan returned
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     chosen = next(r["name"] for r in record if r.get("step") is best)
     for row in record:
         row.pop("step", None)
@@ -74,6 +69,34 @@ def plan_with_hand_plans(request: CompileRequest) -> Program:
                             why_plan=_why(record, chosen))
     log.info(best.plan.search["why_plan"])
     return best
+
+
+def _plan_quietly(request: CompileRequest, name: str, description: str, record: list, planned: list,
+                  hand_plan: bool = True):
+    """Plan one candidate, recording its row (or its error); its warnings are kept, not shown."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prog = Program(*compile_state(request, hand_plan=hand_plan))
+    except AutoshardError as exc:
+        record.append({"name": name, "description": description, "error": str(exc).splitlines()[0]})
+        return None
+    record.append(_row(name, description, prog))
+    planned.append((prog, caught))
+    return prog
+
+
+def _add_recompute_variant(request: CompileRequest, name: str, description: str, prog: Program, record: list,
+                           planned: list, hand_plan: bool = True) -> None:
+    """Recomputation weighed, not only climbed to: a candidate that fits near the budget without recomputing
+    (its placements bent to fit: activations resharded, weights moved) is planned again with repeated layers
+    recomputed as far as the budget needs, and the faster of the two counts."""
+    if request.options.checkpoint is not None or prog.state.recompute_regions:
+        return
+    if prog.plan.predicted["memory_bytes_per_rank"] < NEAR_BUDGET * _budget(request):
+        return
+    _plan_quietly(request.replace(options=request.options.recomputing_as_needed()), f"{name} + recomputation",
+                  f"{description}, repeated layers recomputed as the budget needs", record, planned, hand_plan)
 
 
 def _row(name: str, description: str, prog: Program) -> dict:
