@@ -22,6 +22,7 @@ BENCHMARKS = [
     "overlap",           # 11. overlapped gradient sync / ZeRO-3 vs DDP and FSDP2, step time (gloo ranks)
     "context_parallel",  # 12. context parallelism: memory at 32k, bytes vs formula, the planner's choice (gloo + meta)
     "moe",               # 13. MoE: all-to-all bytes vs the formula (simulator); the planner's choice for 8 and 64 experts
+    "hand_plans",        # 14. the automatic plan vs every catalogue hand plan (DDP ... FSDP x TP x PP), one cost model
 ]
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from autoshard.cost.recompute_cost import dropped_activations
 from autoshard.frontend.hints import ZERO_STAGES
 from autoshard.ir import meta
+from autoshard.passes.recompute import region_of
 from autoshard.passes.zero import (
     ZeroConfig,
     batch_axes,
@@ -116,9 +117,10 @@ def fit_memory(state, solve_once, error: MemoryBudgetError) -> Rung:
     raise AssertionError("unreachable: the last rung fitted")
 
 
-def recompute_dropped(nodes) -> set:
+def recompute_dropped(nodes, regions=None) -> set:
     """Ops whose saved activations the memory row leaves out when planning for recomputation: in every
-    repeated-layer instance but the first, those only the instance itself uses (`dropped_activations`).
+    repeated-layer instance (or each of the `regions` the user's `checkpoint=` names) but the first, those only
+    the instance itself uses (`dropped_activations`).
 
     >>> from autoshard.zoo import gpt2
     >>> three, three_inputs, _ = gpt2(n_layers=3)
@@ -126,10 +128,15 @@ def recompute_dropped(nodes) -> set:
     >>> ops = [n for n in state.gm.graph.nodes if n.op == "call_function"]
     >>> sorted({layer_key(n.meta.get("autoshard.path", ""))[1] for n in recompute_dropped(ops)})
     ['layers.1', 'layers.2']
+    >>> sorted({layer_key(n.meta.get("autoshard.path", ""))[1] for n in recompute_dropped(ops, ["layers.0", "layers.2"])})
+    ['layers.2']
     """
     by_instance: dict = {}
     for node in nodes:
-        instance = layer_key(node.meta.get(meta.PATH, ""))[1] if node.op == "call_function" else ""
+        if node.op != "call_function":
+            continue
+        path = node.meta.get(meta.PATH, "")
+        instance = layer_key(path)[1] if regions is None else region_of(node, regions)
         if instance:
             by_instance.setdefault(instance, []).append(node)
     dropped = set()

@@ -59,22 +59,14 @@ def recompute(state) -> None:
     if not option:
         return
     ops = [n for n in state.gm.graph.nodes if n.op == "call_function"]
-    paths = _module_paths(ops)
     if option == "auto":
-        regions = _auto_regions(state, ops, sorted(p for p in paths if _LAYER_RE.match(p)))
+        regions = _auto_regions(state, ops, sorted(p for p in _module_paths(ops) if _LAYER_RE.match(p)))
         hints.recompute = regions  # the plan records the choice: applying it recomputes the same layers
     else:
-        globs = [option] if isinstance(option, str) else list(option)
-        regions = []
-        for glob in globs:
-            matched = sorted(p for p in paths if fnmatch.fnmatchcase(p, glob))
-            if not matched:
-                raise UserInputError(f"checkpoint={glob!r} matches no module of the model; use module paths like "
-                                     f"'layers.*' (modules: {sorted(paths)[:8]}...)")
-            regions += matched
+        regions = checkpoint_regions(option, ops)
     regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]  # outermost wins
     for node in ops:
-        region = _region_of(node, regions)
+        region = region_of(node, regions)
         if region is not None:
             node.meta[RECOMPUTE] = region
     state.recompute_regions = [r for r in dict.fromkeys(n.meta.get(RECOMPUTE) for n in ops) if r]
@@ -90,7 +82,29 @@ def _module_paths(ops) -> set[str]:
     return paths
 
 
-def _region_of(node, regions):
+def checkpoint_regions(option, ops) -> list[str]:
+    """The module paths `checkpoint=` globs (a string or a list) name among the ops' modules, outermost only.
+
+    >>> checkpoint_regions(["layers.*", "layers.0.mlp"], ops)
+    ['layers.0', 'layers.1']
+    """
+    paths = _module_paths(ops)
+    regions = []
+    for glob in [option] if isinstance(option, str) else list(option):
+        matched = sorted(p for p in paths if fnmatch.fnmatchcase(p, glob))
+        if not matched:
+            raise UserInputError(f"checkpoint={glob!r} matches no module of the model; use module paths like "
+                                 f"'layers.*' (modules: {sorted(paths)[:8]}...)")
+        regions += matched
+    return [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]
+
+
+def region_of(node, regions):
+    """The region (of `checkpoint_regions`) whose module holds `node`, or None.
+
+    >>> region_of(ops[0], ["layers.0"]) in ("layers.0", None)
+    True
+    """
     path = node.meta.get(meta.PATH, "")
     return next((r for r in regions if path == r or path.startswith(r + ".")), None)
 
@@ -105,7 +119,7 @@ def _auto_regions(state, ops, layers) -> list[str]:
     memory = state.predicted["memory_bytes_per_rank"]
     scored = []
     for layer in layers:
-        nodes = [n for n in ops if _region_of(n, [layer]) is not None]
+        nodes = [n for n in ops if region_of(n, [layer]) is not None]
         saved, seconds = region_savings(state, nodes)
         scored.append((-saved / max(seconds, 1e-12), layer, saved))
     chosen, savings = [], []

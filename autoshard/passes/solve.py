@@ -61,6 +61,7 @@ from autoshard.passes.choice import (
 )
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.memory_fit import fit_memory, recompute_dropped
+from autoshard.passes.recompute import checkpoint_regions
 from autoshard.passes.zero import planned_zero
 from autoshard.solver.ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from autoshard.solver.layers import decision_classes
@@ -356,6 +357,15 @@ def _conversion_charges(conversions, edges) -> list:
     return [(cost, [(c, d, list(pairs)) for (c, d), pairs in signature[1]]) for signature, cost in merged.items()]
 
 
+def _user_recompute_dropped(state, nodes):
+    """The activations the user's `checkpoint=` regions do not keep: the memory row plans for them (the ILP would
+    otherwise bend the placements to fit activations that are recomputed anyway)."""
+    option = state.options.checkpoint
+    if not option or option == "auto":
+        return ()
+    return recompute_dropped(nodes, checkpoint_regions(option, [n for n in nodes if n.op == "call_function"]))
+
+
 def _memory_kind(node) -> str:
     """What a node's memory row entry holds, for the refusal's breakdown."""
     if node.op != "placeholder":
@@ -426,7 +436,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     sizes = [len(combos[members[0]]) for members in classes]
     costs = [[0.0] * size for size in sizes]
     memory = [[0.0] * size for size in sizes]
-    dropped = recompute_dropped(nodes) if state.recompute_for_memory else ()
+    dropped = recompute_dropped(nodes) if state.recompute_for_memory else _user_recompute_dropped(state, nodes)
     copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
     for n in nodes:
         c = class_of[n]
@@ -500,5 +510,5 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
                          names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r}"
                                 + (f" and its {len(m) - 1} copies)" if len(m) > 2 else " and its copy)" if len(m) > 1
                                    else ")") for m in classes],
-                         kinds=[_memory_kind(m[0]) for m in classes])
+                         kinds=[_memory_kind(m[0]) for m in classes], later_ways=later if budget is not None else 1.0)
     return problem, classes, class_of

@@ -170,8 +170,8 @@ def applicable_hand_plans(request: CompileRequest) -> list:
             continue
         need = state_bytes / _parameter_split(plan, mesh)
         if need > _budget(request):
-            out.append((name, None, f"its parameters, gradients and optimizer state alone take {need / 2**30:.1f} "
-                                    f"GiB per device, over the budget of {_budget(request) / 2**30:.1f} GiB"))
+            out.append((name, None, (f"its parameters, gradients and optimizer state alone take {need / 2**30:.1f} "
+                                    f"GiB per device, over the budget of {_budget(request) / 2**30:.1f} GiB")))
             continue
         out.append((name, plan, ""))
     return out

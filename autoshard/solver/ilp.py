@@ -57,6 +57,9 @@ class IlpProblem:
     conjunctions: list = field(default_factory=list)  # [(cost, [(class c, class d, [(s, t), ...]), ...])]
     names: list[str] = field(default_factory=list)  # for error messages
     kinds: list[str] = field(default_factory=list)  # what each class's memory is, for error messages
+    # The memory rows count bytes before `later_ways` more ways of sharding (mesh axes decided after this problem);
+    # the budget was scaled by it, and a refusal divides both back to bytes per device.
+    later_ways: float = 1.0
 
     @property
     def n_classes(self) -> int:
@@ -390,7 +393,7 @@ class MemoryBudgetError(PlanError):
 
     def __init__(self, problem: IlpProblem, searched: str = "", advice: str = ""):
         self.problem = problem
-        cheapest = [min(per) for per in problem.memory or []]
+        cheapest = [min(per) / problem.later_ways for per in problem.memory or []]  # per device
         self.minimum = sum(cheapest)
         self.parts: dict = {}
         for c, nbytes in enumerate(cheapest):
@@ -406,8 +409,11 @@ class MemoryBudgetError(PlanError):
             dominant += f"; the largest part: {problem.names[largest]}, {_readable(cheapest[largest])}"
         how = f" ({searched})" if searched else ""
         advice = advice or "Raise the budget, use a larger mesh, or add ZeRO / activation checkpointing."
-        super().__init__(f"no plan fits the memory budget of {_gib(problem.budget)} per device: the smallest "
-                         f"footprint the sharding search can reach{how} is {_gib(self.minimum)}{dominant}. {advice}")
+        later = f" (if the mesh axes decided after {problem.later_ways:g}x shard it all)" \
+            if problem.later_ways > 1 else ""
+        super().__init__(f"no plan fits the memory budget of {_gib(problem.budget / problem.later_ways)} per "
+                         f"device: the smallest footprint the sharding search can reach{how} is "
+                         f"{_gib(self.minimum)}{later}{dominant}. {advice}")
 
 
 def _readable(nbytes) -> str:

@@ -8,7 +8,8 @@ import autoshard
 from autoshard.passes.memory_fit import ladder
 from autoshard.solver.ilp import MemoryBudgetError
 from autoshard.verify.verify import verify_simulated
-from autoshard.zoo import gpt2
+from autoshard.zoo import gpt2, llama
+from autoshard.zoo.hints import plan_hints
 
 HINTS = {"input:0": {"dp": "S(0)"}}
 
@@ -85,3 +86,29 @@ def test_default_budget_leaves_the_headroom_and_bad_values_are_refused():
     with pytest.raises(autoshard.UserInputError, match="memory_budget=-1"):
         autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, memory_budget=-1)
     assert torch.is_tensor(inputs[0])
+
+
+def _megatron_zero3_llama(budget, **options):
+    model, inputs, loss_fn = llama(n_layers=4, seq=64, batch=8)
+    hints = plan_hints("llama", ("dp", "tp"), batch_axes=("dp",), tp_axis="tp")
+    return autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"), hints=hints,
+                                 zero=3, profile="cpu", memory_budget=budget, **options)
+
+
+def test_user_checkpoint_regions_count_in_the_memory_row():
+    """Issue 28: with `checkpoint=` given, the ILP planned as if every activation were kept, so Megatron + ZeRO-3 +
+    recomputed layers was refused under a budget that the same plan without `checkpoint=` met (the ladder
+    recomputed by itself)."""
+    need = _megatron_zero3_llama(float("inf")).plan.predicted["memory_bytes_per_rank"]
+    budget = 0.5 * need
+    laddered = _megatron_zero3_llama(budget)
+    assert laddered.state.recompute_regions and laddered.plan.predicted["memory_bytes_per_rank"] <= budget
+    asked = _megatron_zero3_llama(budget, checkpoint=["layers.*"])
+    assert asked.state.recompute_regions == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert asked.plan.predicted["memory_bytes_per_rank"] <= budget
+
+
+def test_refusal_names_the_budget_per_device():
+    """Issue 28: a refusal on a 2-D mesh printed the budget times the later axis's size ("536 GiB per device")."""
+    with pytest.raises(MemoryBudgetError, match=r"memory budget of 0\.000 GiB \(20000 bytes\) per device"):
+        _megatron_zero3_llama(20000)
