@@ -31,6 +31,7 @@ import torch
 
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.model import collective_latency
+from autoshard.frontend.cut_points import find_layers
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import NODE_COST
@@ -144,9 +145,14 @@ def _fill_and_check(graph, nodes, stage, num_stages) -> None:
             if ins:
                 stage[node] = max(ins)
     for node in reversed(nodes):
+        users = [stage[u] for u in node.users if u in stage]
+        if node not in stage and users:
+            stage[node] = min(users)
+    following = 0
+    for node in reversed(nodes):  # no user (a check of a weight's dtype): where it stands, after its inputs
         if node not in stage:
-            users = [stage[u] for u in node.users if u in stage]
-            stage[node] = min(users) if users else 0
+            stage[node] = max([following] + [stage[i] for i in node.all_input_nodes if i in stage])
+        following = stage[node]
     for node in nodes:
         if node.target is operator.getitem:  # a tuple never crosses a stage boundary
             stage[node] = stage[node.args[0]]
@@ -181,14 +187,15 @@ def _where(node) -> str:
 
 def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
     """Per cut position k (before nodes[k], k = 0..n): bytes of the values crossing it, bytes of their
-    gradients, and whether the position is allowed (no tuple crosses it).
+    gradients, and whether the position is allowed (no tuple crosses it). An op left out of `nodes` (a
+    weight-only op) counts as computed where `op_positions` puts it: with its first user.
 
     >>> fwd, bwd, ok = boundary_bytes(state, nodes)
     >>> len(fwd) == len(nodes) + 1, fwd[3], bwd[3]  # after layers.0's linear + bias + GELU: 4 x 128 floats
     (True, 2048, 2048)
     """
     n = len(nodes)
-    index = {node: i for i, node in enumerate(nodes)}
+    index = op_positions(state.gm.graph, nodes)
     fwd, bwd, bad = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
     grads = state.grad_flags
     for node in state.gm.graph.nodes:
@@ -222,9 +229,40 @@ def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
     return out_f, out_b, ok
 
 
-def candidate_positions(nodes, ok) -> list[int]:
-    """Where a cut may go: every allowed position for small graphs, else where the block (the first two
-    components of the innermost module path, e.g. 'layers.3') changes.
+def weight_only_ops(nodes) -> set:
+    """The ops computed from parameters, buffers and constants alone (a weight's cast under mixed precision,
+    which the trace puts before every layer): the automatic cut leaves them out and `_fill_and_check` puts
+    each in the stage of its first user, so that a stage holds its own weights instead of receiving them.
+
+    >>> weight_only_ops(nodes)  # the MLP computes everything from its input
+    set()
+    """
+    out: set = set()
+    for node in nodes:
+        if all(i in out or (i.op == "placeholder" and i.meta.get(meta.KIND) != "input")
+               for i in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def op_positions(graph, nodes) -> dict:
+    """{op: its position in `nodes`} for every op of the graph; an op left out of `nodes` takes the position of
+    its earliest user that is in (through left-out users), len(nodes) when only the output uses it.
+
+    >>> op_positions(state.gm.graph, nodes[1:])[nodes[0]]  # the first linear goes with its user, the bias add
+    0
+    """
+    where = {node: i for i, node in enumerate(nodes)}
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and node not in where:
+            where[node] = min((where.get(u, len(nodes)) for u in node.users), default=len(nodes))
+    return where
+
+
+def candidate_positions(nodes, ok, layers=None) -> list[int]:
+    """Where a cut may go: every allowed position for small graphs, else where the block changes: a
+    repeated layer at any depth (`frontend/cut_points.find_layers`: 'inner.model.layers.3' in a wrapped
+    model), outside the layers the first two components of the innermost module path ('lm_head').
 
     >>> candidate_positions(nodes, boundary_bytes(state, nodes)[2])[:4]
     [1, 2, 3, 4]
@@ -232,12 +270,17 @@ def candidate_positions(nodes, ok) -> list[int]:
     n = len(nodes)
     if n <= AUTO_CUT_ALL_POSITIONS:
         return [k for k in range(1, n) if ok[k]]
+    layers = find_layers(nodes) if layers is None else layers
 
     def block(node):
+        layer = layers.layer_of(node)
+        if layer:
+            return layer
         stack = module_stack(node)
         return ".".join(stack[-1].split(".")[:2]) if stack else ""
 
-    return [k for k in range(1, n) if ok[k] and block(nodes[k]) != block(nodes[k - 1])]
+    blocks = [block(node) for node in nodes]
+    return [k for k in range(1, n) if ok[k] and blocks[k] != blocks[k - 1]]
 
 
 class CutCosts:
@@ -253,11 +296,16 @@ class CutCosts:
         state.grad_flags = needs_grad(state.gm.graph)
         self.n = len(nodes)
         self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
+        seconds = [node.meta.get(NODE_COST, {}).get("seconds", 0.0) for node in nodes] + [0.0]
+        for node, k in op_positions(state.gm.graph, nodes).items():  # ops left out run with their first user
+            if k >= self.n or nodes[k] is not node:
+                seconds[min(k, self.n - 1)] += node.meta.get(NODE_COST, {}).get("seconds", 0.0)
         self.prefix = [0.0]
-        for node in nodes:
-            self.prefix.append(self.prefix[-1] + node.meta.get(NODE_COST, {}).get("seconds", 0.0))
+        for t in seconds[:-1]:
+            self.prefix.append(self.prefix[-1] + t)
         self.link = config.link
-        self.positions = [0] + candidate_positions(nodes, self.allowed) + [self.n]
+        self.layers = find_layers(nodes)
+        self.positions = [0] + candidate_positions(nodes, self.allowed, self.layers) + [self.n]
 
     def transfer(self, k: int) -> float:
         """Seconds to send the values crossing position `k` forward and their gradients back (0 at the ends).
@@ -294,14 +342,22 @@ def auto_cut(state, nodes, config) -> dict:
     """Contiguous stages minimising (max stage time, total crossing bytes) by dynamic programming over
     the candidate positions (exact over them: O(stages x positions^2)).
 
+    Weight-only ops (`weight_only_ops`) are not cut: cut_stages puts each with its first user.
+
     >>> auto_cut(state, nodes, config) == {n: n.meta[meta.STAGE] for n in nodes}  # what cut_stages chose
     True
     """
+    floating = weight_only_ops(nodes)
+    nodes = [n for n in nodes if n not in floating]
     costs = CutCosts(state, nodes, config)
     positions, stages = costs.positions, config.num_stages
     if len(positions) - 1 < stages:
-        raise PlanError(f"the model has {len(positions) - 1} places to cut but the pipeline needs {stages} stages; "
-                        "use fewer stages (a smaller pp axis or fewer virtual stages)")
+        found = (f"its {len(costs.layers)} repeated layers are in {', '.join(map(repr, costs.layers.containers))}"
+                 if costs.layers.containers else "no repeated layers found (a ModuleList or nn.Sequential of "
+                 "blocks of one class, each using the one before)")
+        raise PlanError(f"the model has {len(positions) - 1} places to cut but the pipeline needs {stages} stages "
+                        f"({found}); use fewer stages (a smaller pp axis or fewer virtual stages) or name the "
+                        "cuts (pipeline={'split_points': [...]})")
     cuts = min_max_cut(costs.stage_time, positions, stages, crossing=lambda b: costs.fwd_bytes[b])
     return stages_from_cuts(nodes, cuts)
 
