@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from autoshard.cost.model import A100_80GB, HardwareProfile, Link
+from autoshard.frontend.cut_points import find_layers
 from autoshard.frontend.request import DEFAULT_HEADROOM, CompileOptions, headroom_budget
 from autoshard.frontend.trace import Traced, trace
 from autoshard.ir import meta
@@ -318,12 +319,13 @@ class ScaleSearch:
         True
         """
         per_unit: dict = {}
+        found = find_layers(self.traced.gm.graph.nodes)
         for node in self.traced.gm.graph.nodes:
             if node.op == "placeholder" and node.meta.get(meta.KIND) == "param":
                 val = node.meta["val"]
-                instance = layer_instance(next(iter(node.users), node))
+                instance = layer_instance(next(iter(node.users), node), found)
                 per_unit[instance] = per_unit.get(instance, 0) + val.numel() * val.element_size()
-        layers = sorted((k for k in per_unit if k), key=lambda k: int(k.rsplit(".", 1)[1]))
+        layers = [k for k in found.layers if k in per_unit]
         total = sum(v for k, v in per_unit.items() if not k)
         if len(layers) == self.n_layers:
             total += sum(per_unit[k] for k in layers)

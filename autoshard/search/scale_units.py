@@ -25,12 +25,12 @@ from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import is_matmul_like, node_flops
 from autoshard.cost.model import collective_latency
 from autoshard.cost.recompute_cost import recompute_seconds, region_savings
+from autoshard.frontend.cut_points import LayerSequence, find_layers
 from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.meta import NODE_COST
 from autoshard.passes.cut_stages import boundary_bytes
 from autoshard.passes.predict import collective_bytes, local_bytes
-from autoshard.solver.layers import layer_key
 
 aten = torch.ops.aten
 # torchtitan's selective-op policy (parallelize_llama.py, _save_list): matmuls (every second one recomputed),
@@ -69,20 +69,23 @@ class Unit:
     is_layer: bool = False
 
 
-def layer_instance(node) -> str:
-    """The repeated layer a node belongs to ('layers.1'), or '' outside the layers.
+def layer_instance(node, layers: LayerSequence | None = None) -> str:
+    """The repeated layer an op belongs to ('layers.1', at any depth: 'inner.model.layers.1' in a wrapped
+    model), or '' outside the layers; `layers` is its graph's `find_layers` (found again when not given).
 
-    >>> sorted({layer_instance(n) for n in prog.state.gm.graph.nodes})
+    >>> layers = find_layers(prog.state.gm.graph.nodes)
+    >>> sorted({layer_instance(n, layers) for n in prog.state.gm.graph.nodes})
     ['', 'layers.0', 'layers.1', 'layers.2']
     """
-    return layer_key(node.meta.get(meta.PATH, ""))[1]
+    return (layers if layers is not None else find_layers(node.graph.nodes)).layer_of(node)
 
 
 def selective_savings(state, nodes) -> tuple[float, float, float]:
     """(activation bytes no longer kept, seconds of recompute, forward matmul FLOPs recomputed) of checkpointing
     the layer `nodes` selectively (torchtitan's "selective op" policy; see the module docstring).
 
-    >>> layer = [n for n in prog.state.gm.graph.nodes if layer_instance(n) == "layers.1"]
+    >>> layers = find_layers(prog.state.gm.graph.nodes)
+    >>> layer = [n for n in prog.state.gm.graph.nodes if layer_instance(n, layers) == "layers.1"]
     >>> saved, seconds, flops = selective_savings(prog.state, layer)
     >>> 0 < saved < region_savings(prog.state, layer)[0] and 0 < flops < sum(map(node_flops, filter(is_matmul_like, layer)))
     True
@@ -102,7 +105,7 @@ def selective_savings(state, nodes) -> tuple[float, float, float]:
         seconds += recompute_seconds(state, node)[0]
         flops += node_flops(node) if is_matmul_like(node) else 0.0
         if all(u in members for u in node.users):
-            saved += node.meta[NODE_COST]["memory_bytes"]
+            saved += node.meta.get(NODE_COST, {}).get("memory_bytes", 0)
     return saved, seconds, flops
 
 
@@ -115,7 +118,8 @@ def units_of(state, profile) -> tuple[list[Unit], list]:
     """
     graph, mesh = state.gm.graph, state.mesh
     ops = [n for n in graph.nodes if n.op == "call_function"]
-    instances = list(dict.fromkeys(i for i in map(layer_instance, ops) if i))
+    layers = find_layers(ops)
+    instances = [i for i in dict.fromkeys(map(layers.layer_of, ops)) if i]
     if len(instances) < 2:
         raise UserInputError("the scale search needs a model with repeated layers (a ModuleList such as "
                              f"'layers.0', 'layers.1', ...); found {instances}")
@@ -123,7 +127,7 @@ def units_of(state, profile) -> tuple[list[Unit], list]:
     where = {i: k + 1 for k, i in enumerate(instances)}
     seen_layer, of, members = False, {}, {}
     for node in ops:
-        instance = layer_instance(node)
+        instance = layers.layer_of(node)
         seen_layer = seen_layer or bool(instance)
         of[node] = where[instance] if instance else (len(units) - 1 if seen_layer else 0)
         members.setdefault(of[node], []).append(node)
