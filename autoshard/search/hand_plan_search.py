@@ -141,7 +141,7 @@ def _budget(request: CompileRequest) -> float:
 def applicable_hand_plans(request: CompileRequest) -> list:
     """(name, HandPlan or None, why not) for each flat catalogue plan on the request's mesh: tensor parallel on
     the axis named "tp" (else the innermost), the batch on the others; planned only where its parameters'
-    share of the budget can fit.
+    share of the budget can fit (with ZeRO-3, which the memory ladder adds when a plan does not fit).
 
     >>> from autoshard.frontend.request import CompileRequest
     >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("dp", "tp")), inputs, loss_fn=loss_fn)
@@ -192,8 +192,11 @@ def _trained_state_bytes(traced, request: CompileRequest) -> float:
 
 
 def _parameter_split(plan, mesh) -> int:
-    """How many ways the hand plan splits most parameters: its ZeRO-3 axis and its tensor-parallel axis."""
-    axes = set((plan.zero or {}).keys())
-    axes |= {a for glob, value in plan.hints.items() if not glob.startswith("input:") and ":" not in glob
-             for a, p in value.items() if p.startswith("S(")}
-    return math.prod(mesh.shape[mesh.axis(a)] for a in axes)
+    """The most ways the hand plan can split its parameters: its tensor-parallel axes, and ZeRO-3 on its ZeRO axis
+    or, where it has none, on a batch axis (the memory ladder adds it when the plan does not fit)."""
+    sharded = {a for glob, value in plan.hints.items() if not glob.startswith("input:") and ":" not in glob
+               for a, p in value.items() if p.startswith("S(")}
+    batch = {a for glob, value in plan.hints.items() if glob.startswith("input:") for a, p in value.items()
+             if p == "S(0)"} - sharded
+    zero = set(plan.zero or ()) or ({max(batch, key=lambda a: mesh.shape[mesh.axis(a)])} if batch else set())
+    return math.prod(mesh.shape[mesh.axis(a)] for a in sharded | zero)
