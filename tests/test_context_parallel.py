@@ -262,7 +262,7 @@ if FULL:
         "dp-cp-tp-ring-bf16": (("dp", "cp", "tp"), "ring", {"mixed_precision": "bf16"}),
         "pp-cp-tp-ring": (("pp", "cp", "tp"), "ring", {}),
         "pp-cp-tp-alltoall-recompute": (("pp", "cp", "tp"), "alltoall", {"checkpoint": ["layers.0", "layers.1"]}),
-    })  # pipelines with ZeRO are refused for every mode (autoshard/passes/zero.py)
+    })
 
 
 @pytest.mark.parametrize("case", sorted(COMPOSED))

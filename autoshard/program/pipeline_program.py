@@ -66,11 +66,6 @@ class PipelineProgram(Program):
         self.config = config
         self.pp_axis = mesh.axis(config.axis)
         self.tied_params = self._tied_params()
-        if state.zero is not None:  # the stage modules do not shard optimizer state or gradients yet
-            why = "requested" if state.options.zero else "chosen to fit the memory budget"
-            raise UserInputError(f"ZeRO ({state.zero!r}, {why}) with a pipeline over {config.axis!r} is not "
-                                 "supported yet: its runtime would not match one device; drop zero= (or raise "
-                                 "memory_budget), or plan without a pipeline axis")
         if state.options.rng == "exact":
             self._check_batch_first_draws()
 

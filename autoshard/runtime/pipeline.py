@@ -5,12 +5,16 @@ process group and runs the chosen schedule (GPipe, 1F1B, Interleaved1F1B, Looped
 InterleavedZeroBubble, ZBVZeroBubble); the stages' own collectives run on the other axes' groups
 through the intra-op communicator. Stage-to-stage sends and receives are the schedule's own:
 asynchronous (isend/irecv, batched per step of the schedule and waited for only before the compute that
-needs them, or at the end of the step for sends). Gradients: summed over micro-batches by autograd, reduced
-after the last micro-batch on their partial axes (`sync_grads`; no overlap: every micro-batch is a backward
-pass, so a bucket is complete only at the end), tied parameters summed across the pp ranks holding a copy, then
-divided by the micro-batch count (so a step equals one full-batch step of a batch-mean loss; the
-schedule's own scaling is off because a tied parameter shared by two local stages would be
-scaled twice). Each stage's forward/backward chunks are timed for the measured timeline.
+needs them, or at the end of the step for sends). Gradients: summed over micro-batches by autograd, divided
+by the micro-batch count (so a step equals one full-batch step of a batch-mean loss; the schedule's own
+scaling is off because a tied parameter shared by two local stages would be scaled twice), tied parameters
+summed across the pp ranks holding a copy, then reduced after the last micro-batch on their partial axes
+(`sync_step`; no overlap: every micro-batch is a backward pass, so a bucket is complete only at the end).
+ZeRO runs on each stage's own dp group as in a flat program: stage 1 and 2 through the ZeroOptimizer (stage 2
+reduce-scatters the accumulated gradients once per step, last, so nothing touches the full gradient after),
+stage 3 also gathers each parameter before each use and reduce-scatters its gradient in every micro-batch's
+backward (summed over micro-batches in the shard); a stage's forward saves gathered parameters as shards
+for backward. Each stage's forward/backward chunks are timed for the measured timeline.
 `SequentialStages` runs all stages of one intra-op rank in order: the in-process simulator.
 
 The examples pipeline a three-layer MLP as two virtual stages on one pp rank, so that a real gloo
@@ -36,6 +40,7 @@ ends it); the simulator's examples use `InnerRanks(prog)`, the thread simulator'
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -52,6 +57,8 @@ from autoshard.runtime.loss_scale import LossScaler, optimizer_step
 from autoshard.runtime.rank_module import RankModule
 from autoshard.runtime.rank_program import RankProgram
 from autoshard.runtime.rng import RankRng
+from autoshard.runtime.zero import ZeroOptimizer
+from autoshard.runtime.zero_gather import save_shards_for_backward
 
 
 class SavedActivations:
@@ -153,6 +160,26 @@ class _StagesModule(RankModule):
             if param.grad is not None:
                 param.grad.div_(m)
 
+    def stage_forward(self):
+        """The context a stage's forward runs in: under ZeRO-3 gathered parameters are saved for backward as
+        their shards and re-gathered there (as the flat rank module's forward does), not kept per micro-batch."""
+        zero = self.rank_program.zero
+        if zero is None or zero.stage != 3:
+            return contextlib.nullcontext()
+        return save_shards_for_backward(self.gathered_memory)
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of parameters tied across pp ranks: none here, every stage of a simulated column
+        is in this module (tied copies share one Parameter, one gradient)."""
+
+    def sync_step(self, passes: int = 1) -> None:
+        """After a step's last micro-batch: divide the gradients by the micro-batches (`passes`: accumulated
+        passes), sum tied copies over pp, then reduce on their partial axes; last, because with ZeRO-2/3 the
+        reduction reduce-scatters each gradient into this rank's shard and frees the full one."""
+        self.scale_grads(passes)
+        self.sync_tied_grads()
+        self.sync_grads()
+
 
 class SequentialStages(_StagesModule):
     """Every stage of one intra-op rank, run in order for each micro-batch (one thread = one pp column).
@@ -171,7 +198,7 @@ class SequentialStages(_StagesModule):
         True
         """
         values = tuple(local_inputs)
-        with use_communicator(self.comm), self.rng.drawing(microbatch):
+        with use_communicator(self.comm), self.rng.drawing(microbatch), self.stage_forward():
             for stage in self.stage_graphs:
                 values = tuple(stage.gm(*values))
         return values  # (loss, *outputs)
@@ -198,8 +225,7 @@ def simulated_rank_step(module: SequentialStages, inputs, train: bool = True, sy
     if train:
         module.unsynced_passes = getattr(module, "unsynced_passes", 0) + 1
         if sync:
-            module.sync_grads()
-            module.scale_grads(module.unsynced_passes)
+            module.sync_step(module.unsynced_passes)
             module.unsynced_passes = 0
     return [torch.stack(losses).mean(), *[list(blocks) for blocks in zip(*outputs)]]
 
@@ -270,7 +296,7 @@ class PipelineRankModule(_StagesModule):
                 start = time.perf_counter()
                 try:
                     if _kind == "F":
-                        with self.saved.track(), self.rng.drawing(chunk):
+                        with self.saved.track(), self.rng.drawing(chunk), self.stage_forward():
                             return _original(chunk, *args, **kwargs)
                     return _original(chunk, *args, **kwargs)
                 finally:
@@ -314,9 +340,7 @@ class PipelineRankModule(_StagesModule):
         self.unsynced_passes = getattr(self, "unsynced_passes", 0) + 1
         if sync:
             self.comm.phase = "sync"
-            self.sync_grads()
-            self.sync_tied_grads()
-            self.scale_grads(self.unsynced_passes)
+            self.sync_step(self.unsynced_passes)
             self.unsynced_passes = 0
         self.comm.phase = "fwd"
         if not losses:
@@ -342,7 +366,7 @@ class PipelineRankModule(_StagesModule):
 
     def sync_tied_grads(self) -> None:
         """Sum the gradients of parameters used by stages on different pp ranks (zeros where absent);
-        `train_step` calls it. Here every stage is on one rank, so there is nothing to sum:
+        `sync_step` calls it. Here every stage is on one rank, so there is nothing to sum:
 
         >>> module = rank_module()
         >>> module.sync_tied_grads()
@@ -389,18 +413,21 @@ def _is_transport_failure(exc: BaseException) -> bool:
 
 
 def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: float | None = None,
-                      accumulate: int = 1, loss_scaling: bool = False) -> dict:
-    """verify's rank function for a pipeline rank (real or simulated): train `steps` SGD steps of
+                      accumulate: int = 1, loss_scaling: bool = False, opt=None) -> dict:
+    """verify's rank function for a pipeline rank (real or simulated): train `steps` optimizer steps of
     `accumulate` passes each over as many slices of the batch (one gradient sync per step), clipping the
     gradients by their global norm first when `clip_grad_norm` is given; with `loss_scaling` (fp16) through
-    a LossScaler.
+    a LossScaler. `opt`: the optimizer over the module's parameters (a ZeroOptimizer under ZeRO); default
+    SGD at `lr`, wrapped in a ZeroOptimizer when the plan has ZeRO.
 
     >>> result = run_ranks(InnerRanks(prog), lambda module: pipeline_rank_run(module, inputs, steps=2, lr=0.1))[0]
     >>> len(result["loss"]), bool(result["loss"][1] < result["loss"][0]), sorted(result["grads"])[:2]
     (2, True, ['layers.0.bias', 'layers.0.weight'])
     """
     params = dict(module.named_local_parameters())
-    opt = torch.optim.SGD(params.values(), lr=lr) if params else None
+    if opt is None and params:
+        opt = torch.optim.SGD(params.values(), lr=lr)
+        opt = ZeroOptimizer(module, opt) if module.rank_program.zero is not None else opt
     scaler = LossScaler(module) if loss_scaling else None
     module.comm.log.clear()
     n_outputs = len(module.rank_program.output_specs) - 1
@@ -425,15 +452,16 @@ def pipeline_rank_run(module, inputs, steps: int, lr: float, clip_grad_norm: flo
             module.clip_grad_norm_(clip_grad_norm)
         losses.append(loss)
         if grads is None and (scaler is None or not scaler.found_inf):  # verify compares a step that ran
-            grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-        if step == 0:
+            grads = opt.full_grads() if hasattr(opt, "full_grads") else \
+                {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+        optimizer_step(opt, scaler, scales)
+        if step == 0:  # the counts include the optimizer's step (ZeRO all-gathers the updated shards there)
             outputs = list(outs) if outs is not None else [None] * n_outputs
             counts = module.comm.log.summary()
             full = getattr(module, "full_comm", None)
             if full is not None:
                 for axis, kinds in full.log.summary().items():
                     counts.setdefault(axis, {}).update(kinds)
-        optimizer_step(opt, scaler, scales)
     return {"loss": losses, "outputs": outputs, "grads": grads, "counts": counts, "loss_scale": scales,
             "params": {k: p.detach().clone() for k, p in params.items()},
             "timeline": list(getattr(module, "timeline", [])),

@@ -190,12 +190,12 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
     >>> ranks[0]["counts"]["tp"]["all_to_all"]  # of the first step, on rank 0
     {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 4096}
     """
-    if getattr(module, "pipelined", False):
-        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm, training.accumulate,
-                                 training.loss_scaling)
-    passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
     params = dict(module.named_local_parameters())
     opt = make_optimizer(list(params.values()), lr, optimizer, module, offload)
+    if getattr(module, "pipelined", False):
+        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm, training.accumulate,
+                                 training.loss_scaling, opt)
+    passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
     scaler = LossScaler(module) if training.loss_scaling else None
     module.comm.log.clear()
     losses, outputs, grads, counts, scales = [], None, None, None, []

@@ -157,16 +157,6 @@ def test_simulate_equals_the_model():
     assert torch.allclose(loss, expected.mean(), rtol=1e-12)
 
 
-def test_zero_with_a_pipeline_is_refused_rather_than_trained_wrong():
-    """The stage modules do not shard optimizer state or gradients: a pipeline with ZeRO would not match one
-    device (ZeRO-1 trained different parameters, ZeRO-2 failed at the first step), so it is refused."""
-    model, _, loss_fn = FACTORIES["mlp"]()
-    with pytest.raises(autoshard.UserInputError, match=r"ZeRO \(ZeRO-1 on 'dp', requested\) with a pipeline over 'pp' "
-                                                        r"is not supported yet"):
-        autoshard.parallelize(model, (2, 2), (torch.randn(16, 32),), loss_fn=loss_fn, axis_names=("pp", "dp"),
-                              hints={"input:0": {"dp": "S(0)"}}, zero=1)
-
-
 def test_a_full_batch_that_does_not_split_into_the_micro_batches_is_named():
     model, _, loss_fn = FACTORIES["mlp"]()
     prog = autoshard.parallelize(model, (2,), (torch.randn(8, 32),), loss_fn=loss_fn, axis_names=("pp",),
