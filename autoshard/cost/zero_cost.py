@@ -32,6 +32,7 @@ from autoshard.cost.model import (
     reduce_scatter_time,
 )
 from autoshard.ir import meta
+from autoshard.ir.meta import NODE_COST
 from autoshard.ir.placement import Shard
 
 aten = torch.ops.aten
@@ -141,7 +142,11 @@ def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
 def apply_zero(state) -> None:
     """Correct predict's figures (made as if without ZeRO) for the ZeroOptimizer's work: the gradient
     sync of replicated parameters becomes a reduce-scatter of padded chunks (stage >= 2), their chunks
-    are all-gathered after the step, and memory follows `memory_breakdown`.
+    are all-gathered after the step, and memory follows `memory_breakdown`. Each parameter's own row
+    (`autoshard.node_cost`) gets its ZeRO memory; in a pipeline's micro-batch program also its ZeRO sync
+    seconds, which the stage table sums per stage (cut_stages) and the pipeline's step runs after the last
+    micro-batch. A flat program's rows keep the all-reduce's seconds: its overlap model hides them under
+    backward, while the chunks' all-gather after the step is exposed (in `step_time_s` only).
 
     >>> plain = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
     ...                               hints={"input:0": {"dp": "S(0)"}})
@@ -159,18 +164,25 @@ def apply_zero(state) -> None:
     sync = predicted["comm_bytes_per_step"][zero.axis]
     seconds = 0.0
     memory = 0
+    pipelined = state.options.pipeline is not None
     for node, spec, numel, itemsize, kept in _trained_param_shards(state):
         memory -= int(kept * (2 + f))
         if zero.stage == 3 and isinstance(spec[axis], Shard):
             memory += int(kept * (2 + f))
             continue
         padded = math.ceil(numel / k) * k * itemsize
-        memory += int(sum(param_memory(kept, numel, itemsize, zero.stage, k, f, False).values()))
+        held = int(sum(param_memory(kept, numel, itemsize, zero.stage, k, f, False).values()))
+        memory += held
         sync["sync"] += padded  # the all-gather of the updated chunks
-        seconds += all_gather_time(padded, k, link)
+        extra = all_gather_time(padded, k, link)
         if zero.stage >= 2 and zero.axis in state.grad_reduce.get(node.meta[meta.PATH], ()):
             sync["sync"] += padded - kept  # a reduce-scatter of the padded gradient, not an all-reduce
-            seconds += reduce_scatter_time(padded, k, link) - all_reduce_time(kept, k, link)
+            extra += reduce_scatter_time(padded, k, link) - all_reduce_time(kept, k, link)
+        seconds += extra
+        cost = node.meta.get(NODE_COST)
+        if cost is not None:
+            cost["memory_bytes"] = held
+            cost["sync_s"] += extra if pipelined else 0.0
     memory += memory_breakdown(state)["gathered"]
     predicted["memory_bytes_per_rank"] = max(0, predicted["memory_bytes_per_rank"] + memory)
     predicted["comm_s"] += seconds
