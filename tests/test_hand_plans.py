@@ -79,10 +79,14 @@ def test_automatic_plan_never_worse_than_a_catalogue_plan_transformers(family, p
 
 def test_a_hand_plan_wins_under_a_tight_budget_and_the_search_says_why():
     """Llama-3-8B's shape on (8,8): the ILP's plan (axes solved one after another under the budget) is slower than
-    Megatron-SP, which the search plans beside it and returns, recording every candidate."""
+    Megatron-SP, which the search plans beside it and returns, recording every candidate; the candidates that are
+    not returned warn nothing."""
     model, inputs, loss_fn = transformers_families.llama3("8b", batch=16, seq=2048)
-    prog = autoshard.parallelize(model, (8, 8), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
-                                 mixed_precision="bf16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prog = autoshard.parallelize(model, (8, 8), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
+                                     mixed_precision="bf16")
+    assert not [w for w in caught if "hint" in str(w.message)]  # the candidates' hints are the planner's
     search = prog.plan.search
     rows = {row["name"]: row for row in search["hand_plans"]}
     assert search["chosen_plan"] != "automatic" and "fastest predicted step" in search["why_plan"]
@@ -113,14 +117,3 @@ def test_hand_plans_say_why_they_do_not_apply():
         catalogue.ep_dp(roles, autoshard.Mesh((2,), ("dp",)), batch=8)
     with pytest.raises(catalogue.NotApplicable, match="not divisible by tp=3"):
         catalogue.fsdp_tp(roles, autoshard.Mesh((2, 3), ("dp", "tp")), batch=8)
-
-
-def test_a_hand_plan_searched_but_not_returned_warns_nothing():
-    model, inputs, loss_fn = ZOO["llama"]()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
-                                     memory_budget=3e6)
-    assert prog.plan.search["chosen_plan"] == "automatic"
-    assert [row["name"] for row in prog.plan.search["hand_plans"]][:3] == ["automatic", "ddp", "fsdp"]
-    assert not [w for w in caught if "hint" in str(w.message)]
