@@ -8,6 +8,7 @@ import torch
 import autoshard
 from autoshard.ir import meta
 from autoshard.program.pipeline_program import InnerRanks
+from autoshard.runtime.collectives import use_communicator
 from autoshard.runtime.pipeline import simulated_rank_step
 from autoshard.runtime.simulator import run_ranks
 from autoshard.runtime.zero import ZeroOptimizer
@@ -86,3 +87,17 @@ def test_predicted_memory_and_sync_follow_the_stages_zero():
     sync = {s: sum(row["sync_s"] for row in p.state.pipeline_stages) for s, p in plans.items()}
     assert sync[1] > sync[None]
     assert plans[1].plan.pipeline["predicted_step_s"] > plans[None].plan.pipeline["predicted_step_s"]
+
+
+def test_zero3_stages_keep_no_gathered_parameter_from_forward_to_backward():
+    prog, inputs = _plan("gpt2", 3)
+
+    def forward_then_backward(module):
+        loss = module.run_microbatch(module.local_microbatches(*inputs)[0])[0]
+        alive = module.gathered_memory.live  # saved for backward as shards: the gathered copies are gone
+        with use_communicator(module.comm):
+            loss.backward()  # re-gathers each saved parameter once
+        return alive, module.gathered_memory.peak
+
+    alive, peak = run_ranks(InnerRanks(prog), forward_then_backward)[0]
+    assert alive == 0 < peak
