@@ -239,7 +239,9 @@ class RankModule(torch.nn.Module):
         if zero is None or zero.stage < 2:
             return set()
         if self.zero_optimizer is None:
+            step = "module.train_step(*batch)" if getattr(self, "pipelined", False) else \
+                "backward, module.sync_grads()"
             raise UserInputError(f"this program shards gradients ({zero!r}): wrap the optimizer before training, "
                                  "opt = autoshard.runtime.zero.ZeroOptimizer(module, torch.optim.Adam("
-                                 "module.parameters(), ...)), then backward, module.sync_grads(), opt.step()")
+                                 f"module.parameters(), ...)), then {step}, opt.step()")
         return self.zero_optimizer.managed()

@@ -101,3 +101,10 @@ def test_zero3_stages_keep_no_gathered_parameter_from_forward_to_backward():
 
     alive, peak = run_ranks(InnerRanks(prog), forward_then_backward)[0]
     assert alive == 0 < peak
+
+
+def test_zero2_stages_without_the_sharded_optimizer_say_how_to_train():
+    prog, inputs = _plan("gpt2", 2)
+    with pytest.raises(RuntimeError, match=r"UserInputError: this program shards gradients \(ZeRO-2 on 'dp'\): wrap the "
+                                           r"optimizer .*ZeroOptimizer.* then module.train_step\(\*batch\), opt.step"):
+        run_ranks(InnerRanks(prog), lambda module: simulated_rank_step(module, inputs))
