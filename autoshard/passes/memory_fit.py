@@ -11,7 +11,7 @@ time first:
      budget needs, most bytes saved per second of recompute first (autoshard/passes/recompute.py).
 Sequence parallelism needs no rung: activations sharded over the tensor-parallel axis are placements the
 ILP already weighs in the memory row. A requested ZeRO stage fixes the stage; `checkpoint=` given by the
-user fixes recomputation; a pipeline's micro-batch program gets no ZeRO rung (pipelines refuse ZeRO).
+user fixes recomputation.
 
 The most memory-saving rung is tried first: when even it does not fit, nothing does, and the refusal names
 its smallest footprint and what dominates it without trying the others.
@@ -69,8 +69,7 @@ def ladder(state) -> list[Rung]:
     ['ZeRO-1', 'ZeRO-2', 'ZeRO-3', 'recomputation']
     """
     requested = requested_zero(state)
-    stages = [next(iter(requested.values()))] if requested else \
-        [] if state.options.pipeline is not None else list(ZERO_STAGES)
+    stages = [next(iter(requested.values()))] if requested else list(ZERO_STAGES)
     recompute = [False] + ([True] if state.options.checkpoint is None else [])
     rungs = [Rung(None, r) for r in recompute if not requested] + [Rung(s, r) for r in recompute for s in stages]
     rungs.sort(key=lambda r: (r.recompute, r.zero or 0))
