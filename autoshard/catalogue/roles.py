@@ -19,13 +19,13 @@ features). A lone linear (a router, the LM head) belongs to no pair and is left 
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from autoshard.ir import meta
 from autoshard.ir.mixed_precision import cast_parameter
+from autoshard.solver.layers import layer_key
 
 aten = torch.ops.aten
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
@@ -55,12 +55,12 @@ class ModelRoles:
 
 
 def layer_glob(path: str) -> str:
-    """The path with every list index made a wildcard: one glob for a module in every repeated layer.
+    """The path with every list index made a wildcard (`layer_key`'s glob): one glob for a module in every layer.
 
     >>> layer_glob("inner.model.layers.12.self_attn.q_proj.weight")
     'inner.model.layers.*.self_attn.q_proj.weight'
     """
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
+    return layer_key(path)[0]
 
 
 def _in_repeated_layer(path: str) -> bool:

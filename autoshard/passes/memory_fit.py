@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from autoshard.cost.recompute_cost import dropped_activations
 from autoshard.frontend.hints import ZERO_STAGES
 from autoshard.ir import meta
-from autoshard.passes.recompute import region_of
+from autoshard.passes.recompute import checkpoint_regions, region_of
 from autoshard.passes.zero import (
     ZeroConfig,
     batch_axes,
@@ -142,6 +142,22 @@ def recompute_dropped(nodes, regions=None) -> set:
     for members in list(by_instance.values())[1:]:  # the first counts in full: live while a layer is recomputed
         dropped.update(dropped_activations(members))
     return dropped
+
+
+def planned_dropped(state, nodes) -> set:
+    """The activations the ILP's memory row leaves out: the ladder's recomputation rung drops repeated layers'
+    (`recompute_dropped`); a user's `checkpoint=` globs drop their regions' (else the ILP would bend the placements
+    to fit activations that are recomputed anyway); nothing otherwise.
+
+    >>> len(planned_dropped(plain.state, list(plain.state.gm.graph.nodes)))  # neither: every activation counts
+    0
+    """
+    if state.recompute_for_memory:
+        return recompute_dropped(nodes)
+    option = state.options.checkpoint
+    if not option or option == "auto":
+        return set()
+    return recompute_dropped(nodes, checkpoint_regions(option, [n for n in nodes if n.op == "call_function"]))
 
 
 def _zero_axis(state, solve_once) -> str | None:

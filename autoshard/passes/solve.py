@@ -60,8 +60,7 @@ from autoshard.passes.choice import (
     sequential_candidates,
 )
 from autoshard.passes.contract import compiler_pass
-from autoshard.passes.memory_fit import fit_memory, recompute_dropped
-from autoshard.passes.recompute import checkpoint_regions
+from autoshard.passes.memory_fit import fit_memory, planned_dropped
 from autoshard.passes.zero import planned_zero
 from autoshard.solver.ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from autoshard.solver.layers import decision_classes
@@ -357,15 +356,6 @@ def _conversion_charges(conversions, edges) -> list:
     return [(cost, [(c, d, list(pairs)) for (c, d), pairs in signature[1]]) for signature, cost in merged.items()]
 
 
-def _user_recompute_dropped(state, nodes):
-    """The activations the user's `checkpoint=` regions do not keep: the memory row plans for them (the ILP would
-    otherwise bend the placements to fit activations that are recomputed anyway)."""
-    option = state.options.checkpoint
-    if not option or option == "auto":
-        return ()
-    return recompute_dropped(nodes, checkpoint_regions(option, [n for n in nodes if n.op == "call_function"]))
-
-
 def _memory_kind(node) -> str:
     """What a node's memory row entry holds, for the refusal's breakdown."""
     if node.op != "placeholder":
@@ -436,7 +426,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
     sizes = [len(combos[members[0]]) for members in classes]
     costs = [[0.0] * size for size in sizes]
     memory = [[0.0] * size for size in sizes]
-    dropped = recompute_dropped(nodes) if state.recompute_for_memory else _user_recompute_dropped(state, nodes)
+    dropped = planned_dropped(state, nodes)
     copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
     for n in nodes:
         c = class_of[n]

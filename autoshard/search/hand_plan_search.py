@@ -49,7 +49,7 @@ def plan_with_hand_plans(request: CompileRequest) -> Program:
     if not _hand_plans_may_win(request, auto):
         return auto
     record = [_row("automatic", "the ILP's plan", auto)]
-    planned = [(auto, [])]
+    planned = [(auto, [], "automatic")]
     _add_recompute_variant(request, "automatic", "the ILP's plan", auto, record, planned, hand_plan=False)
     for name, plan, why in applicable_hand_plans(request):
         if plan is None:
@@ -59,12 +59,9 @@ def plan_with_hand_plans(request: CompileRequest) -> Program:
         prog = _plan_quietly(hand, name, plan.description, record, planned)
         if prog is not None:
             _add_recompute_variant(hand, name, plan.description, prog, record, planned)
-    best, caught = min(planned, key=lambda pair: pair[0].plan.predicted["step_time_s"])  # the first on a tie
+    best, caught, chosen = min(planned, key=lambda entry: entry[0].plan.predicted["step_time_s"])  # first on a tie
     for warning in caught:  # a hand plan's warnings are told only when it is the plan returned
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    chosen = next(r["name"] for r in record if r.get("step") is best)
-    for row in record:
-        row.pop("step", None)
     best.plan.search = dict(best.plan.search, hand_plans=record, chosen_plan=chosen,
                             why_plan=_why(record, chosen))
     log.info(best.plan.search["why_plan"])
@@ -82,7 +79,7 @@ def _plan_quietly(request: CompileRequest, name: str, description: str, record: 
         record.append({"name": name, "description": description, "error": str(exc).splitlines()[0]})
         return None
     record.append(_row(name, description, prog))
-    planned.append((prog, caught))
+    planned.append((prog, caught, name))
     return prog
 
 
@@ -104,7 +101,7 @@ def _row(name: str, description: str, prog: Program) -> dict:
     return {"name": name, "description": description, "predicted_step_s": predicted["step_time_s"],
             "overlapped_step_s": predicted.get("overlapped_step_s", predicted["step_time_s"]),
             "memory_bytes_per_rank": predicted["memory_bytes_per_rank"],
-            "savers": repr(prog.zero) if prog.zero is not None else "", "step": prog}
+            "savers": repr(prog.zero) if prog.zero is not None else ""}
 
 
 def _why(record: list, chosen: str) -> str:
@@ -149,7 +146,7 @@ def applicable_hand_plans(request: CompileRequest) -> list:
     [('ddp', True), ('fsdp', True), ('fsdp_tp', True), ('tp_sp', True)]
     """
     mesh = request.mesh
-    traced, _ = trace_for_plan(request, None, request.options)
+    traced, fold = trace_for_plan(request, None, request.options)
     roles = model_roles(traced.gm)
     inputs = [n for n in traced.gm.graph.nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "input"]
     batch = inputs[0].meta["val"].shape[0] if inputs and inputs[0].meta["val"].dim() else 1
@@ -160,7 +157,7 @@ def applicable_hand_plans(request: CompileRequest) -> list:
                 "tp_sp": lambda: catalogue.tp_sp(roles, mesh, batch, len(inputs), tp=tp)}
     if roles.experts:
         builders["ep_dp"] = lambda: catalogue.ep_dp(roles, mesh, batch, len(inputs))
-    state_bytes = _trained_state_bytes(traced, request)
+    state_bytes = _trained_state_bytes(traced, fold, request.options.optimizer_state_factor)
     out = []
     for name, build in builders.items():
         try:
@@ -177,18 +174,14 @@ def applicable_hand_plans(request: CompileRequest) -> list:
     return out
 
 
-def _trained_state_bytes(traced, request: CompileRequest) -> float:
-    """Bytes of the parameters with their gradients and optimizer state, unsharded (a folded trace's repeated
-    layers counted for the whole model)."""
+def _trained_state_bytes(traced, fold, factor: float) -> float:
+    """Bytes of the parameters and buffers with their gradients and optimizer state, unsharded (a folded trace's
+    middle layer counted for every layer it stands for)."""
     grad = needs_grad(traced.gm.graph)
-    factor = request.options.optimizer_state_factor
-    total = 0.0
-    for node in traced.gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get(meta.KIND) in ("param", "buffer"):
-            total += node.meta["val"].numel() * node.meta["val"].element_size() * held_bytes_factor(node, grad, factor)
-    params = sum(p.numel() for p in request.model.parameters())
-    traced_params = sum(n.meta["val"].numel() for n in traced.gm.graph.nodes if n.meta.get(meta.KIND) == "param")
-    return total * max(1.0, params / max(traced_params, 1))
+    copies = fold.copies if fold is not None else lambda node: 1
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() * held_bytes_factor(n, grad, factor) * copies(n)
+               for n in traced.gm.graph.nodes
+               if n.op == "placeholder" and n.meta.get(meta.KIND) in ("param", "buffer"))
 
 
 def _parameter_split(plan, mesh) -> int:
