@@ -125,11 +125,9 @@ def run_case(name: str):
 
 
 def _memory(prog) -> float:
-    """GiB per rank; a pipeline's busiest stage with as many micro-batches in flight as there are stages (1F1B)."""
-    pipeline = prog.plan.pipeline
-    if pipeline:
-        in_flight = min(pipeline["microbatches"], pipeline["pp_size"])
-        return max(s["param_bytes"] + in_flight * s["activation_bytes"] for s in pipeline["stage_table"]) / 2**30
+    """GiB per rank as the planner checked it against the budget. For a pipeline that is its micro-batch program's
+    figure: every stage's parameters (an upper bound: a stage holds 1/pp of them) and one micro-batch's activations
+    of the whole model (what 1F1B's first stage holds: pp micro-batches of 1/pp of the layers)."""
     return prog.plan.predicted["memory_bytes_per_rank"] / 2**30
 
 

@@ -198,8 +198,9 @@ def fsdp_tp_pp(roles: ModelRoles, mesh: Mesh, batch: int, n_inputs: int = 1, tp:
     """
     pp = _axis(mesh, pp, "a pipeline")
     stages = mesh.shape[mesh.axis(pp)]
-    m = microbatches or 2 * stages
     inner = Mesh(tuple(n for a, n in zip(mesh.names, mesh.shape) if a != pp), tuple(a for a in mesh.names if a != pp))
+    ways = math.prod(n for a, n in zip(inner.names, inner.shape) if a != tp)
+    m = microbatches or _microbatch_count(batch, ways, stages)
     if batch % m:
         raise NotApplicable(f"the batch of {batch} does not split into {m} micro-batches")
     plan = fsdp_tp(roles, inner, batch // m, n_inputs, tp)
@@ -208,6 +209,19 @@ def fsdp_tp_pp(roles: ModelRoles, mesh: Mesh, batch: int, n_inputs: int = 1, tp:
         pipeline["virtual_stages"] = 2
     return HandPlan("fsdp_tp_pp", f"{plan.description} x {schedule} pipeline over {pp}", mesh, plan.hints,
                     zero=plan.zero, pipeline=pipeline)
+
+
+def _microbatch_count(batch: int, ways: int, stages: int) -> int:
+    """The fewest micro-batches from 2 x `stages` up (a small bubble) whose size still splits `ways` ways over the
+    batch axes; else the most there can be (one sequence per batch rank).
+
+    >>> _microbatch_count(64, 8, 8), _microbatch_count(64, 2, 2)
+    (8, 4)
+    """
+    fitting = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % ways == 0]
+    if not fitting:
+        raise NotApplicable(f"the batch of {batch} does not split {ways} ways over the batch axes")
+    return next((m for m in fitting if m >= 2 * stages), fitting[-1])
 
 
 def tp_cp(roles: ModelRoles, mesh: Mesh, batch: int, seq: int, n_inputs: int = 1, tp: str = "tp", cp: str = "cp",
