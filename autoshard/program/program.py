@@ -149,9 +149,11 @@ class Program:
         `.safetensors` file or a directory (one file, or the transformers layout with
         `model.safetensors.index.json`; only this rank's slices are read), a `save_checkpoint`
         directory (DCP, real ranks), a state dict, or "init" (the model's initialisation replayed
-        module by module under `seed`: `init_fn(module)` when given, a transformers model's
-        `_init_weights`, else each module's `reset_parameters`). Without it the shards are cut from the
-        model's own tensors; a model on the meta device needs `weights`. See autoshard/weights/.
+        module by module under `seed`: `init_fn(module)` when given, else inside a transformers model
+        (anywhere in a wrapper) that model's `_init_weights`, else each module's `reset_parameters`). A
+        checkpoint written by a model the planned one wraps (`save_pretrained` of `self.inner`) is read
+        under the wrapper's prefix. Without it the shards are cut from the model's own tensors; a model on
+        the meta device needs `weights`. See autoshard/weights/.
 
         >>> from autoshard.runtime.simulator import run_ranks   # one thread per rank, module(r, comm) each
         >>> losses = run_ranks(prog, lambda module: module(*module.local_inputs(*inputs))[0])
@@ -159,12 +161,22 @@ class Program:
         True
         """
         source = open_weights(weights) if weights is not None else None
-        local = self.rank_tensors(rank, source, init_fn=init_fn, seed=seed, strict=strict)
-        gm = self.compiled(build_rank_module(self.state, rank, local=local), comm)
-        module = RankModule(gm, comm, self.rank_program, self.rank_rng(comm.coord, needed=drawn_ops(gm)), self)
+        module = self.module_of_blocks(rank, comm, self.rank_tensors(rank, source, init_fn=init_fn, seed=seed,
+                                                                     strict=strict))
         if isinstance(source, DcpWeights):  # DCP reads each rank's pieces into the module's shards in place
             load_checkpoint(source.path, module)
         return module
+
+    def module_of_blocks(self, rank: int, comm, blocks) -> RankModule:
+        """Like `module`, its parameters and buffers given as this rank's blocks ({FQN: block}, e.g. another
+        module's of the same plan at other input shapes; None: cut from the model's own tensors).
+
+        >>> from autoshard.runtime.simulator import run_ranks
+        >>> run_ranks(prog, lambda m: prog.module_of_blocks(m.rank, m.comm, None).gm.layers_0_weight.shape)[0]
+        torch.Size([128, 32])
+        """
+        gm = self.compiled(build_rank_module(self.state, rank, local=blocks), comm)
+        return RankModule(gm, comm, self.rank_program, self.rank_rng(comm.coord, needed=drawn_ops(gm)), self)
 
     def compiled(self, gm: torch.fx.GraphModule, comm) -> torch.fx.GraphModule:
         """`gm`, run with the communicator `comm`, compiled in place by torch.compile when planned with

@@ -56,7 +56,7 @@ from autoshard.verify.tolerance import (
     to_dtype,
 )
 from autoshard.verify.training import PLAIN, Training
-from autoshard.weights import default_init_fn, replay_init
+from autoshard.weights import replay_init
 
 
 def to_double(model, inputs):
@@ -369,7 +369,7 @@ def _weights_for_ranks(model, weights, simulate: bool):
         targets = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
         with torch.no_grad():
-            replay_init(model, lambda fqn, full: targets[fqn].copy_(full), init_fn=default_init_fn(model))
+            replay_init(model, lambda fqn, full: targets[fqn].copy_(full))
         return "init"
     if weights != "safetensors":
         raise UserInputError(f"verify weights= is 'safetensors' or 'init', not {weights!r}")

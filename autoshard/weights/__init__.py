@@ -3,7 +3,7 @@ files, the transformers layout, DCP directories, state dicts), the replayed init
 blocks (`rank_weights`), `save_weights` and its single-device reader `load_weights`.
 """
 from autoshard.weights.load import rank_weights
-from autoshard.weights.replay import default_init_fn, replay_init
+from autoshard.weights.replay import module_inits, replay_init
 from autoshard.weights.save import save_weights
 from autoshard.weights.sources import (
            DcpWeights,
@@ -14,5 +14,5 @@ from autoshard.weights.sources import (
            open_weights,
 )
 
-__all__ = ["DcpWeights", "InitWeights", "SafetensorsWeights", "StateDictWeights", "default_init_fn", "load_weights",
+__all__ = ["DcpWeights", "InitWeights", "SafetensorsWeights", "StateDictWeights", "load_weights", "module_inits",
            "open_weights", "rank_weights", "replay_init", "save_weights"]

@@ -1,7 +1,8 @@
 """One rank's shards of every parameter and buffer, read from a weight source (weights/sources.py) or
 made by replaying the model's initialisation (weights/replay.py): `rank_weights`.
 
-Names are the single-device model's (either name of a tied tensor is accepted). Each kept tensor is
+Names are the single-device model's (either name of a tied tensor is accepted), or those of a model it
+wraps: a checkpoint that `save_pretrained` wrote from `wrapper.inner` is read under `inner.`. Each kept tensor is
 read block by block (`shard_slices`): a rank never holds a full sharded tensor from a file. Buffers a
 file does not hold (non-persistent ones: rotary frequencies, masks) are taken from the model when it
 holds real values, else computed by replaying their module's initialisation. Every mismatch between
@@ -25,7 +26,8 @@ import torch
 
 from autoshard.ir import meta
 from autoshard.ir.placement import shard_slices
-from autoshard.weights.replay import default_init_fn, replay_init
+from autoshard.weights.key_prefix import checkpoint_prefix
+from autoshard.weights.replay import replay_init
 from autoshard.weights.sources import InitWeights, StateDictWeights, open_weights
 from autoshard.weights.training_checkpoint import CheckpointError
 
@@ -48,7 +50,6 @@ def rank_weights(state, rank: int, weights, keep=None, init_fn=None, seed: int =
     keep = set(entries) if keep is None else set(keep) & set(entries)
     coord, mesh_shape = state.mesh.coord(rank), state.mesh.shape
     model = state.model
-    init_fn = init_fn if init_fn is not None else (default_init_fn(model) if model is not None else None)
     out: dict = {}
 
     def take(fqn, full):
@@ -104,10 +105,14 @@ def _canonical(state, name: str) -> str:
 
 
 def _match_keys(state, source, entries: dict, strict: bool) -> dict:
-    """Canonical FQN -> the source's key for it; errors for unexpected keys and missing parameters."""
+    """Canonical FQN -> the source's key for it; errors for unexpected keys and missing parameters. Keys
+    written by a model the planned one wraps are read under the wrapper's prefix (key_prefix.py)."""
+    names = set(entries) | {other for others in state.traced.aliases.values() for other in others}
+    prefix = checkpoint_prefix(source.keys(), names, source.description)
+    where = f"{source.description} (its keys read as {prefix!r} + key)" if prefix else source.description
     found, unexpected = {}, []
     for key in sorted(source.keys()):
-        name = _canonical(state, key)
+        name = _canonical(state, prefix + key)
         if name in entries:
             found.setdefault(name, key)
         else:
@@ -115,15 +120,17 @@ def _match_keys(state, source, entries: dict, strict: bool) -> dict:
     params = [f for f, e in entries.items() if e[3] == "param"]
     missing = [f for f in params if f not in found]
     if missing and len(missing) * 2 > len(params):
-        raise CheckpointError(f"{source.description} is not a checkpoint of this model: {len(missing)} of the model's "
+        raise CheckpointError(f"{where} is not a checkpoint of this model: {len(missing)} of the model's "
                               f"{len(params)} parameters are missing (e.g. {missing[0]!r}; the file holds "
-                              f"{_some(unexpected or sorted(source.keys()))}); load the checkpoint of this model")
+                              f"{_some(unexpected or sorted(source.keys()))}"
+                              f"{'' if prefix else ', and no prefix puts its keys onto the model names'}); load the "
+                              "checkpoint of this model")
     if missing:
-        raise CheckpointError(f"{source.description} lacks parameter{'s' if len(missing) > 1 else ''} "
+        raise CheckpointError(f"{where} lacks parameter{'s' if len(missing) > 1 else ''} "
                               f"{_some(missing)}: save the checkpoint from the full model, or initialise those "
                               "parameters with weights='init'")
     if unexpected and strict:
-        raise CheckpointError(f"{source.description} holds {_some(unexpected)}, which the model does not have: load "
+        raise CheckpointError(f"{where} holds {_some(unexpected)}, which the model does not have: load "
                               "the checkpoint of this model, or pass strict=False to ignore them")
     return found
 

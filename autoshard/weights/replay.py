@@ -2,9 +2,11 @@
 all be on the meta device, handing each full tensor to a callback that keeps only what it needs.
 
 The replay is `torch.manual_seed(seed); model.apply(init)` on one device, where `init(module)` is
-`init_fn(module)` when given (e.g. a transformers model's `_init_weights`) and otherwise the module's
-own `reset_parameters()`: modules are visited children first (Module.apply's order), and only modules
-that hold parameters or buffers of their own are initialised. Each is initialised on a shallow copy
+`init_fn(module)` when given and otherwise the module's default (`module_inits`): the `_init_weights`
+of the innermost transformers model (`PreTrainedModel`) holding it, as transformers' own
+`initialize_weights` dispatches, so a transformers model wrapped in any module keeps its rule (rotary
+tables included); outside one, the module's own `reset_parameters()`. Modules are visited children first
+(Module.apply's order), and only modules that hold parameters or buffers of their own are initialised. Each is initialised on a shallow copy
 whose own tensors are fresh CPU tensors, so the user's model is never changed and at most one module's
 full tensors (plus tied ones until their last owner is done) exist at a time. A module's
 initialisation may set only its own tensors (torch's and transformers' do).
@@ -31,20 +33,46 @@ import torch
 from autoshard.weights.training_checkpoint import CheckpointError
 
 
-def default_init_fn(model):
-    """A transformers model's `_init_weights` (its modules' own initialisation rule), else None
-    (each module's `reset_parameters`).
+def module_inits(model) -> dict:
+    """{module FQN: its default initialisation} for the modules inside a transformers model: the
+    `_init_weights` of the innermost one holding it (a module with a `config` and an `_init_weights`, as
+    every `PreTrainedModel` has), found anywhere in `model`; the others are absent (their
+    `reset_parameters()` initialises them).
 
-    >>> default_init_fn(torch.nn.Linear(2, 2)) is None
-    True
+    >>> class Pretrained(torch.nn.Module):   # shaped like a transformers PreTrainedModel
+    ...     config = {}
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.proj = torch.nn.Linear(2, 2)
+    ...     def _init_weights(self, module):
+    ...         pass
+    >>> wrapper = torch.nn.Sequential(Pretrained(), torch.nn.Linear(2, 2))
+    >>> {fqn: init.__qualname__ for fqn, init in module_inits(wrapper).items()}
+    {'0': 'Pretrained._init_weights', '0.proj': 'Pretrained._init_weights'}
     """
-    fn = getattr(model, "_init_weights", None)
-    return fn if callable(fn) and hasattr(model, "config") else None
+    inits: dict = {}
+    _assign(model, "", None, inits, set())
+    return inits
+
+
+def _assign(module, prefix: str, init, inits: dict, seen: set) -> None:
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    own = getattr(module, "_init_weights", None)
+    if callable(own) and hasattr(module, "config"):
+        init = own
+    if init is not None:
+        inits[prefix] = init
+    for name, child in module._modules.items():
+        if child is not None:
+            _assign(child, f"{prefix}.{name}" if prefix else name, init, inits, seen)
 
 
 def replay_init(model, take, seed: int = 0, init_fn=None, modules=None) -> None:
     """Initialise `model` module by module (see the module docstring) and call `take(fqn, full_tensor)`
     once per parameter and buffer FQN (every name of a tied tensor) when its last owner is done.
+    `init_fn(module)` initialises every module when given, else each module's default (`module_inits`).
     With `modules` (a set of module FQNs) only those are initialised (e.g. to compute buffers).
 
     >>> shapes = {}
@@ -60,35 +88,37 @@ def replay_init(model, take, seed: int = 0, init_fn=None, modules=None) -> None:
             for _, tensor in _own_tensors(module):
                 owners[id(tensor)] = owners.get(id(tensor), 0) + 1
     full: dict = {}  # id(model tensor) -> the real tensor standing in for it
+    inits = module_inits(model) if init_fn is None else {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for prefix, module in order:
             own = _own_tensors(module)
             if not own or (modules is not None and prefix not in modules):
                 continue
-            clone = _materialize(module, full)
-            _initialise(clone, init_fn, prefix)
+            init = init_fn if init_fn is not None else inits.get(prefix)
+            _initialise(_materialize(module, full), init)
             for name, tensor in own:
                 owners[id(tensor)] -= 1
                 if owners[id(tensor)] == 0:
                     value = full.pop(id(tensor))
                     if value.is_floating_point() and value.numel() and torch.isnan(value).all():
-                        raise CheckpointError(_untouched(prefix, name, module))
+                        raise CheckpointError(_untouched(prefix, name, module, init))
                     for fqn in names.get(id(tensor), []):
                         take(fqn, value)
 
 
-def _initialise(clone, init_fn, prefix: str) -> None:
-    if init_fn is not None:
-        init_fn(clone)
+def _initialise(clone, init) -> None:
+    if init is not None:
+        init(clone)
     elif hasattr(clone, "reset_parameters"):
         clone.reset_parameters()
 
 
-def _untouched(prefix: str, name: str, module) -> str:
+def _untouched(prefix: str, name: str, module, init) -> str:
     where = f"{prefix}.{name}" if prefix else name
-    return (f"weights='init': the initialisation of {prefix or 'the model'} ({type(module).__name__}) does not set "
-            f"{where!r}: give the module a reset_parameters(), pass init_fn= (for a transformers model its "
+    by = "" if init is None else f", by {getattr(init, '__qualname__', repr(init))}"
+    return (f"weights='init': the initialisation of {prefix or 'the model'} ({type(module).__name__}{by}) does not "
+            f"set {where!r}: give the module a reset_parameters(), pass init_fn= (for a transformers model its "
             "_init_weights), or load the weights from a file")
 
 
