@@ -23,6 +23,7 @@ BENCHMARKS = [
     "context_parallel",  # 12. context parallelism: memory at 32k, bytes vs formula, the planner's choice (gloo + meta)
     "moe",               # 13. MoE: all-to-all bytes vs the formula (simulator); the planner's choice for 8 and 64 experts
     "hand_plans",        # 14. the automatic plan vs every catalogue hand plan (DDP ... FSDP x TP x PP), one cost model
+    "memory_accuracy",   # 15. memory per rank: predicted vs measured term by term, peak of live storages (gloo ranks)
 ]
 
 

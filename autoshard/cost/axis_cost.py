@@ -7,7 +7,8 @@ Sizes are local after the axes solved before this one. Compute is FLOPs (matmul-
 when the strategy splits the work. Communication follows the duality rule: a replicated input of an
 op that splits its work gets a partial gradient, all-reduced in backward (`comm_bwd` for activations,
 `sync` for parameters, reduced after backward). Memory is what the node keeps on a device: a
-parameter with its gradient and optimizer state, an input, or an activation saved for backward.
+parameter with its gradient and optimizer state, an input, or what autograd saves for backward of its
+output's storage (autoshard/cost/saved_tensors.py, the formula predict shares).
 
 >>> from autoshard.cost.model import HardwareProfile
 >>> from autoshard.passes.pipelines import state_before
@@ -28,6 +29,7 @@ import torch
 from autoshard.cost.attention_cost import attention_terms
 from autoshard.cost.flops import is_matmul_like, node_bytes, node_flops
 from autoshard.cost.model import INF, all_reduce_time, conversion_time
+from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard
 from autoshard.strategies import tensor_inputs
@@ -111,12 +113,14 @@ class AxisCostModel:
     (2, 200000000000.0)
     """
 
-    def __init__(self, mesh, axis, profile, grad, optimizer_state_factor: float = 2.0):
+    def __init__(self, mesh, axis, profile, grad, optimizer_state_factor: float = 2.0, kept: dict | None = None):
         self.mesh, self.axis, self.profile = mesh, axis, profile
         self.k = mesh.shape[axis]
         self.link = profile.link(mesh.shape, axis)
         self.grad = grad
         self.optimizer_state_factor = optimizer_state_factor
+        # bytes saved for backward per byte of output (kept_for_backward of the graph `grad` covers)
+        self.kept = kept if kept is not None else kept_for_backward(next(iter(grad)).graph, grad) if grad else {}
 
     def _shrink(self, nbytes, placements) -> float:
         for b, p in placements.items():
@@ -144,8 +148,11 @@ class AxisCostModel:
         """The breakdown of one candidate: data parallel halves the work and syncs the weight's gradient.
 
         >>> replicated, batch_split = linear.meta["autoshard.candidates"][0][:2]
-        >>> model.node(linear, replicated, {}).memory, model.node(linear, batch_split, {}).memory
-        (256.0, 128.0)
+        >>> model.node(linear, replicated, {}).memory  # no op saves the first linear's output (the ReLU its own)
+        0.0
+        >>> relu = next(n for n in graph.nodes if n.target is torch.ops.aten.relu.default)
+        >>> [model.node(relu, c, {}).memory for c in relu.meta["autoshard.candidates"][0][:2]]
+        [256.0, 128.0]
         >>> model.node(linear, batch_split, {}).sync > 0
         True
         """
@@ -171,7 +178,7 @@ class AxisCostModel:
                         sync += t
                     else:
                         comm_bwd += t
-        saved = kept if self.grad.get(node, False) else 0.0
+        saved = kept * self.kept.get(node, 0.0)
         return CostBreakdown(compute, comm_bwd, sync, saved + extra_memory, in_op)
 
     def edge(self, producer, produced, wanted, producer_other: dict) -> float:

@@ -32,6 +32,7 @@ from autoshard.cost.flops import node_bytes
 from autoshard.cost.model import all_reduce_time, collective_time
 from autoshard.cost.overlap import hidden_seconds
 from autoshard.cost.recompute_cost import account_recompute
+from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.cost.zero_cost import apply_zero, gather_bytes, memory_breakdown
 from autoshard.ir import meta
 from autoshard.ir.collective_table import direction_bytes
@@ -86,6 +87,7 @@ def predict(state) -> None:
     profile = state.options.profile
     opt_factor = state.options.optimizer_state_factor
     grad = needs_grad(state.gm.graph)
+    saved_per_byte = kept_for_backward(state.gm.graph, grad)  # the ILP's memory row's formula
     per_axis = {name: {"fwd": 0, "bwd": 0, "sync": 0} for name in mesh.names}
     compute = comm = memory = 0.0
     for node in state.gm.graph.nodes:
@@ -101,7 +103,9 @@ def predict(state) -> None:
             per_axis[info["axis"]]["fwd"] += fwd
             per_axis[info["axis"]]["bwd"] += bwd
             comm += seconds
-            node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": 0, "sync_s": 0.0}
+            saved = int(local_bytes(node, node.meta[meta.SPEC], mesh) * saved_per_byte.get(node, 0.0))
+            memory += saved  # a copy an op saves for backward (a gathered parameter or activation)
+            node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": saved, "sync_s": 0.0}
             continue
         kept = local_bytes(node, spec, mesh)
         if node.op == "placeholder":
@@ -118,7 +122,7 @@ def predict(state) -> None:
         choice = node.meta.get(meta.CHOICE, [])
         split = math.prod(mesh.shape[a] for a, c in enumerate(choice) if c.divides_compute)
         seconds = compute_time(node, split, profile)
-        saved = kept if grad.get(node) else 0
+        saved = int(kept * saved_per_byte.get(node, 0.0))
         if node.target is aten.scaled_dot_product_attention.default and choice:
             in_bytes = [local_bytes(p, s, mesh) for p, s in zip(tensor_inputs(node), node.meta[meta.IN_SPECS])]
             terms = attention_terms(node, dict(enumerate(choice)), mesh, profile, seconds, in_bytes, kept,

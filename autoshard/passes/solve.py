@@ -48,6 +48,7 @@ from autoshard.cost.model import (
     fused_gather_saving,
     redistribution_time,
 )
+from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.frontend.request import headroom_budget
 from autoshard.ir import meta
@@ -123,7 +124,8 @@ def _solve(state) -> None:
     grad = needs_grad(graph)
     semi_auto = state.semi_auto
     mesh = state.mesh
-    models = [AxisCostModel(mesh, a, profile, grad, state.options.optimizer_state_factor)
+    kept = kept_for_backward(graph, grad)
+    models = [AxisCostModel(mesh, a, profile, grad, state.options.optimizer_state_factor, kept)
               for a in range(mesh.ndim)]
     state.ilp_stats = []
     choices: dict = {n: [] for n in nodes}
@@ -399,7 +401,8 @@ def plan_objective(state) -> float:
     nodes = [n for n in state.gm.graph.nodes if meta.CANDIDATES in n.meta]
     profile = state.options.profile
     grad = needs_grad(state.gm.graph)
-    models = [AxisCostModel(state.mesh, a, profile, grad, state.options.optimizer_state_factor)
+    kept = kept_for_backward(state.gm.graph, grad)
+    models = [AxisCostModel(state.mesh, a, profile, grad, state.options.optimizer_state_factor, kept)
               for a in range(state.mesh.ndim)]
     combos = {n: [dict(enumerate(n.meta[meta.CHOICE]))] for n in nodes}
     problem, _, _ = _build_problem(nodes, tuple(range(state.mesh.ndim)), combos, {n: [] for n in nodes}, state,

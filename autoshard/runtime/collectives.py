@@ -39,7 +39,7 @@ import types
 import torch
 
 from autoshard.runtime.communicator import Communicator
-from autoshard.runtime.zero_gather import ParamAllGather
+from autoshard.runtime.zero_gather import ParamAllGather, compact
 
 _LOCAL = threading.local()
 
@@ -119,7 +119,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _chunk(ctx.comm, grad, ctx.axis, ctx.dim), None, None, None
+        # a chunk of dim 0 is a view: as a parameter's gradient it would keep the whole gathered gradient alive
+        return compact(_chunk(ctx.comm, grad, ctx.axis, ctx.dim)), None, None, None
 
 
 class _Chunk(torch.autograd.Function):

@@ -16,9 +16,9 @@ HINTS = {"input:0": {"dp": "S(0)"}}
 
 @pytest.fixture(scope="module")
 def case():
-    """A GPT-2 whose activations dominate (8 x 32 tokens, dim 32), in float64 as verify runs it, and the
+    """A GPT-2 whose activations dominate (16 x 32 tokens, dim 32), in float64 as verify runs it, and the
     footprint of each way of saving memory, planned with explicit options and no bound."""
-    model, inputs, loss_fn = gpt2(n_layers=3, batch=8, seq=32, dim=32, n_heads=2)
+    model, inputs, loss_fn = gpt2(n_layers=3, batch=16, seq=32, dim=32, n_heads=2)
     model = model.double()
 
     def footprint(**options):
