@@ -6,10 +6,10 @@ The replay is `torch.manual_seed(seed); model.apply(init)` on one device, where 
 of the innermost transformers model (`PreTrainedModel`) holding it, as transformers' own
 `initialize_weights` dispatches, so a transformers model wrapped in any module keeps its rule (rotary
 tables included); outside one, the module's own `reset_parameters()`. Modules are visited children first
-(Module.apply's order), and only modules that hold parameters or buffers of their own are initialised. Each is initialised on a shallow copy
-whose own tensors are fresh CPU tensors, so the user's model is never changed and at most one module's
-full tensors (plus tied ones until their last owner is done) exist at a time. A module's
-initialisation may set only its own tensors (torch's and transformers' do).
+(Module.apply's order), and only modules that hold parameters or buffers of their own are initialised.
+Each is initialised on a shallow copy whose own tensors are fresh CPU tensors, so the user's model is
+never changed and at most one module's full tensors (plus tied ones until their last owner is done)
+exist at a time. A module's initialisation may set only its own tensors (torch's and transformers' do).
 
 Every floating tensor starts as NaN: one the initialisation leaves untouched is an error naming it, not
 a silent garbage weight. Tensors of the model that are real (not meta) start from their values.
