@@ -16,24 +16,30 @@ True
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from autoshard.frontend.hints import Hints
 from autoshard.frontend.request import DEFAULT_HEADROOM, CompileOptions, CompileRequest
 from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
+from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.program.program import Program
+from autoshard.program.parallel_module import ParallelModule
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.pipeline_search import choose_pipeline
 
 
-def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_names=None, debug=False,
+def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
                 zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
                 mixed_precision=None, memory_headroom: float = DEFAULT_HEADROOM, fold_layers: bool = True,
-                compile: bool = False) -> Program:
-    """Plan `model` on `mesh` and return the Program (no process group needed to plan).
+                compile: bool = False, weights=None, init_fn=None):
+    """Plan `model` on `mesh` and return the Program (no process group needed to plan); without
+    `example_inputs`, return a ParallelModule: an nn.Module that plans on its first batch and trains as this
+    rank's share under torchrun (autoshard/program/parallel_module.py; `weights` and `init_fn` are then where its
+    shards come from, as `Program.module` takes them: a meta model is initialised by default).
 
     `hints` is a dict in the hint-file format (or a path to a JSON hint file); `loss_fn(outputs,
     *inputs)` makes the loss part of the sharded program (default: the sum of the outputs' means).
@@ -75,8 +81,6 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
     if parallel is not None:
         mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
     mesh = Mesh.of(mesh, axis_names)
-    example_inputs = _traceable_inputs(model, example_inputs)
-    unnamed = not mesh.named
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
@@ -84,11 +88,37 @@ def parallelize(model, mesh, example_inputs, hints=None, loss_fn=None, axis_name
                                    optimizer_state_factor=optimizer_state_factor, memory_headroom=memory_headroom,
                                    fold_layers=fold_layers, compile=compile)
     request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
+    if example_inputs is None:
+        if plan is not None:
+            raise UserInputError("plan= needs example_inputs (the plan is checked against the traced model); "
+                                 "without them parallelize returns a module that plans on its first batch")
+        planner = functools.partial(_plan_module, request, pipeline)
+        return ParallelModule(model, mesh, planner, has_loss_fn=loss_fn is not None, weights=weights,
+                              init_fn=init_fn, seed=seed or 0)
+    if weights is not None or init_fn is not None:
+        raise UserInputError("weights= and init_fn= are for the module parallelize returns without example_inputs; "
+                             "with example_inputs pass them to prog.module(rank, comm, weights=..., init_fn=...)")
+    return _compile(request, pipeline)
+
+
+def _compile(request: CompileRequest, pipeline):
+    """The Program of one request: a pipeline when asked for or when the search prefers one, else the flat
+    program the ILP and the hand plans give."""
+    request = request.replace(example_inputs=_traceable_inputs(request.model, request.example_inputs))
     with reuse_exports():  # the searches' candidates often trace the same shapes
-        choice = choose_pipeline(request, pipeline, unnamed=unnamed)
+        choice = choose_pipeline(request, pipeline, unnamed=not request.mesh.named)
         if choice is not None:
             return choice
         return plan_with_hand_plans(request)
+
+
+def _plan_module(request: CompileRequest, pipeline, model, batch, plan=None, other_shapes: bool = False):
+    """ParallelModule's planner: `request` for `model` (its meta twin) at `batch`'s shapes, solving, or applying
+    `plan` (made at other shapes when `other_shapes`)."""
+    if plan is not None:  # the plan carries the hints (and ZeRO) it was made with
+        request = request.replace(hints=None, options=request.options.replace(zero=None))
+    return _compile(request.replace(model=model, example_inputs=tuple(batch), plan=plan,
+                                    plan_other_shapes=other_shapes), pipeline)
 
 
 def _traceable_inputs(model, example_inputs):

@@ -144,7 +144,8 @@ class CompileOptions:
 class CompileRequest:
     """One compile: `model` (an nn.Module or fx.GraphModule), the `mesh`, the `example_inputs` (a tuple),
     `hints` (a dict, Hints or None), `loss_fn`, the `options`, a saved `plan` to apply instead of solving,
-    and `debug` (check the passes' invariants after every pass).
+    `debug` (check the passes' invariants after every pass) and `plan_other_shapes` (the plan was made at
+    other input shapes: apply its decisions where they still hold, `parallelize`'s module at a new batch size).
 
     >>> import torch
     >>> request = CompileRequest(torch.nn.Linear(4, 2), Mesh((2,), ("dp",)), (torch.randn(8, 4),))
@@ -160,6 +161,7 @@ class CompileRequest:
     options: CompileOptions = field(default_factory=CompileOptions)
     plan: object = None
     debug: bool = False
+    plan_other_shapes: bool = False  # `plan` was made at other input shapes: re-specialise its decisions
 
     def replace(self, **changes) -> CompileRequest:
         """A copy with `changes` (e.g. the micro-batch program's mesh, inputs and options).

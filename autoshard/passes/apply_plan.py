@@ -107,11 +107,12 @@ class CheckPlan:
     """
 
     plan: Plan
+    same_shapes: bool = True
     name: str = "check_plan"
     contract: ClassVar[Contract] = Contract(reads=(NORMALIZED,))
 
     def __call__(self, state) -> None:
-        match_rows(self.plan, state.gm.graph)
+        match_rows(self.plan, state.gm.graph, self.same_shapes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,6 +127,7 @@ class ApplyPlan:
     """
 
     plan: Plan
+    same_shapes: bool = True
     name: str = "apply_plan"
     contract: ClassVar[Contract] = Contract(
         reads=(meta.CANDIDATES, meta.HINT), writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL,
@@ -133,7 +135,7 @@ class ApplyPlan:
 
     def __call__(self, state) -> None:
         mesh = state.mesh
-        pairs = match_rows(self.plan, state.gm.graph)
+        pairs = match_rows(self.plan, state.gm.graph, self.same_shapes)
         nodes = [node for node, _ in pairs]
         choices: dict = {n: [] for n in nodes}
         for node, row in pairs:
@@ -157,9 +159,11 @@ class ApplyPlan:
         state.objective_s = plan_objective(state)
 
 
-def match_rows(plan: Plan, graph) -> list:
+def match_rows(plan: Plan, graph, same_shapes: bool = True) -> list:
     """(node, row) for every node solve would decide (placeholders and tensor-valued ops), in graph order;
-    the first node where the plan and the graph differ raises PlanMismatchError.
+    the first node where the plan and the graph differ raises PlanMismatchError. With `same_shapes=False` the
+    sizes of a node's dims may differ from the plan's (the same program at another batch size or sequence
+    length): its rank, dtype, op and module must not.
 
     >>> node, row = match_rows(prog.plan, prog.state.gm.graph)[0]
     >>> node.name == row.name, row.path
@@ -170,7 +174,7 @@ def match_rows(plan: Plan, graph) -> list:
     for index in range(max(len(rows), len(nodes))):
         row = rows[index] if index < len(rows) else None
         node = nodes[index] if index < len(nodes) else None
-        problem = _difference(row, node)
+        problem = _difference(row, node, same_shapes)
         if problem:
             raise PlanMismatchError(f"the plan was made for another model or other example inputs: {problem}; "
                                     f"{_REPLAN}")
@@ -196,13 +200,24 @@ def _describe_node(node) -> str:
     return f"node {node.name!r} ({op_name(node)} at {path or 'the top level'}, {node.meta.get(meta.KIND, '')}, {typ})"
 
 
-def _difference(row, node) -> str:
+def _difference(row, node, same_shapes: bool = True) -> str:
     """'' when the plan row describes the node; otherwise the first difference, in words."""
     if node is None:
         return f"the traced graph ends before the plan's {_describe_row(row)}"
     here = _describe_node(node)
     if row is None:
         return f"the plan ends before the traced graph's {here}"
-    if here != _describe_row(row):
-        return f"the plan has {_describe_row(row)} where the traced graph has {here}"
+    planned = _describe_row(row)
+    alike = here == planned if same_shapes else _sizes_blank(here) == _sizes_blank(planned)
+    if not alike:
+        return f"the plan has {planned} where the traced graph has {here}"
     return ""
+
+
+def _sizes_blank(description: str) -> str:
+    """A node's description with every dim size blanked: `f32[8, 16]` -> `f32[_, _]` (the rank stays).
+
+    >>> _sizes_blank("node 'x' (op at a, input, f32[8, 16])")
+    "node 'x' (op at a, input, f32[_, _])"
+    """
+    return re.sub(r"\b\d+\b(?=[,\]])", "_", description)

@@ -60,9 +60,10 @@ PIPELINES = {
 }
 
 
-def declared_pipeline(name: str, plan=None) -> tuple[list, tuple]:
+def declared_pipeline(name: str, plan=None, same_shapes: bool = True) -> tuple[list, tuple]:
     """(passes, what the state holds before the first) of pipeline `name` (one of PIPELINES); the
-    apply_plan variants need the `plan`.
+    apply_plan variants need the `plan` (made for these input shapes, or with `same_shapes=False` for others
+    of the same ranks: its decisions re-specialised, not re-solved).
 
     >>> passes, provided = declared_pipeline("microbatch")
     >>> [p.name for p in passes][-4:]
@@ -73,8 +74,8 @@ def declared_pipeline(name: str, plan=None) -> tuple[list, tuple]:
     passes, provided = list(PASSES), TRACED
     if name.endswith("apply_plan"):  # a folded trace is unfolded first: the plan's rows are the whole model's
         passes = [q for p in passes if p is not unfold
-                  for q in ([p, unfold, CheckPlan(plan)] if p is normalize else
-                            [AllowPlannedZeroShards(plan), ApplyPlan(plan)] if p is solve else [p])]
+                  for q in ([p, unfold, CheckPlan(plan, same_shapes)] if p is normalize else
+                            [AllowPlannedZeroShards(plan), ApplyPlan(plan, same_shapes)] if p is solve else [p])]
     if name.startswith("microbatch"):
         passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
     if name == "hand_plan":
@@ -103,7 +104,7 @@ def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bo
             (True, True): "microbatch_apply_plan"}[(bool(pipeline), applied)]
     if hand_plan and name == "plan":
         name = "hand_plan"
-    passes, _ = declared_pipeline(name, plan)
+    passes, _ = declared_pipeline(name, plan, same_shapes=not request.plan_other_shapes)
     debug = request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     options = CompileOptions.of(request.options)
     traced, fold = trace_for_plan(request, hints, options)

@@ -242,6 +242,6 @@ class RankModule(torch.nn.Module):
             step = "module.train_step(*batch)" if getattr(self, "pipelined", False) else \
                 "backward, module.sync_grads()"
             raise UserInputError(f"this program shards gradients ({zero!r}): wrap the optimizer before training, "
-                                 "opt = autoshard.runtime.zero.ZeroOptimizer(module, torch.optim.Adam("
+                                 "opt = autoshard.ZeroOptimizer(module, torch.optim.Adam("
                                  f"module.parameters(), ...)), then {step}, opt.step()")
         return self.zero_optimizer.managed()

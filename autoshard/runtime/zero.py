@@ -74,6 +74,13 @@ class ZeroOptimizer:
     """
 
     def __init__(self, module, optimizer: torch.optim.Optimizer, offload: bool = False):
+        self.optim = None
+        if hasattr(module, "when_planned"):  # parallelize's module without example inputs: bind to its shards
+            module.when_planned(lambda rank_module: self._bind(rank_module, optimizer, offload))  # once it plans
+        else:
+            self._bind(module, optimizer, offload)
+
+    def _bind(self, module, optimizer: torch.optim.Optimizer, offload: bool) -> None:
         program = module.rank_program
         self.config = program.zero
         if self.config is None:
@@ -127,6 +134,8 @@ class ZeroOptimizer:
         return self.optim.state
 
     def __repr__(self) -> str:
+        if self.optim is None:
+            return "ZeroOptimizer(not bound yet: binds to the module's shards on its first batch)"
         where = "cpu (offload)" if self.offload else "the parameters' device"
         return (f"ZeroOptimizer({type(self.optim).__name__}, ZeRO-{self.config.stage} on {self.axis!r} "
                 f"(rank {self.rank} of {self.k}), {len(self.entries)} parameters, master shards on {where})")
@@ -218,6 +227,9 @@ class ZeroOptimizer:
         >>> torch.equal(trained[0], trained[1])  # every rank holds the same updated parameters
         True
         """
+        if self.optim is None:
+            raise UserInputError("opt.step() before the module's first batch: call the module on a batch and "
+                                 "backward first (it plans then, and the ZeroOptimizer binds to its shards)")
         for e in self.entries:
             grad = self._grad_shard(e)
             if e.master is not e.param:
@@ -240,6 +252,8 @@ class ZeroOptimizer:
         >>> [e.grad_shard for e in opts[0].entries][:2]  # train() ended with zero_grad
         [None, None]
         """
+        if self.optim is None:
+            return  # not bound yet (the module has not seen a batch): no gradients exist
         self.module.zero_grad(set_to_none=set_to_none)
         for e in self.entries:
             e.grad_shard = None

@@ -1,0 +1,108 @@
+"""`autoshard.parallelize(model, mesh)` without example inputs on 8 real gloo ranks: a plain training loop (the
+module returns the loss, `loss.backward()` reduces the gradients when backward ends, a torch optimizer made before
+the first batch over `module.parameters()`) trains like one device in float64 — through a batch of another size
+(re-specialised, not re-planned), gradient accumulation under `no_sync`, clipping by the global norm, and ZeRO-2
+with `autoshard.ZeroOptimizer` made before the first batch."""
+import warnings
+
+import torch
+
+import autoshard
+from autoshard.ir.placement import Spec, parse_placement, unshard_tensors
+from autoshard.zoo import llama
+
+VOCAB = 64
+
+
+def _model():
+    model, _, loss_fn = llama(n_layers=2)
+    return model.double(), loss_fn
+
+
+def _batches(sizes):
+    data = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (b, 16), generator=data) for b in sizes]
+
+
+def _step_plan():
+    """(batch sizes of each optimizer step's backward passes, clip norm): three steps, the second accumulating
+    two halves, the third a smaller batch."""
+    return [((16,), 0.5), ((8, 8), 0.5), ((8,), None)]
+
+
+def _single_device():
+    model, loss_fn = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for sizes, clip in _step_plan():
+        for ids in _batches(sizes):
+            loss = loss_fn(model(ids), ids)
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _plain_loop_task(rank, world, mesh, axis_names, zero, hints):
+    model, loss_fn = _model()
+    module = autoshard.parallelize(model, mesh, axis_names=axis_names, loss_fn=loss_fn, zero=zero, hints=hints)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)  # before the first batch: the model's own parameters
+    if zero is not None:
+        opt = autoshard.ZeroOptimizer(module, opt)  # binds to the shards when the module plans
+    losses, replanned = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sizes, clip in _step_plan():
+            batches = _batches(sizes)
+            for i, ids in enumerate(batches):
+                with module.no_sync() if i < len(batches) - 1 else _nothing():
+                    loss = module(ids)
+                    loss.backward()
+                losses.append(loss.item())
+            if clip is not None:
+                module.clip_grad_norm_(clip)
+            opt.step()
+            opt.zero_grad()
+    replanned = [str(w.message) for w in caught if "planning again" in str(w.message)]
+    prog = module.program
+    held = {fqn: (p.detach(), [repr(q) for q in prog.param_spec(fqn)])
+            for fqn, p in module.rank_module.named_local_parameters()}
+    same_objects = all(any(p is q for q in model.parameters()) for _, p in module.rank_module.named_local_parameters())
+    return {"losses": losses, "replanned": replanned, "coord": module.comm.coord, "held": held,
+            "mesh": prog.mesh.shape, "same_objects": same_objects, "zero": repr(prog.zero)}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _check(results):
+    losses, params = _single_device()
+    for rank, got in results.items():
+        assert got["replanned"] == [], got["replanned"]  # the smaller batch re-specialised the plan
+        assert got["same_objects"], "the rank module trains the model's own Parameter objects"
+        for a, b in zip(got["losses"], losses):
+            assert abs(a - b) <= 1e-10 * abs(b), (rank, got["losses"], losses)
+    mesh = results[0]["mesh"]
+    for fqn, expected in params.items():
+        blocks = {got["coord"]: got["held"][fqn][0] for got in results.values() if fqn in got["held"]}
+        spec = Spec(parse_placement(p) for p in results[0]["held"][fqn][1])
+        whole = unshard_tensors(blocks, spec, mesh)
+        assert torch.allclose(whole, expected, rtol=1e-9, atol=1e-12), fqn
+
+
+def test_a_plain_loop_trains_like_one_device(pool):
+    _check(pool.run(_plain_loop_task, (2, 2, 2), None, None, None))
+
+
+def test_zero_optimizer_made_before_the_first_batch(pool):
+    results = pool.run(_plain_loop_task, (4, 2), ("dp", "tp"), 2, {"input:0": {"dp": "S(0)"}})
+    assert results[0]["zero"].startswith("ZeRO-2 on 'dp'"), results[0]["zero"]
+    _check(results)
