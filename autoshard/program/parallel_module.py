@@ -40,6 +40,7 @@ environment is set). Without one, pass `example_inputs` to inspect and simulate 
 >>> module
 ParallelModule(Mesh(dp=2), not planned yet: plans on its first batch)
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",))  # for the examples
+>>> from autoshard.runtime.simulator import run_ranks
 """
 from __future__ import annotations
 
@@ -123,17 +124,28 @@ class ParallelModule(torch.nn.Module):
         autoshard.ir.errors.UserInputError: the module returned by parallelize without example_inputs runs on ...
         """
         prog, rank_module = self._for_batch(batch)
-        if hasattr(rank_module, "train_step"):
-            raise UserInputError(
-                f"the plan pipelines over axis {prog.plan.pipeline['axis']!r}: the module returned without "
-                "example_inputs does not run pipelines yet; pass pipeline=False to parallelize (or name the mesh "
-                "axes), or plan with example_inputs and train with prog.module(rank, comm).train_step(*batch)")
+        if getattr(rank_module, "pipelined", False):
+            return self._pipeline_step(prog, rank_module, batch)
         loss, _ = rank_module(*rank_module.local_inputs(*batch))
         whole = rank_module.global_loss(loss)
         shown = loss + (whole - loss).detach()  # one device's value; backward reaches this rank's partial loss
         if not torch.is_grad_enabled() or not loss.requires_grad:
             return whole
         return _SyncWhenBackwardEnds.apply(shown, self) if not self._no_sync else shown
+
+    def _pipeline_step(self, prog, rank_module, batch):
+        """A pipelined plan's schedule interleaves every micro-batch's forward and backward, so the call runs both
+        (the gradients of the whole batch's loss accumulate, summed over calls as backward passes sum on one
+        device); the returned loss has nothing left to do in backward."""
+        if not torch.is_grad_enabled():
+            raise UserInputError(f"the plan pipelines over axis {prog.plan.pipeline['axis']!r}, whose schedule trains "
+                                 "as it runs: a pipelined module has no forward-only (evaluation) call yet; evaluate "
+                                 "with a plan made with pipeline=False")
+        loss, _ = rank_module.train_step(*batch, sync=False)
+        if not self._no_sync:
+            rank_module.sync_step(1)  # a mean over the micro-batches; passes accumulated under no_sync add up
+            rank_module.unsynced_passes = 0
+        return rank_module.global_loss(loss).detach().requires_grad_()
 
     def sync_grads(self) -> None:
         """Reduce this rank's gradients now (the loss's backward does it by itself; see the module docstring).
@@ -310,7 +322,6 @@ def adopt_parameters(model: torch.nn.Module, rank_module) -> None:
     `torch.utils.swap_tensors`: a meta parameter too) and replaces the rank module's copy (an optimizer built on `model.parameters()` then steps the shards). A
     parameter this rank does not hold (another pipeline stage's) keeps no storage.
 
-    >>> from autoshard.runtime.simulator import run_ranks
     >>> copies = [copy.deepcopy(model) for _ in range(2)]
     >>> def adopt(rank_module):
     ...     adopt_parameters(copies[rank_module.rank], rank_module)
@@ -327,26 +338,38 @@ def adopt_parameters(model: torch.nn.Module, rank_module) -> None:
             torch.utils.swap_tensors(param, torch.nn.Parameter(torch.empty(0, dtype=param.dtype),
                                                                requires_grad=param.requires_grad))
             continue
+        holders = [gm for gm in graph_modules(rank_module) if getattr(gm, attrs[canonical], None) is shard]
         torch.utils.swap_tensors(param, shard)  # the same Python object, now the shard (meta to CPU included)
-        setattr(rank_module.gm, attrs[canonical], param)
+        for gm in holders:
+            setattr(gm, attrs[canonical], param)
+
+
+def graph_modules(rank_module) -> list:
+    """The GraphModules of a rank module: its one graph, or each of its pipeline stages'.
+
+    >>> run_ranks(prog, lambda m: len(graph_modules(m)))
+    {0: 1, 1: 1}
+    """
+    stages = getattr(rank_module, "stage_graphs", None)
+    return [s.gm for s in stages] if stages is not None else [rank_module.gm]
 
 
 def module_sharing(prog, comm, other):
     """This rank's module of `prog` (the same plan at other input shapes) holding `other`'s parameters and
     buffers: training goes on with the same weights, whichever shapes' module ran last.
 
-    >>> from autoshard.runtime.simulator import run_ranks
     >>> same = run_ranks(prog, lambda m: module_sharing(prog, m.comm, m).gm.layers_0_weight is m.gm.layers_0_weight)
     >>> same
     {0: True, 1: True}
     """
     attrs = other.rank_program.attr_names
-    held = {fqn: getattr(other.gm, attr) for fqn, attr in attrs.items() if hasattr(other.gm, attr)}
+    held = {fqn: getattr(gm, attr) for gm in graph_modules(other) for fqn, attr in attrs.items() if hasattr(gm, attr)}
     module = prog.module_of_blocks(comm.rank, comm, {fqn: t.detach() for fqn, t in held.items()})
     params = dict(other.named_local_parameters())
     for fqn, attr in module.rank_program.attr_names.items():
-        if fqn in params:
-            setattr(module.gm, attr, params[fqn])
+        for gm in graph_modules(module):
+            if fqn in params and hasattr(gm, attr):
+                setattr(gm, attr, params[fqn])
     module.zero_optimizer = other.zero_optimizer
     return module
 

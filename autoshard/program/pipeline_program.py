@@ -222,13 +222,21 @@ class PipelineProgram(Program):
         >>> from autoshard.runtime.launch import communicator_for
         >>> module = prog.module(rank, communicator_for(prog.mesh))  # doctest: +SKIP
         """
+        local = self.rank_tensors(self.inner_rank(rank), weights, keep=self.stage_tensors(set(self.stages_of(rank))),
+                                  init_fn=init_fn, seed=seed, strict=strict)
+        return self.module_of_blocks(rank, comm, local)
+
+    def module_of_blocks(self, rank: int, comm, blocks):
+        """Like `module`, the tensors of this rank's stages given as blocks ({FQN: block}; None: cut from the
+        model's own tensors), as Program.module_of_blocks.
+
+        >>> module = prog.module_of_blocks(rank, communicator_for(prog.mesh), None)  # doctest: +SKIP
+        """
         inner_rank = self.inner_rank(rank)
         inner = DistCommunicator(self.inner_mesh, inner_rank, {a: comm.groups.get(a) for a in self.inner_mesh.names},
                                  comm.mesh_group, exact=comm.exact, timeout=comm.timeout)
         mine = self.stages_of(rank)
-        local = self.rank_tensors(inner_rank, weights, keep=self.stage_tensors(set(mine)), init_fn=init_fn, seed=seed,
-                                  strict=strict)
-        stages = self.all_stage_graphs(inner_rank, stages=set(mine), local=local)  # other stages' stay meta
+        stages = self.all_stage_graphs(inner_rank, stages=set(mine), local=blocks)  # other stages' stay meta
         mine = [stages[s] for s in mine]
         for stage in mine:
             self.compiled(stage.gm, inner)

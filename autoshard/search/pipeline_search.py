@@ -98,7 +98,12 @@ def _from_saved(request: CompileRequest, pipeline):
     prog.plan.search = dict(saved.search)  # the records of why this axis and micro-batch count (made where
     if "microbatch_search" in record:       # the plan was made)
         prog.plan.pipeline["microbatch_search"] = record["microbatch_search"]
-    if prog.plan.fingerprint != saved.fingerprint:
+    if request.plan_other_shapes:  # other shapes: another fingerprint, but every node in its stage
+        moved = [r.name for r, s in zip(prog.plan.rows, saved.rows) if r.kind != "comm" and r.stage != s.stage]
+        if moved or len(prog.plan.rows) != len(saved.rows):
+            raise PlanMismatchError(f"at these input shapes the pipeline cuts the model elsewhere ({moved[:3]} "
+                                    "change stage): plan again")
+    elif prog.plan.fingerprint != saved.fingerprint:
         raise PlanMismatchError(f"the pipelined plan cuts the model differently here (fingerprint "
                                 f"{prog.plan.fingerprint} vs the plan's {saved.fingerprint}): give the same stage "
                                 f"annotations as when it was made (its cut: {record['cut']})")
