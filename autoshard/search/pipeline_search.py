@@ -26,7 +26,6 @@ import torch
 
 from autoshard.frontend.request import CompileRequest
 from autoshard.ir.errors import AutoshardError, UserInputError
-from autoshard.passes.pipelines import compile_state
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import batch_size, check_options, parallelize_pipeline
