@@ -1,6 +1,6 @@
 """ParallelModule (parallelize without example inputs) on a world of one rank in this process: what it does with
 the process group, the loss, a meta model and its parameters; the errors a user meets. 8 real ranks:
-tests/multirank/test_parallel_module.py and test_readme_quickstart.py."""
+tests/multirank/test_parallel_module_gloo.py and test_readme_quickstart.py."""
 import os
 from unittest import mock
 
