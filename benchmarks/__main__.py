@@ -4,8 +4,8 @@ Each benchmark is a module of this package with `main(quick: bool)` that measure
 section of RESULTS.md (report.write_section) and its CSV. To add one, write the module and add its name
 to BENCHMARKS.
 """
+import argparse
 import importlib
-import sys
 import time
 
 BENCHMARKS = [
@@ -27,19 +27,30 @@ BENCHMARKS = [
 ]
 
 
-def main() -> None:
-    quick = "--quick" in sys.argv
-    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), None)
-    if "--only" in sys.argv:
-        only = sys.argv[sys.argv.index("--only") + 1]
-    names = only.split(",") if only else BENCHMARKS
-    unknown = [n for n in names if n not in BENCHMARKS]
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (argparse: `--help` prints it and runs nothing).
+
+    >>> parse_args(["--only", "hand_plans,planning_cli", "--quick"]).only
+    ['hand_plans', 'planning_cli']
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description="Run the benchmarks; each writes its "
+                                     "section of benchmarks/RESULTS.md and its CSV.")
+    parser.add_argument("--quick", action="store_true", help="the smallest cases only (a smoke run)")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=list(BENCHMARKS),
+                        help=f"comma-separated benchmark names (default: all): {', '.join(BENCHMARKS)}")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.only if n not in BENCHMARKS]
     if unknown:
-        raise SystemExit(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     start = time.perf_counter()
-    for name in names:
+    for name in args.only:
         began = time.perf_counter()
-        importlib.import_module(f"benchmarks.{name}").main(quick=quick)
+        importlib.import_module(f"benchmarks.{name}").main(quick=args.quick)
         print(f"[benchmarks] {name}: {time.perf_counter() - began:.0f} s", flush=True)
     print(f"[benchmarks] all: {time.perf_counter() - start:.0f} s")
 
