@@ -26,6 +26,7 @@ from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
+from autoshard.ir.warn_once import warning_scope
 from autoshard.program.parallel_module import ParallelModule
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.pipeline_search import choose_pipeline
@@ -105,7 +106,7 @@ def _compile(request: CompileRequest, pipeline):
     """The Program of one request: a pipeline when asked for or when the search prefers one, else the flat
     program the ILP and the hand plans give."""
     request = request.replace(example_inputs=_traceable_inputs(request.model, request.example_inputs))
-    with reuse_exports():  # the searches' candidates often trace the same shapes
+    with reuse_exports(), warning_scope():  # candidates trace the same shapes; each warning told once per call
         choice = choose_pipeline(request, pipeline, unnamed=not request.mesh.named)
         if choice is not None:
             return choice

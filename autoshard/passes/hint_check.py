@@ -10,7 +10,7 @@ shard to another dim where the op meets a value another hint shards on that axis
 tokens, sharded by group, moving to the experts' shards and back): that op
 has no sharding rule, its rule has no strategy that keeps the sharding, or the planner found gathering
 cheaper. One warning per op and reason, listing the values and the bytes and predicted seconds per step
-of those gathers; each distinct warning is given once per process.
+of those gathers; each distinct warning is given once per `parallelize` call.
 
 The example hints a column-parallel weight that an op without a rule (`i0e`) consumes:
 
@@ -33,7 +33,6 @@ The example hints a column-parallel weight that an op without a rule (`i0e`) con
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from torch import fx
@@ -42,12 +41,12 @@ from autoshard.cost.flops import node_bytes
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST
 from autoshard.ir.placement import Shard
+from autoshard.ir.warn_once import warn_once
 from autoshard.passes.contract import compiler_pass
 from autoshard.strategies import tensor_inputs
 from autoshard.strategies.base import REGISTRY
 
 GATHERS = ("all_gather", "all_to_all")
-_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -131,22 +130,19 @@ def unrealised_hints(state) -> list[UnrealisedHint]:
 
 @compiler_pass("check_hints", reads=(meta.SPEC, meta.HINT, meta.CANDIDATES, meta.COMM), writes=())
 def check_hints(state) -> None:
-    """The check: warn (once per process for each distinct message) about every unrealised hint. Call it
-    after predict, so the warnings carry predicted seconds.
+    """The check: warn (once per `parallelize` call for each distinct message, autoshard/ir/warn_once.py) about
+    every unrealised hint. Call it after predict, so the warnings carry predicted seconds.
 
-    >>> _WARNED.clear()
-    >>> with warnings.catch_warnings(record=True) as caught:
+    >>> from autoshard.ir.warn_once import warning_scope
+    >>> with warnings.catch_warnings(record=True) as caught, warning_scope():
     ...     warnings.simplefilter("always")
     ...     check_hints(prog.state)
-    ...     check_hints(prog.state)  # the same warning again: quiet
+    ...     check_hints(prog.state)  # the same warning again in one call: quiet
     >>> len(caught), "aten.special_i0e.default" in str(caught[0].message)
     (1, True)
     """
     for found in unrealised_hints(state):
-        message = str(found)
-        if message not in _WARNED:
-            _WARNED.add(message)
-            warnings.warn(message, stacklevel=2)
+        warn_once(str(found))
 
 
 

@@ -14,6 +14,7 @@ import warnings
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.placement import R, Shard
+from autoshard.ir.warn_once import warn_once
 from autoshard.passes.contract import NORMALIZED, compiler_pass
 from autoshard.strategies import AxisStrategy, candidates_for, tensor_inputs
 from autoshard.strategies.base import is_tensor_value, output_shapes
@@ -50,15 +51,10 @@ def strategies(state) -> None:
                                               for axis, k in enumerate(mesh.shape)]
             if caught:
                 unknown.setdefault(str(node.target), []).append(node.name)
-    for op, names in unknown.items():
-        if op in _WARNED:  # once per op and process: a model planned again (or its repeated layers) stays quiet
-            continue
-        _WARNED.add(op)
-        warnings.warn(f"autoshard: no sharding rule for {op} (nodes {', '.join(names[:5])}"
-                      f"{' ...' if len(names) > 5 else ''}); they run replicated on every rank. Register a rule "
-                      "in autoshard/strategies to shard them.", stacklevel=2)
-
-_WARNED: set[str] = set()  # ops already reported as having no rule
+    for op, names in unknown.items():  # once per op and parallelize call (its candidates and layers say it once)
+        warn_once(f"autoshard: no sharding rule for {op} (nodes {', '.join(names[:5])}"
+                  f"{' ...' if len(names) > 5 else ''}); they run replicated on every rank. Register a rule "
+                  "in autoshard/strategies to shard them.", key=op)
 
 
 def _on_axis(candidates: list[AxisStrategy], axis_size: int, node, axis: int) -> list[AxisStrategy]:

@@ -245,3 +245,19 @@ class RankModule(torch.nn.Module):
                                  "opt = autoshard.ZeroOptimizer(module, torch.optim.Adam("
                                  f"module.parameters(), ...)), then {step}, opt.step()")
         return self.zero_optimizer.managed()
+
+
+def rank_module_of(module):
+    """This rank's RankModule of `module`: itself, or the one `parallelize` without example inputs (a
+    ParallelModule) holds for its last batch's shapes — what saving and loading weights read.
+
+    >>> rank_module_of(prog) is prog
+    True
+    """
+    if not hasattr(module, "when_planned"):  # a RankModule, or whatever the caller checks next
+        return module
+    if module.rank_module is None:
+        raise UserInputError("the module has not planned yet: call it on a batch first (it plans on its first batch "
+                             "and only then holds this rank's shards)")
+    return module.rank_module
+

@@ -30,6 +30,7 @@ from autoshard.cost.axis_cost import held_bytes_factor, needs_grad
 from autoshard.frontend.request import CompileRequest, headroom_budget
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError
+from autoshard.ir.warn_once import warning_scope
 from autoshard.passes.pipelines import compile_state, trace_for_plan
 from autoshard.program.program import Program
 
@@ -72,7 +73,7 @@ def _plan_quietly(request: CompileRequest, name: str, description: str, record: 
                   hand_plan: bool = True):
     """Plan one candidate, recording its row (or its error); its warnings are kept, not shown."""
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, warning_scope(fresh=True):  # all its own warnings
             warnings.simplefilter("always")
             prog = Program(*compile_state(request, hand_plan=hand_plan))
     except AutoshardError as exc:

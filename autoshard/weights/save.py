@@ -42,6 +42,7 @@ import torch
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import Partial, Replicate, shard_slices
 from autoshard.runtime.communicator import CollectiveTimeout
+from autoshard.runtime.rank_module import rank_module_of
 from autoshard.weights.layout import INDEX, block_runs, weights_layout
 from autoshard.weights.training_checkpoint import CheckpointError, tensor_specs
 
@@ -55,6 +56,7 @@ def save_weights(directory, module, max_shard_bytes: int = 5 * 2**30) -> None:
 
     >>> save_weights("out", module)  # on every rank  # doctest: +SKIP
     """
+    module = rank_module_of(module)
     program, comm, full = _rank_parts(module)
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise UserInputError(f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes, e.g. "

@@ -39,6 +39,7 @@ from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.json_files import read_json_file
 from autoshard.ir.placement import Partial, Shard
 from autoshard.runtime.launch import device_mesh
+from autoshard.runtime.rank_module import rank_module_of
 
 SIDECAR = "autoshard_checkpoint.json"
 FORMAT = 1
@@ -62,6 +63,7 @@ def save_checkpoint(path, module, optimizer=None) -> None:
 
     >>> save_checkpoint("ckpt", prog.module(rank, comm), optimizer)  # on every rank  # doctest: +SKIP
     """
+    module = rank_module_of(module)
     program, comm = _rank_program(module, "save a checkpoint")
     import torch.distributed.checkpoint as dcp
     specs = tensor_specs(program)
@@ -93,6 +95,7 @@ def load_checkpoint(path, target, optimizer=None) -> None:
     import torch.distributed.checkpoint as dcp
     sidecar = _read_sidecar(path)
     index = read_metadata(path).state_dict_metadata
+    target = rank_module_of(target)
     if hasattr(target, "named_local_parameters"):
         program, comm = _rank_program(target, "load a checkpoint")
         specs = tensor_specs(program)

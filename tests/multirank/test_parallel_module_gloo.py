@@ -46,7 +46,7 @@ def _single_device():
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _plain_loop_task(rank, world, mesh, axis_names, zero, hints):
+def _plain_loop_task(rank, world, mesh, axis_names, zero, hints, save_to=None):
     model, loss_fn = _model()
     module = autoshard.parallelize(model, mesh, axis_names=axis_names, loss_fn=loss_fn, zero=zero, hints=hints)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)  # before the first batch: the model's own parameters
@@ -67,6 +67,8 @@ def _plain_loop_task(rank, world, mesh, axis_names, zero, hints):
             opt.step()
             opt.zero_grad()
     replanned = [str(w.message) for w in caught if "planning again" in str(w.message)]
+    if save_to is not None:
+        autoshard.save_weights(save_to, module)  # the whole model, written from every rank's shards
     prog = module.program
     held = {fqn: (p.detach(), [repr(q) for q in prog.param_spec(fqn)])
             for fqn, p in module.rank_module.named_local_parameters()}
@@ -100,8 +102,11 @@ def _check(results):
         assert torch.allclose(whole, expected, rtol=1e-9, atol=1e-12), fqn
 
 
-def test_a_plain_loop_trains_like_one_device(pool):
-    _check(pool.run(_plain_loop_task, (2, 2, 2), None, None, None))
+def test_a_plain_loop_trains_like_one_device(pool, tmp_path):
+    _check(pool.run(_plain_loop_task, (2, 2, 2), None, None, None, str(tmp_path / "saved")))
+    saved = autoshard.load_weights(str(tmp_path / "saved"))
+    for fqn, expected in _single_device()[1].items():
+        assert torch.allclose(saved[fqn], expected, rtol=1e-9, atol=1e-12), fqn
 
 
 def test_zero_optimizer_made_before_the_first_batch(pool):
