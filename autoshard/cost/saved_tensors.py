@@ -108,7 +108,8 @@ def _probe(target, inputs, args, kwargs) -> Saves:
 def _attention_saves(node) -> Saves:
     """The fused kernel keeps q, k, v, its output and one float32 log-sum-exp per row and head."""
     out = node.meta["val"]
-    return Saves((0, 1, 2), True, 4 / (out.shape[-1] * out.element_size()), None)
+    distinct = len(_tensor_args(node))  # self-attention on one value, sdpa(x, x, x), saves that value once
+    return Saves(tuple(range(min(3, distinct))), True, 4 / (out.shape[-1] * out.element_size()), None)
 
 
 def op_saves(node, grad: dict) -> Saves:
@@ -157,11 +158,19 @@ def _hashable(value):
 
 
 def _chunk_is_view(node) -> bool:
-    """A `chunk` forward slices its input; `.contiguous()` copies unless the dim is the outermost non-unit one."""
     if node.meta[meta.COMM]["op"] != "chunk":
         return False
     dim = node.meta[meta.COMM]["args"][0] if node.meta[meta.COMM].get("args") else 0
-    shape = node.args[0].meta["val"].shape
+    return chunk_is_view(node.args[0].meta["val"].shape, dim)
+
+
+def chunk_is_view(shape, dim: int) -> bool:
+    """Whether the runtime's `chunk` of a value of (global) `shape` along `dim` returns a view: it slices its input,
+    and `.contiguous()` copies unless the dim is the outermost non-unit one.
+
+    >>> chunk_is_view((8, 4), 0), chunk_is_view((8, 4), 1), chunk_is_view((1, 8, 4), 1)
+    (True, False, True)
+    """
     return all(s == 1 for s in shape[:dim])
 
 
@@ -184,6 +193,76 @@ def storage_root(node, grad: dict):
             else _tensor_args(node)[alias]
 
 
+def _alias_source(node, saves: Saves):
+    """The input whose storage `node`'s output views (None: a fresh storage)."""
+    if saves.alias is None:
+        return None
+    if node.target is operator.getitem or node.meta.get(meta.KIND) == "comm":
+        return node.args[0]
+    return _tensor_args(node)[saves.alias]
+
+
+@dataclass(frozen=True)
+class KeptSplit:
+    """`kept_for_backward` split for the ILP, whose edges can replace a value by a converted copy:
+    `own` {node: bytes kept per byte of output whatever its consumers are given} (buffers its op saves, its
+    storage when its own op saves its output), `keepers` {node: consumers that keep its value alive} (they
+    save it, or view it and that view is kept) and `roots`: the nodes whose storage is kept only when some
+    keeper gets it unconverted (a keeper given a fresh copy keeps the copy instead).
+
+    >>> split = kept_split(state.gm.graph, needs_grad(state.gm.graph))
+    >>> relu = next(n for n in state.gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+    >>> split.own.get(relu, 0.0), [n.target.__name__ for n in split.keepers[relu]]  # relu saves its output
+    (1.0, ['linear.default'])
+    >>> relu in split.roots  # kept whatever its consumer is given
+    False
+    """
+
+    own: dict
+    keepers: dict
+    roots: frozenset
+
+
+def kept_split(graph, grad: dict) -> KeptSplit:
+    """`own`, `keepers` and `roots` of the graph (see KeptSplit); with every keeper given its value
+    unconverted, `own` plus one storage per root is `kept_for_backward`:
+
+    >>> split = kept_split(state.gm.graph, needs_grad(state.gm.graph))
+    >>> whole = dict(split.own)
+    >>> whole.update({root: whole.get(root, 0.0) + 1.0 for root in split.roots})
+    >>> whole == kept_for_backward(state.gm.graph, needs_grad(state.gm.graph))
+    True
+    """
+    saves = {n: op_saves(n, grad) for n in graph.nodes}
+    through: dict = {}  # node -> its value (or a view of it) is saved
+    keepers: dict = {}
+    for node in reversed(graph.nodes):
+        users = []
+        for user in node.users:
+            mine = saves[user]
+            args = _tensor_args(user) if mine.inputs else []
+            if any(args[p] is node for p in mine.inputs) or (through.get(user) and _alias_source(user, mine) is node):
+                users.append(user)
+        through[node] = saves[node].output or bool(users)
+        if users:
+            keepers[node] = users
+    own, roots = {}, set()
+    for node in graph.nodes:
+        counted = saves[node].alias is None and not _not_counted(node)
+        value = saves[node].extra + (1.0 if counted and saves[node].output else 0.0)
+        if value:
+            own[node] = value
+        if counted and not saves[node].output and node in keepers:
+            roots.add(node)
+    return KeptSplit(own, keepers, frozenset(roots))
+
+
+def _not_counted(root) -> bool:
+    """Parameters and inputs are counted as such, ZeRO-3's gathered parameters as shards."""
+    return root.op == "placeholder" or (root.meta.get(meta.KIND) == "comm" and
+                                        root.meta[meta.COMM]["op"] in _SHARD_SAVED_COMM)
+
+
 def kept_for_backward(graph, grad: dict) -> dict:
     """{node: bytes it keeps for backward per byte of its (local) output}: 1 for a storage some op saves (through
     any view of it) plus the buffers its own op saves besides. Placeholders keep nothing here (parameters and
@@ -202,8 +281,7 @@ def kept_for_backward(graph, grad: dict) -> dict:
         for value in [tensors[p] for p in saves.inputs] + ([node] if saves.output else []):
             roots.add(storage_root(value, grad))
     for root in roots:
-        if root.op == "placeholder" or (root.meta.get(meta.KIND) == "comm" and
-                                        root.meta[meta.COMM]["op"] in _SHARD_SAVED_COMM):
+        if _not_counted(root):
             continue
         kept[root] = kept.get(root, 0.0) + 1.0
     return kept

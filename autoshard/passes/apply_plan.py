@@ -3,8 +3,8 @@
 
 Reads the Plan's rows (each with its `choice` per mesh axis), `autoshard.candidates`, `autoshard.hint`
 and FakeTensor vals. Writes what solve writes: `autoshard.choice`, `autoshard.spec`,
-`autoshard.in_specs`, `autoshard.grad_partial`, `state.objective_s` (the plan's objective, as solve
-records it) and `state.ilp_stats = []` (nothing was solved).
+`autoshard.in_specs`, `autoshard.grad_partial`, `state.objective_s` and `state.memory_row_bytes` (the plan's
+objective and memory row, as solve records them) and `state.ilp_stats = []` (nothing was solved).
 Invariant: the plan's rows (inserted collectives aside) match the graph's nodes one to one in order —
 name, op, module path, kind, shape and dtype — and each chosen strategy is one solve could have chosen
 on that axis (solve's `_axis_candidates`: divisible after the earlier axes, hints respected); otherwise
@@ -37,7 +37,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import describe_type, dtype_name
 from autoshard.passes.choice import axis_candidates, record_choice
 from autoshard.passes.contract import NORMALIZED, Contract
-from autoshard.passes.solve import plan_objective
+from autoshard.passes.solve import plan_figures
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan, op_name
 from autoshard.strategies.base import is_tensor_value
@@ -131,7 +131,8 @@ class ApplyPlan:
     name: str = "apply_plan"
     contract: ClassVar[Contract] = Contract(
         reads=(meta.CANDIDATES, meta.HINT), writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL,
-                                                    "state.ilp_stats", "state.objective_s"))
+                                                    "state.ilp_stats", "state.objective_s",
+                                                    "state.memory_row_bytes"))
 
     def __call__(self, state) -> None:
         mesh = state.mesh
@@ -156,7 +157,7 @@ class ApplyPlan:
         for node in nodes:
             record_choice(node, choices[node], grad)
         state.ilp_stats = []
-        state.objective_s = plan_objective(state)
+        state.objective_s, state.memory_row_bytes = plan_figures(state)
 
 
 def match_rows(plan: Plan, graph, same_shapes: bool = True) -> list:

@@ -54,6 +54,7 @@ class CompileState:
     grad_reduce: dict = field(default_factory=dict)  # insert_comm: param FQN -> axes its gradient is reduced on
     ilp_stats: list = field(default_factory=list)  # solve: one entry per ILP solved
     objective_s: float | None = None  # solve / apply_plan: the plan's objective
+    memory_row_bytes: float | None = None  # solve / apply_plan: the ILP's memory row at the plan (every axis)
     zero_for_memory: object = None  # solve: the ZeroConfig the memory row assumes (a requested or forced ZeRO)
     auto_zero: object = None  # solve: the ZeroConfig chosen because only it fits the memory budget
     recompute_for_memory: bool = False  # solve: the memory row assumes repeated layers are recomputed

@@ -126,6 +126,8 @@ def _auto_regions(state, ops, layers) -> list[str]:
     for _, layer, saved in sorted(scored):
         if memory - sum(savings) + max(savings, default=0) <= budget:
             break
+        if any(layer.startswith(c + ".") or c.startswith(layer + ".") for c in chosen):
+            continue  # nested layers (a Sequential inside a block): their savings overlap
         chosen.append(layer)
         savings.append(saved)
     memory += max(savings, default=0) - sum(savings)  # one region's activations are live during its recompute

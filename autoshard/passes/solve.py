@@ -12,8 +12,10 @@ chosen plan's objective is predict's step; edges forbid resharding multi-output 
 inputs. Hints are hard constraints. Node costs
 (autoshard/cost/axis_cost.py) count compute, the backward all-reduces implied by the duality rule and, in
 auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bounds the parameters
-(with gradients and optimizer state), inputs and saved activations; on axis a the bound is the budget
-times the sizes of the axes still to come (they can only shard further). When the strategy
+(with gradients and optimizer state), inputs and saved activations, the converted copies consumers keep
+for backward charged on the edges (autoshard/cost/conversion_memory.py: the row is predict's memory); on
+axis a the bound is the budget times the sizes of the axes still to come (they can only shard further), so
+the chosen plan's row over every axis is checked again after the last axis (the ladder climbs if it fails). When the strategy
 combinations of all axes fit (JOINT_MAX_VARIABLES), every axis is decided in one ILP with the exact
 cost of multi-axis resharding; otherwise axes are solved outer to inner. Writes `state.ilp_stats`.
 When no plan fits the budget, the ladder of autoshard/passes/memory_fit.py tries ZeRO stages 1, 2, 3 on the
@@ -40,6 +42,7 @@ import math
 import torch
 
 from autoshard.cost.axis_cost import AxisCostModel, needs_grad
+from autoshard.cost.conversion_memory import conversion_memory
 from autoshard.cost.flops import node_bytes
 from autoshard.cost.model import (
     INF,
@@ -48,7 +51,7 @@ from autoshard.cost.model import (
     fused_gather_saving,
     redistribution_time,
 )
-from autoshard.cost.saved_tensors import kept_for_backward
+from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.frontend.request import headroom_budget
 from autoshard.ir import meta
@@ -99,7 +102,7 @@ JOINT_MAX_VARIABLES = 150_000
 
 @compiler_pass("solve", reads=(meta.CANDIDATES, meta.HINT, meta.INPUT_HINT),
                writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL, "state.ilp_stats",
-                       "state.objective_s", "state.zero_for_memory", "state.auto_zero", "state.recompute_for_memory",
+                       "state.objective_s", "state.memory_row_bytes", "state.zero_for_memory", "state.auto_zero", "state.recompute_for_memory",
                        "state.options"))
 def solve(state) -> None:
     """The pass: one strategy per node and mesh axis (see the module docstring). The column-parallel
@@ -124,22 +127,25 @@ def _solve(state) -> None:
     grad = needs_grad(graph)
     semi_auto = state.semi_auto
     mesh = state.mesh
-    kept = kept_for_backward(graph, grad)
-    models = [AxisCostModel(mesh, a, profile, grad, state.options.optimizer_state_factor, kept)
+    split = kept_split(graph, grad)  # what autograd keeps: the node's own part here, its consumers' on the edges
+    models = [AxisCostModel(mesh, a, profile, grad, state.options.optimizer_state_factor, split.own)
               for a in range(mesh.ndim)]
     state.ilp_stats = []
     choices: dict = {n: [] for n in nodes}
     copies = state.fold.copies if state.fold is not None else lambda node: 1
     joint = _joint_combos(nodes, mesh, copies) if mesh.ndim > 1 else None
     if joint is not None:
-        picked = _solve_axes(nodes, tuple(range(mesh.ndim)), joint, choices, state, models, semi_auto)
+        picked = _solve_axes(nodes, tuple(range(mesh.ndim)), joint, choices, state, models, semi_auto, split)
         for node in nodes:
             choices[node] = [picked[node][a] for a in range(mesh.ndim)]
     else:
-        choices = _solve_sequential(nodes, state, models, semi_auto)
+        choices = _solve_sequential(nodes, state, models, semi_auto, split)
     for node in nodes:
         record_choice(node, choices[node], grad)
-    state.objective_s = plan_objective(state)
+    chosen = _chosen_problem(state, split)
+    state.objective_s = chosen.evaluate([0] * chosen.n_classes) / _SCALE
+    state.memory_row_bytes = chosen.evaluate_memory([0] * chosen.n_classes)
+    _check_memory(chosen, state.memory_row_bytes)
 
 
 
@@ -149,7 +155,7 @@ def _solve(state) -> None:
 _BUDGET_OPTIMISM = (1.0, 0.5, 0.0)
 
 
-def _solve_sequential(nodes, state, models, semi_auto) -> dict:
+def _solve_sequential(nodes, state, models, semi_auto, split) -> dict:
     mesh = state.mesh
     for attempt, optimism in enumerate(_BUDGET_OPTIMISM):
         choices: dict = {n: [] for n in nodes}
@@ -157,7 +163,7 @@ def _solve_sequential(nodes, state, models, semi_auto) -> dict:
         try:
             for axis in range(mesh.ndim):
                 combos = {n: [{axis: c} for c in sequential_candidates(n, axis, mesh, choices)] for n in nodes}
-                picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto, optimism)
+                picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto, split, optimism)
                 for node in nodes:
                     choices[node].append(picked[node][axis])
             return choices
@@ -377,9 +383,10 @@ def _zero_memory_scale(node, combo, prior, state, models) -> float:
                         isinstance(placement, Shard))
 
 
-def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism: float = 1.0):
+def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0):
     """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
-    problem, classes, class_of = _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optimism)
+    problem, classes, class_of = _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split,
+                                                optimism)
     result = solve_ilp(problem)
     state.ilp_stats.append({"axes": [state.mesh.names[a] for a in axes], "nodes": len(nodes), "classes": len(classes),
                             "variables": result.variables, "constraints": result.constraints,
@@ -387,30 +394,54 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, optimism
     return {n: combos[n][result.choice[class_of[n]]] for n in nodes}
 
 
-def plan_objective(state) -> float:
-    """Seconds per step the ILP's cost model gives the chosen plan: the objective of the joint ILP over
-    every mesh axis (what `solve` minimises, without semi-auto's propagation preferences) evaluated at
-    the chosen strategies. `predict` prices the emitted program; a test keeps the two equal.
+def plan_figures(state) -> tuple[float, float]:
+    """(seconds per step, bytes per device) the ILP gives the chosen plan: the objective of the joint ILP over
+    every mesh axis (what `solve` minimises, without semi-auto's propagation preferences) and its memory row,
+    evaluated at the chosen strategies on the graph solve sees (before insert_comm). `predict` prices the
+    emitted program; tests keep the step equal to the objective, and the memory to the row but for ZeRO's
+    padding and ZeRO-3's gathered copies and, under recomputation, the layers the recompute pass keeps (the row
+    drops every repeated layer but one). solve records them as `state.objective_s` and `state.memory_row_bytes`.
 
     >>> solved = state_before("zero", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
-    >>> round(plan_objective(solved) * 1e6, 3) == round(solved.objective_s * 1e6, 3)  # what solve recorded
+    >>> plan_figures(solved) == (solved.objective_s, solved.memory_row_bytes)  # what solve recorded
     True
     >>> round(solved.objective_s * 1e6, 3)  # microseconds
     10.001
+    >>> predicted = state_before("check_hints", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
+    >>> solved.memory_row_bytes == predicted.predicted["memory_bytes_per_rank"]
+    True
     """
+    problem = _chosen_problem(state)
+    choice = [0] * problem.n_classes
+    return problem.evaluate(choice) / _SCALE, problem.evaluate_memory(choice)
+
+
+def _chosen_problem(state, split=None):
+    """The joint ILP over every mesh axis with the chosen strategies as each node's only candidate (`split`:
+    the graph's kept_split, when known)."""
     nodes = [n for n in state.gm.graph.nodes if meta.CANDIDATES in n.meta]
-    profile = state.options.profile
     grad = needs_grad(state.gm.graph)
-    kept = kept_for_backward(state.gm.graph, grad)
-    models = [AxisCostModel(state.mesh, a, profile, grad, state.options.optimizer_state_factor, kept)
-              for a in range(state.mesh.ndim)]
+    split = split or kept_split(state.gm.graph, grad)
+    models = [AxisCostModel(state.mesh, a, state.options.profile, grad, state.options.optimizer_state_factor,
+                            split.own) for a in range(state.mesh.ndim)]
     combos = {n: [dict(enumerate(n.meta[meta.CHOICE]))] for n in nodes}
     problem, _, _ = _build_problem(nodes, tuple(range(state.mesh.ndim)), combos, {n: [] for n in nodes}, state,
-                                   models, semi_auto=False)
-    return problem.evaluate([0] * problem.n_classes) / _SCALE
+                                   models, False, split)
+    return problem
 
 
-def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optimism: float = 1.0):
+def _check_memory(chosen, kept: float) -> None:
+    """Raise MemoryBudgetError (the ladder climbs) when the chosen plan's memory over every axis (`kept`) exceeds
+    the budget: an axis solved before the others can only guess what the later ones shard."""
+    if chosen.budget is None or kept <= chosen.budget * (1 + 1e-9):
+        return
+    memory = [list(per) for per in chosen.memory] + [[kept - sum(per[0] for per in chosen.memory)]]
+    raise MemoryBudgetError(IlpProblem([1] * len(memory), [[0.0]] * len(memory), memory=memory, budget=chosen.budget,
+                                       names=[*chosen.names, "converted copies kept for backward"],
+                                       kinds=[*chosen.kinds, "saved activations"]))
+
+
+def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0):
     """The ILP deciding `axes` (see _solve_axes): (IlpProblem, decision classes, class of each node)."""
     mesh = state.mesh
     free_sync = data_parallel_axes(nodes) if semi_auto else set()  # gradient sync there is the user's choice
@@ -493,13 +524,22 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, optim
                                                          ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
+    zero = state.zero_for_memory
+    zero_axis = mesh.axis(zero.axis) if zero is not None and zero.stage == 3 else None
+    fixed, edge_memory, memory_charges = conversion_memory(
+        nodes, axes, combos, choices, class_of, split, models[0].grad, mesh.shape, copies, dropped,
+        lambda u: zero_axis if u.op == "placeholder" and u.meta.get(meta.KIND) == "param" else None)
+    for u, per_candidate in fixed.items():
+        for s, nbytes in enumerate(per_candidate):
+            memory[class_of[u]][s] += nbytes
     budget = state.options.memory_budget
     if budget is None:
         budget = headroom_budget(profile, state.options.memory_headroom)
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism
     budget = None if math.isinf(budget) else budget * later
     problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared,
-                         conjunctions=_conversion_charges(conversions, edges),
+                         conjunctions=_conversion_charges(conversions, edges), edge_memory=edge_memory,
+                         memory_charges=memory_charges,
                          names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r}"
                                 + (f" and its {len(m) - 1} copies)" if len(m) > 2 else " and its copy)" if len(m) > 1
                                    else ")") for m in classes],

@@ -4,7 +4,9 @@ Variables: one-hot binaries x[c, s] per decision class c (a node, or all copies 
 repeated layers) and candidate s; per edge (c, d) a joint distribution e[s, t] >= 0 whose marginals
 are x[c, :] and x[d, :] (tighter than e >= x_s + x_t - 1, so branch and bound has little to do).
 Forbidden pairs fix e[s, t] = 0; edges with a single-candidate end fold into the other end's costs.
-An optional memory row bounds sum(memory[c, s] * x[c, s]). A shared charge is paid once when any of
+An optional memory row bounds sum(memory[c, s] * x[c, s]) plus the bytes on edges (`edge_memory[c, d][s, t]` on
+e[s, t]: a converted copy a consumer keeps) and the memory charges (bytes paid once when any of their terms holds,
+as a conjunction charge; `evaluate_memory` is the row at one choice). A shared charge is paid once when any of
 its groups is chosen: a variable y in [0, 1] with y >= sum(x over the group) for every group, costing
 `cost * y` (the backward all-reduce of a value used by several split ops happens once).
 A conjunction charge is paid once when any of its terms holds, a term being "classes c and d choose
@@ -55,6 +57,8 @@ class IlpProblem:
     budget: float | None = None
     shared: list = field(default_factory=list)  # [(cost, [[(class, candidate), ...], ...])]
     conjunctions: list = field(default_factory=list)  # [(cost, [(class c, class d, [(s, t), ...]), ...])]
+    edge_memory: dict = field(default_factory=dict)  # (class, class) -> [[bytes]] on the edge's pairs
+    memory_charges: list = field(default_factory=list)  # [(bytes, [(class c, class d, [(s, t), ...]), ...])]
     names: list[str] = field(default_factory=list)  # for error messages
     kinds: list[str] = field(default_factory=list)  # what each class's memory is, for error messages
     # The memory rows count bytes before `later_ways` more ways of sharding (mesh axes decided after this problem);
@@ -86,6 +90,21 @@ class IlpProblem:
                      if any((choice[c], choice[d]) in pairs for c, d, pairs in terms))
         return total
 
+    def evaluate_memory(self, choice) -> float:
+        """The memory row at one choice per class: the candidates' bytes, the edges' between the chosen pairs and
+        each memory charge once when any of its terms holds.
+
+        >>> kept = IlpProblem(sizes=[2, 2], costs=[[0.0, 0.0]] * 2, memory=[[8.0, 4.0], [2.0, 2.0]],
+        ...                   edge_memory={(0, 1): [[0.0, 16.0], [0.0, 0.0]]}, memory_charges=[(1.0, [(0, 1, [(1, 1)])])])
+        >>> kept.evaluate_memory([0, 1]), kept.evaluate_memory([1, 1])
+        (26.0, 7.0)
+        """
+        total = sum(self.memory[c][s] for c, s in enumerate(choice)) if self.memory else 0.0
+        total += sum(matrix[choice[c]][choice[d]] for (c, d), matrix in self.edge_memory.items())
+        total += sum(nbytes for nbytes, terms in self.memory_charges
+                     if any((choice[c], choice[d]) in pairs for c, d, pairs in terms))
+        return total
+
 
 @dataclass
 class IlpResult:
@@ -114,9 +133,12 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     if problem.budget is not None and problem.memory and sum(min(per) for per in problem.memory) > problem.budget:
         raise MemoryBudgetError(problem)  # even the smallest candidate of every class is too big: no need to solve
     costs = [list(c) for c in problem.costs]
+    bounded = problem.budget is not None and problem.memory is not None
+    memory = [list(m) for m in problem.memory] if bounded else None
     allowed = [[True] * n for n in problem.sizes]
     joint = []
     for (c, d), matrix in sorted(problem.edges.items()):
+        kept = problem.edge_memory.get((c, d)) if bounded else None
         if problem.sizes[c] == 1 or problem.sizes[d] == 1:
             free = d if problem.sizes[c] == 1 else c
             for a, row in enumerate(matrix):
@@ -126,8 +148,10 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
                         allowed[free][index] = False
                     else:
                         costs[free][index] += cost
+                        if kept:
+                            memory[free][index] += kept[a][b]
         else:
-            joint.append((c, d, matrix))
+            joint.append((c, d, matrix, kept))
     for c, ok in enumerate(allowed):
         if not any(ok):
             name = problem.names[c] if problem.names else str(c)
@@ -146,7 +170,7 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
         upper += [1.0 if ok else 0.0 for ok in allowed[c]]
     n_choice = len(obj)
     edge_start = []
-    for _, _, matrix in joint:
+    for _, _, matrix, _ in joint:
         edge_start.append(len(obj))
         for row in matrix:
             for cost in row:
@@ -160,6 +184,10 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     for cost, _ in problem.conjunctions:
         obj.append(cost)
         upper.append(1.0)
+    charges = problem.memory_charges if bounded else []
+    charge_start = len(obj)
+    obj += [0.0] * len(charges)
+    upper += [1.0] * len(charges)
     n_var = len(obj)
     h.addVars(n_var, np.zeros(n_var), np.array(upper))
     h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), np.array(obj, dtype=np.float64))
@@ -168,7 +196,7 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     rows = _Rows()
     for c, n in enumerate(problem.sizes):
         rows.add(1.0, 1.0, range(start[c], start[c] + n), [1.0] * n)
-    for (c, d, _), e0 in zip(joint, edge_start):
+    for (c, d, _, _), e0 in zip(joint, edge_start):
         nu, nv = problem.sizes[c], problem.sizes[d]
         for a in range(nu):
             rows.add(0.0, 0.0, [e0 + a * nv + b for b in range(nv)] + [start[c] + a], [1.0] * nv + [-1.0])
@@ -178,7 +206,7 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
         for group in groups:
             idx = [start[c] + s for c, s in group]
             rows.add(-highspy.kHighsInf, 0.0, idx + [shared_start + i], [1.0] * len(idx) + [-1.0])
-    joint_start = {(c, d): e0 for (c, d, _), e0 in zip(joint, edge_start)}
+    joint_start = {(c, d): e0 for (c, d, _, _), e0 in zip(joint, edge_start)}
     for i, (cost, terms) in enumerate(problem.conjunctions):
         y = conjunction_start + i
         indicators = [_pair_indicator(problem.sizes, start, joint_start, c, d, pairs) for c, d, pairs in terms]
@@ -189,9 +217,21 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
             idx = [j for term, _ in indicators for j in term]
             rows.add(-highspy.kHighsInf, sum(constant for _, constant in indicators), [y] + idx,
                      [1.0] + [-1.0] * len(idx))
-    if problem.budget is not None and problem.memory is not None:
+    for i, (_, terms) in enumerate(charges):  # a memory charge is held once any of its terms holds
+        for c, d, pairs in terms:
+            idx, constant = _pair_indicator(problem.sizes, start, joint_start, c, d, pairs)
+            rows.add(-highspy.kHighsInf, -constant, idx + [charge_start + i], [1.0] * len(idx) + [-1.0])
+    if bounded:
         idx = [start[c] + s for c, n in enumerate(problem.sizes) for s in range(n)]
-        rows.add(-highspy.kHighsInf, problem.budget, idx, [m for per in problem.memory for m in per])
+        value = [m for per in memory for m in per]
+        for (_, _, matrix, kept), e0 in zip(joint, edge_start):
+            if kept:
+                pairs = [(a * len(matrix[0]) + b, m) for a, row in enumerate(kept) for b, m in enumerate(row) if m]
+                idx += [e0 + j for j, _ in pairs]
+                value += [m for _, m in pairs]
+        idx += [charge_start + i for i in range(len(charges))]
+        value += [nbytes for nbytes, _ in charges]
+        rows.add(-highspy.kHighsInf, problem.budget, idx, value)
     n_rows = rows.count
     rows.flush(h)
     # HiGHS's presolve spends longer than it saves on these 0/1 assignment problems (zoo and transformers
@@ -382,7 +422,8 @@ def quiet_highs():
 
 
 class MemoryBudgetError(PlanError):
-    """No plan fits the per-device memory budget; says the budget, the smallest footprint found and what
+    """No plan fits the per-device memory budget; says the budget, the smallest footprint found (`minimum`: the
+    memory row of the plan taking each class's smallest candidate, its edges' copies and charges included) and what
     dominates it (`parts`: bytes per kind of class at that footprint; `searched`: what the search tried).
 
     >>> solve_ilp(IlpProblem(sizes=[2], costs=[[1.0, 3.0]], memory=[[100.0, 60.0]], budget=50.0))
@@ -393,7 +434,15 @@ class MemoryBudgetError(PlanError):
 
     def __init__(self, problem: IlpProblem, searched: str = "", advice: str = ""):
         self.problem = problem
-        cheapest = [min(per) / problem.later_ways for per in problem.memory or []]  # per device
+        memory = problem.memory or []
+        choice = [min(range(len(per)), key=per.__getitem__) for per in memory]
+        cheapest = [per[s] for per, s in zip(memory, choice)]
+        for (c, d), matrix in problem.edge_memory.items():  # a copy counts with its producer's class
+            cheapest[c] += matrix[choice[c]][choice[d]]
+        for nbytes, terms in problem.memory_charges:
+            if any((choice[c], choice[d]) in pairs for c, d, pairs in terms):
+                cheapest[terms[0][0]] += nbytes
+        cheapest = [nbytes / problem.later_ways for nbytes in cheapest]  # per device
         self.minimum = sum(cheapest)
         self.parts: dict = {}
         for c, nbytes in enumerate(cheapest):
