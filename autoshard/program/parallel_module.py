@@ -128,10 +128,10 @@ class ParallelModule(torch.nn.Module):
             return self._pipeline_step(prog, rank_module, batch)
         loss, _ = rank_module(*rank_module.local_inputs(*batch))
         whole = rank_module.global_loss(loss)
-        shown = loss + (whole - loss).detach()  # one device's value; backward reaches this rank's partial loss
         if not torch.is_grad_enabled() or not loss.requires_grad:
             return whole
-        return _SyncWhenBackwardEnds.apply(shown, self) if not self._no_sync else shown
+        shown = loss + (whole - loss).detach()  # one device's value; backward reaches this rank's partial loss
+        return shown if self._no_sync else _SyncWhenBackwardEnds.apply(shown, self)
 
     def _pipeline_step(self, prog, rank_module, batch):
         """A pipelined plan's schedule interleaves every micro-batch's forward and backward, so the call runs both
