@@ -210,6 +210,7 @@ def collective_latency(op: str, fwd_bytes: float, bwd_bytes: float, k: int, link
     return collective_time(op, fwd_bytes, bwd_bytes, k, Link(link.alpha, math.inf))
 
 
+@functools.lru_cache(maxsize=65536)  # the ILP prices the same conversion of the same bytes many times over
 def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link: Link,
                     with_backward: bool = True) -> float:
     """Forward (+ backward, for values with a gradient) time of turning `src` into `dst` on one axis;

@@ -185,8 +185,12 @@ def storage_root(node, grad: dict):
     >>> storage_root(view, {x: True, view: True}) is x  # a transposed value is its input's storage
     True
     """
+    return _storage_root(node, lambda n: op_saves(n, grad))
+
+
+def _storage_root(node, saves_of):
     while True:
-        alias = op_saves(node, grad).alias
+        alias = saves_of(node).alias
         if alias is None:
             return node
         node = node.args[0] if node.target is operator.getitem or node.meta.get(meta.KIND) == "comm" \
@@ -273,13 +277,14 @@ def kept_for_backward(graph, grad: dict) -> dict:
     """
     kept = {}
     roots = set()
+    all_saves = {n: op_saves(n, grad) for n in graph.nodes}  # once per node: storage_root walks chains of views
     for node in graph.nodes:
-        saves = op_saves(node, grad)
+        saves = all_saves[node]
         if saves.extra:
             kept[node] = saves.extra
         tensors = _tensor_args(node) if saves.inputs else []
         for value in [tensors[p] for p in saves.inputs] + ([node] if saves.output else []):
-            roots.add(storage_root(value, grad))
+            roots.add(_storage_root(value, all_saves.__getitem__))
     for root in roots:
         if _not_counted(root):
             continue

@@ -51,6 +51,9 @@ TABLE = {c.name: c for c in (
 )}
 
 
+_BY_CHANGE = {TABLE[name].change: name for name in ("all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all")}
+
+
 def _kind(p: Placement) -> str:
     return "P" if isinstance(p, Partial) else "S" if isinstance(p, Shard) else "R"
 
@@ -63,9 +66,7 @@ def collective_for(src: Placement, dst: Placement) -> str:
     """
     if src == dst or isinstance(dst, Partial):
         raise ValueError(f"no collective turns {src!r} into {dst!r}")
-    change = (_kind(src), _kind(dst))
-    return next(name for name in ("all_reduce", "reduce_scatter", "all_gather", "chunk", "all_to_all")
-                if TABLE[name].change == change)
+    return _BY_CHANGE[(_kind(src), _kind(dst))]
 
 
 def direction_bytes(name: str, src_bytes: float, dst_bytes: float, with_backward: bool = True) -> tuple:

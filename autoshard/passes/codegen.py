@@ -21,6 +21,7 @@ from torch import fx
 
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
+from autoshard.ir.graph_utils import copy_node
 from autoshard.ir.placement import local_shape, shard_tensor
 from autoshard.passes.attention_lowering import lower_attention
 from autoshard.passes.contract import compiler_pass
@@ -105,7 +106,7 @@ def build_rank_module(state, rank: int, keep=None, local=None) -> fx.GraphModule
             env[node] = env[node.args[0]]
             continue
         else:
-            new = graph.node_copy(node, lambda n: env[n])
+            new = copy_node(graph, node, lambda n: env[n])
             if node.op == "call_function":
                 _localize_args(new, node, mesh)
                 lower_attention(new, node, mesh, coord)  # context parallelism: a ring, or shifted causal rows

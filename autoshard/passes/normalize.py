@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.ir import meta
-from autoshard.ir.graph_utils import new_node, refresh_vals, val_of
+from autoshard.ir.graph_utils import copy_node, new_node, refresh_vals, val_of
 from autoshard.passes.attention_fusion import fuse_attention
 from autoshard.passes.contract import NORMALIZED, compiler_pass
 from autoshard.passes.random_ops import number_random_ops
@@ -318,7 +318,7 @@ def _inline_grad_regions(gm: fx.GraphModule) -> bool:
                 if inner.op == "output":
                     results = fx.node.map_arg(inner.args[0], lambda n, env=env: env[n])
                     continue
-                copied = gm.graph.node_copy(inner, lambda n, env=env: env[n])
+                copied = copy_node(gm.graph, inner, lambda n, env=env: env[n])
                 copied.meta[meta.KIND] = "op"
                 copied.meta[meta.PATH] = node.meta.get(meta.PATH, meta.module_path(inner))
                 env[inner] = copied

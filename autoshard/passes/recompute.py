@@ -36,6 +36,7 @@ from autoshard.cost.recompute_cost import region_savings
 from autoshard.frontend.hints import Hints
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
+from autoshard.ir.graph_utils import copy_node
 from autoshard.ir.meta import RECOMPUTE
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.predict import predict
@@ -117,10 +118,16 @@ def _auto_regions(state, ops, layers) -> list[str]:
         return []
     predict(state)
     memory = state.predicted["memory_bytes_per_rank"]
+    members: dict = {layer: [] for layer in layers}  # each layer's ops, in one walk over their paths' prefixes
+    for node in ops:
+        parts = node.meta.get(meta.PATH, "").split(".")
+        for end in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:end])
+            if prefix in members:
+                members[prefix].append(node)
     scored = []
     for layer in layers:
-        nodes = [n for n in ops if region_of(n, [layer]) is not None]
-        saved, seconds = region_savings(state, nodes)
+        saved, seconds = region_savings(state, members[layer])
         scored.append((-saved / max(seconds, 1e-12), layer, saved))
     chosen, savings = [], []
     for _, layer, saved in sorted(scored):
@@ -215,7 +222,7 @@ def _wrap_one(gm, region, stage, name):
         env[value] = body.placeholder(value.name)
         env[value].meta = dict(value.meta)
     for node in inside:
-        env[node] = body.node_copy(node, lambda n: env[n])
+        env[node] = copy_node(body, node, lambda n: env[n])
     body.output(tuple(env[n] for n in outputs))
     gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name="Region"), region))
     with graph.inserting_after(last):

@@ -177,13 +177,15 @@ def _joint_combos(nodes, mesh, copies):
     """Every node's feasible strategy combinations over all axes, or None when the joint ILP would be
     too large (then axes are solved one after another). The size is the whole model's (a folded trace's
     middle layer counts `copies` times), so folding never changes which way a model is solved."""
-    combos = {}
-    for node in nodes:
+    combos, size = {}, 0
+    for node in nodes:  # in graph order, so a node's inputs have their combinations; stop once over the limit
         combos[node] = [dict(enumerate(f)) for f in joint_candidates(node, mesh)]
-    size = sum(copies(n) * len(c) for n, c in combos.items())
-    size += sum(copies(v) * len(combos[u]) * len(combos[v]) for v in nodes if v.op == "call_function"
-                for u in tensor_inputs(v) if u in combos)
-    return combos if size <= JOINT_MAX_VARIABLES else None
+        size += copies(node) * len(combos[node])
+        if node.op == "call_function":
+            size += sum(copies(node) * len(combos[u]) * len(combos[node]) for u in tensor_inputs(node) if u in combos)
+        if size > JOINT_MAX_VARIABLES:
+            return None
+    return combos
 
 
 def is_view(node) -> bool:

@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from autoshard.ir import meta
+from autoshard.ir.graph_utils import copy_node
 
 
 @dataclass
@@ -99,7 +100,7 @@ def _build_stage(gm, s, entering, body, leaving) -> StageGraph:
             root.add_module(node.target, gm.get_submodule(node.target))
         for src in node.all_input_nodes:
             lookup(src)
-        env[node] = graph.node_copy(node, lookup)
+        env[node] = copy_node(graph, node, lookup)
         env[node].meta = dict(node.meta)
     graph.output(tuple(lookup(n) if isinstance(n, fx.Node) else n for n in leaving))
     stage_gm = fx.GraphModule(root, graph, class_name=f"Stage{s}")

@@ -28,6 +28,7 @@ from torch import fx
 
 from autoshard.frontend.fold import layer_nodes
 from autoshard.ir import meta
+from autoshard.ir.graph_utils import copy_node, lazy_graph_module
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.random_ops import number_random_ops
 
@@ -69,9 +70,9 @@ def unfold(state) -> None:
                 copy_run(starts[node])
             continue
         into_last = node in in_last
-        env[node] = graph.node_copy(node, lambda a, into_last=into_last: copies[-1][a] if into_last and a in in_middle
+        env[node] = copy_node(graph, node, lambda a, into_last=into_last: copies[-1][a] if into_last and a in in_middle
                                     else env[a])
-    gm = fx.GraphModule(state.gm, graph)
+    gm = lazy_graph_module(state.gm, graph)
     gm.graph.lint()
     state.gm = gm
     state.traced = _traced(state, gm)
@@ -93,7 +94,7 @@ def _runs(graph, members) -> list[list]:
 def _copy(graph, node, fold, k, arg_transform):
     """The copy of a middle-layer node in layer k: renamed, re-pathed, its decisions kept."""
     if k == 1:
-        new = graph.node_copy(node, arg_transform)
+        new = copy_node(graph, node, arg_transform)
     else:
         old_key, new_key = fold.middle.replace(".", "_"), fold.instance(k).replace(".", "_")
         name = node.name.replace(old_key, new_key, 1) if node.op == "placeholder" else node.name
@@ -101,7 +102,7 @@ def _copy(graph, node, fold, k, arg_transform):
             new = graph.placeholder(name)
             new.meta = dict(node.meta)
         else:
-            new = graph.node_copy(node, arg_transform)
+            new = copy_node(graph, node, arg_transform)
         path = node.meta.get(meta.PATH, "")
         new.meta[meta.PATH] = fold.instance(k) + path[len(fold.middle):]
         if "nn_module_stack" in node.meta:  # module paths as export wrote them (cut_stages reads them)

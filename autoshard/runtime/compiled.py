@@ -109,7 +109,7 @@ def _rewrite(gm: fx.GraphModule, key: int) -> None:
         elif node.op == "call_module" and not isinstance(gm.get_submodule(node.target), fx.GraphModule):
             with gm.graph.inserting_before(node):
                 module = gm.graph.get_attr(node.target)
-            node.op, node.target, node.args = "call_function", _call_eager, (module, *node.args)
+            node.op, node.target, node.args = "call_function", _disabled(_call_eager), (module, *node.args)
     gm.recompile()
 
 
@@ -127,6 +127,7 @@ def _disabled(fn):
     return torch.compiler.disable(fn, recursive=True)
 
 
-@torch.compiler.disable
 def _call_eager(module, *args):
+    # Called through `_disabled(_call_eager)`, made when a graph is compiled rather than by a decorator at
+    # import: `torch.compiler.disable` imports dynamo (over a second), which a process that only plans never needs.
     return module(*args)
