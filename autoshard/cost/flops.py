@@ -62,5 +62,7 @@ def node_bytes(node) -> int:
     1024
     """
     val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):  # the common case, without building a list (the cost model asks often)
+        return val.numel() * val.element_size()
     vals = val if isinstance(val, (tuple, list)) else [val]
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))

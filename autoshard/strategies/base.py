@@ -15,6 +15,7 @@ The examples look at the linear of a traced `nn.Linear(4, 2)` on a batch of 8, o
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class AxisStrategy:
         text = f"({', '.join(map(repr, self.inputs))}) -> {self.output!r}"
         return f"{text} {self.method}" if self.method else text
 
-    @property
+    @functools.cached_property  # asked for hundreds of thousands of times while an ILP is built
     def splits_work(self) -> bool:
         """True when ranks on the axis compute different things (some placement is not R): the
         gradient of a replicated input then comes back partial (the duality rule).
@@ -60,7 +61,7 @@ class AxisStrategy:
         """
         return self.splits_work and isinstance(self.inputs[pos], Replicate)
 
-    @property
+    @functools.cached_property  # asked for hundreds of thousands of times while an ILP is built
     def divides_compute(self) -> bool:
         """True when each rank does 1/k of the work (something is sharded; partial sums do not shrink it).
 
