@@ -62,10 +62,11 @@ def recompute(state) -> None:
     ops = [n for n in state.gm.graph.nodes if n.op == "call_function"]
     if option == "auto":
         regions = _auto_regions(state, ops, sorted(p for p in _module_paths(ops) if _LAYER_RE.match(p)))
-        hints.recompute = regions  # the plan records the choice: applying it recomputes the same layers
     else:
         regions = checkpoint_regions(option, ops)
     regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]  # outermost wins
+    # The plan records the regions, chosen or asked for: applying the saved plan recomputes the same layers.
+    hints.recompute = list(regions)
     for node in ops:
         region = region_of(node, regions)
         if region is not None:

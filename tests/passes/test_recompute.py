@@ -99,3 +99,15 @@ def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
 def test_checkpoint_glob_matching_nothing_says_so():
     with pytest.raises(UserInputError, match=r"checkpoint='blocks\.\*' matches no module"):
         _plan(gpt2, "gpt2", checkpoint=["blocks.*"])
+
+
+def test_a_saved_plan_recomputes_the_regions_it_was_made_with(tmp_path):
+    """checkpoint= given by name (not only "auto") is part of the plan: the plan file applied without the option
+    recomputes the same layers and predicts the same memory (it used to keep every activation)."""
+    ckpt, inputs = _plan(gpt2, "gpt2", checkpoint=["layers.*"])
+    ckpt.plan.save(tmp_path / "plan.json")
+    model, _, loss_fn = gpt2()
+    applied = autoshard.parallelize(to_double(model, inputs)[0], MESH, inputs, loss_fn=loss_fn, axis_names=NAMES,
+                                    plan=str(tmp_path / "plan.json"))
+    assert applied.state.recompute_regions == ckpt.state.recompute_regions != []
+    assert applied.plan.predicted["memory_bytes_per_rank"] == ckpt.plan.predicted["memory_bytes_per_rank"]
