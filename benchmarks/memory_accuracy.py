@@ -22,7 +22,7 @@ from autoshard.runtime.zero import ZeroOptimizer, unique_bytes
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import plan_hints
 
-from .live_memory import LiveStorages, measure_step
+from .live_memory import LiveStorages, SavedForBackward, measure_step
 from .plan_quality import SHAPES
 from .report import table, write_section
 
@@ -71,7 +71,8 @@ def plan(case: dict, folder: str) -> str:
 
 
 def _pipeline_step(module, opt, inputs) -> dict:
-    """A pipeline rank: every term but the activations (several micro-batches in flight), and the peak."""
+    """A pipeline rank: its terms (activations: the most autograd kept at once, its micro-batches in flight) and
+    the peak."""
     params = [p for _, p in module.named_local_parameters()]
     module.train_step(*inputs)
     opt.step()
@@ -79,11 +80,12 @@ def _pipeline_step(module, opt, inputs) -> dict:
     seen: set = set()
     inner = getattr(opt, "optim", opt)
     state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    out = {"params": unique_bytes(params, seen), "optimizer": unique_bytes(state, seen), "inputs": 0}
-    with LiveStorages() as live:
+    out = {"params": unique_bytes(params, seen), "optimizer": unique_bytes(state, seen), "inputs": 0, "gathered": 0}
+    with LiveStorages() as live, SavedForBackward(params) as saved:
         module.train_step(*inputs)
         out["grads"] = unique_bytes([p.grad for p in params if p.grad is not None], set())
         opt.step()
+    out["activations"] = saved.peak
     out["peak"] = out["params"] + out["optimizer"] + live.peak
     return out
 
@@ -180,12 +182,12 @@ def report(rows) -> tuple[str, list, list]:
         "boundaries: the state held before it plus the peak of storages the step allocated (the same mode); "
         "it is lower where activations are freed before all gradients exist, and higher where the step holds "
         "transient buffers the model does not count (gradient buckets of the overlapped sync, collectives' "
-        "outputs, one Adam temporary). The pipeline row measures only the peak (its activations are several "
-        "micro-batches in flight); its prediction is the whole micro-batch program's (every stage's parameters), "
-        "not one device's, hence 1.7x. The recompute row's plan, saved and loaded back on the ranks, lost its "
-        "checkpoint regions (the loaded program's recompute_regions is empty), so the ranks kept every "
-        "activation; run without a plan file the ranks keep 0.52 MiB at the end of forward against 2.39 "
-        "predicted, which adds the largest region, live again while it is recomputed in backward.")
+        "outputs, one Adam temporary). The pipeline row is one device's: the pp rank with the highest peak, its "
+        "stages' parameters, gradients and optimizer state, and as activations the most bytes autograd keeps "
+        "at once over the step (saved_tensors_hooks, parameters excluded: its micro-batches in flight under "
+        "the schedule); the prediction is that rank's too (autoshard/cost/pipeline_schedule.py). The "
+        "recompute row keeps each region's inputs at the end of forward; its prediction adds the largest "
+        "region, live again while it is recomputed in backward.")
     csv_headers = ["model", "plan", *[f"predicted_{t}" for t in TERMS], *[f"measured_{t}" for t in TERMS],
                    "predicted_total", "measured_sum", "peak_live"]
     return body, csv_headers, csv_rows

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from autoshard.ir.placement import Shard
+
 aten = torch.ops.aten
 
 
@@ -66,3 +68,15 @@ def node_bytes(node) -> int:
         return val.numel() * val.element_size()
     vals = val if isinstance(val, (tuple, list)) else [val]
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+def local_bytes(node, spec, mesh) -> int:
+    """Bytes of one rank's block of `node`'s value under `spec` (one placement per mesh axis).
+
+    >>> from autoshard.ir.mesh import Mesh
+    >>> from autoshard.ir.placement import R, S
+    >>> local_bytes(linear, [S(0)], Mesh((2,), ("dp",))), local_bytes(linear, [R], Mesh((2,), ("dp",)))
+    (512, 1024)
+    """
+    split = math.prod(mesh.shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
+    return node_bytes(node) // split

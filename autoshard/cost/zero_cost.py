@@ -99,8 +99,9 @@ def _trained_param_shards(state):
         yield node, spec, numel, itemsize, numel * itemsize
 
 
-def memory_breakdown(state) -> dict:
-    """Predicted bytes per rank: {"params", "grads", "optimizer", "gathered"} (ZeRO or not).
+def memory_breakdown(state, within: set | None = None) -> dict:
+    """Predicted bytes per rank: {"params", "grads", "optimizer", "gathered"} (ZeRO or not); `within`: only
+    these nodes' (a pipeline rank's stages).
 
     >>> memory_breakdown(prog.state)
     {'params': 16704, 'grads': 16704, 'optimizer': 33408, 'gathered': 16384}
@@ -110,6 +111,8 @@ def memory_breakdown(state) -> dict:
     axis = mesh.axis(zero.axis) if zero is not None else None
     out = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
     for node, spec, numel, itemsize, kept in _trained_param_shards(state):
+        if within is not None and node not in within:
+            continue
         if zero is None:
             parts = {"params": kept, "grads": kept, "optimizer": f * kept}
         else:
@@ -117,7 +120,7 @@ def memory_breakdown(state) -> dict:
             parts = param_memory(kept, numel, itemsize, zero.stage, mesh.shape[axis], f, owned)
         for key, value in parts.items():
             out[key] += value
-    for node in state.gm.graph.nodes:
+    for node in state.gm.graph.nodes if within is None else within:
         gathered = [a for a in node.all_input_nodes if meta.COMM in a.meta and a.meta[meta.COMM]["op"] ==
                     "param_all_gather"]
         out["gathered"] = max(out["gathered"], sum(_local_numel(a, a.meta[meta.SPEC], mesh) *

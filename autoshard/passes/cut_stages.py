@@ -30,20 +30,22 @@ import operator
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.flops import local_bytes
 from autoshard.cost.model import collective_latency
+from autoshard.cost.pipeline_schedule import rank_memory, stage_activations, stage_nodes
 from autoshard.frontend.cut_points import find_layers
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import NODE_COST
 from autoshard.passes.contract import compiler_pass
-from autoshard.passes.predict import collective_bytes, local_bytes
+from autoshard.passes.predict import collective_bytes
 from autoshard.solver.balanced_cut import min_max_cut
 
 AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidate cut; above, module boundaries
 
 
 @compiler_pass("cut_stages", reads=(meta.NODE_COST, meta.COMM_COST, "state.predicted"),
-               writes=(meta.STAGE, "state.pipeline_stages", "state.grad_flags"))
+               writes=(meta.STAGE, "state.pipeline_stages", "state.grad_flags", "state.predicted"))
 def cut_stages(state) -> None:
     """The pass: write `autoshard.stage` on every node and `state.pipeline_stages`.
 
@@ -58,6 +60,11 @@ def cut_stages(state) -> None:
         stage = auto_cut(state, nodes, config)
     _fill_and_check(state.gm.graph, nodes, stage, config.num_stages)
     state.pipeline_stages = stage_summary(state, config)
+    # Memory per device, not the whole micro-batch program's: the pp rank holding the most (its stages'
+    # parameters and its micro-batches in flight under the schedule).
+    worst = max(rank_memory(state, config), key=lambda parts: sum(parts.values()))
+    state.predicted["memory"] = worst
+    state.predicted["memory_bytes_per_rank"] = sum(worst.values())
 
 
 
@@ -386,7 +393,6 @@ def stage_summary(state, config) -> list[dict]:
         row = out[node.meta[meta.STAGE]]
         row["ops"] += 1
         row["seconds"] += cost.get("seconds", 0.0)
-        row["activation_bytes"] += cost.get("memory_bytes", 0)
         comm = node.meta.get(meta.COMM)
         if comm:  # the part of a collective's time that does not shrink with the micro-batch
             axis = state.mesh.axis(comm["axis"])
@@ -400,6 +406,8 @@ def stage_summary(state, config) -> list[dict]:
         later = [u for u in node.users if u.meta.get(meta.STAGE, -1) > node.meta[meta.STAGE]]
         if later and isinstance(node.meta.get("val"), torch.Tensor):
             row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
+    kept, _ = stage_activations(state, stage_nodes(state, config.num_stages))  # recomputed regions' less
     for row in out:
         row["fwd_s"], row["bwd_s"] = row["seconds"] / 3, 2 * row["seconds"] / 3  # backward ~ 2x forward
+        row["activation_bytes"] = int(kept[row["stage"]])
     return out

@@ -28,7 +28,7 @@ import torch
 
 from autoshard.cost.attention_cost import attention_terms
 from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
-from autoshard.cost.flops import node_bytes
+from autoshard.cost.flops import local_bytes
 from autoshard.cost.model import all_reduce_time, collective_time
 from autoshard.cost.overlap import hidden_seconds
 from autoshard.cost.recompute_cost import account_recompute
@@ -37,22 +37,10 @@ from autoshard.cost.zero_cost import apply_zero, gather_bytes, memory_breakdown
 from autoshard.ir import meta
 from autoshard.ir.collective_table import direction_bytes
 from autoshard.ir.meta import COMM_COST, NODE_COST
-from autoshard.ir.placement import Shard
 from autoshard.passes.contract import compiler_pass
 from autoshard.strategies import tensor_inputs
 
 aten = torch.ops.aten
-
-
-def local_bytes(node, spec, mesh) -> int:
-    """Bytes of one rank's block of `node`'s value under `spec`.
-
-    >>> weight = next(n for n in prog.state.gm.graph.nodes if n.meta.get("autoshard.path") == "layers.0.weight")
-    >>> weight.meta["autoshard.spec"], local_bytes(weight, weight.meta["autoshard.spec"], prog.mesh)  # 128 x 32 f32
-    ([S(0)], 8192)
-    """
-    split = math.prod(mesh.shape[a] for a, p in enumerate(spec) if isinstance(p, Shard))
-    return node_bytes(node) // split
 
 
 def collective_bytes(node, mesh, has_grad: bool = True) -> tuple[int, int]:

@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.pipeline_schedule import rank_memory
 from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import local_shape, unshard_tensors
@@ -109,7 +110,9 @@ class PipelineProgram(Program):
         plan.pipeline = {**self.config.to_json(), "stage_table": stages,
                          "predicted_step_s": planned.span(), "predicted_bubble": planned.bubble_fraction(),
                          "tied_params": {k: list(v) for k, v in sorted(self.tied_params.items())},
-                         "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)]}
+                         "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)],
+                         "memory_bytes_per_pp_rank": [sum(parts.values()) for parts in rank_memory(self.state,
+                                                                                                   self.config)]}
         for row, node in zip(plan.rows, (n for n in self.state.gm.graph.nodes if meta.SPEC in n.meta)):
             row.stage = node.meta.get(meta.STAGE)
         return plan

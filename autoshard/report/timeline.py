@@ -4,8 +4,8 @@ flat program's planned step with its overlap (compute and each link as rows: `ov
 A timeline is a list of events `(pp rank, stage, kind, micro-batch, start_s, end_s)` with kind "F"
 (forward), "B" (full backward), "I" (input-gradient backward) or "W" (weight-gradient backward) —
 the actions of torch.distributed.pipelining's schedules. `planned_timeline(program)` runs the
-schedule's action order per rank (torch's own `pipeline_order` for multi-stage schedules; GPipe and
-1F1B written out here) on the plan's per-stage forward/backward times with the stage-to-stage
+schedule's action order per rank (autoshard/cost/pipeline_schedule.py: torch's own `pipeline_order` for
+multi-stage schedules) on the plan's per-stage forward/backward times with the stage-to-stage
 transfer time; the measured one comes from a real step (`PipelineRankModule.timeline`). Both print as
 text rows per rank and plot with `autoshard.report.viz.plot_timeline`.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoshard.cost.overlap import step_works, two_streams
+from autoshard.cost.pipeline_schedule import schedule_order
 from autoshard.ir.errors import PlanError
 from autoshard.report.viz import plot_timeline
 
@@ -112,64 +113,6 @@ class Timeline:
                         row[min(c, width - 1)] = kind
             lines.append(f"  {self.row_name(rank)}: {''.join(row)}")
         return "\n".join(lines)
-
-
-def schedule_order(config) -> dict[int, list[tuple]]:
-    """{pp rank: [(stage, kind, microbatch), ...]} in the order the schedule runs them.
-
-    >>> from autoshard.program.pipeline import PipelineConfig
-    >>> schedule_order(PipelineConfig("pp", 2, 2, "1F1B"))[0]
-    [(0, 'F', 0), (0, 'F', 1), (0, 'B', 0), (0, 'B', 1)]
-    """
-    p, m = config.pp_size, config.microbatches
-    if config.schedule == "GPipe":
-        return {r: [(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)}
-    if config.schedule == "1F1B":
-        orders = {}
-        for r in range(p):
-            warmup = min(p - 1 - r, m)
-            order = [(r, "F", i) for i in range(warmup)]
-            f, b = warmup, 0
-            while b < m:
-                if f < m:
-                    order.append((r, "F", f))
-                    f += 1
-                order.append((r, "B", b))
-                b += 1
-            orders[r] = order
-        return orders
-    return _torch_order(config)
-
-
-class _StageShape:
-    """What torch's multi-stage schedules read from a stage to compute their action order."""
-
-    def __init__(self, index, num_stages, pp_size, rank):
-        import torch
-        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, pp_size, rank
-        self.is_first, self.is_last = index == 0, index == num_stages - 1
-        self.submod = torch.nn.Identity()
-        self.stage_index_to_group_rank = None
-        self.has_backward = True
-        self.dw_builder = None
-
-
-def _torch_order(config) -> dict[int, list[tuple]]:
-    """The action order torch.distributed.pipelining computes for a multi-stage schedule (the same code
-    the runtime runs), read from its `pipeline_order` with stand-in stages."""
-    from torch.distributed.pipelining.schedules import get_schedule_class
-    cls = get_schedule_class(config.schedule)
-    stages = [_StageShape(s, config.num_stages, config.pp_size, 0) for s in config.stages_of(0)]
-    try:
-        schedule = cls(stages, config.microbatches, loss_fn=lambda out, target: out)
-        order = schedule.pipeline_order
-    except Exception as exc:  # torch internals changed: say so instead of guessing
-        raise PlanError(f"cannot read the action order of torch's {config.schedule} schedule ({exc}); the planned "
-                        "timeline needs torch.distributed.pipelining's pipeline_order") from exc
-    return {r: [(a.stage_index, str(a.computation_type).split(".")[-1].replace("FULL_BACKWARD", "B")
-                 .replace("FORWARD", "F").replace("BACKWARD_INPUT", "I").replace("BACKWARD_WEIGHT", "W")[0],
-                 a.microbatch_index) for a in actions if a is not None]
-            for r, actions in order.items()}
 
 
 def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
-from autoshard.cost.flops import is_matmul_like, node_flops
+from autoshard.cost.flops import is_matmul_like, local_bytes, node_flops
 from autoshard.cost.model import collective_latency
 from autoshard.cost.recompute_cost import recompute_seconds, region_savings
 from autoshard.frontend.cut_points import LayerSequence, find_layers
@@ -30,7 +30,7 @@ from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.meta import NODE_COST
 from autoshard.passes.cut_stages import boundary_bytes
-from autoshard.passes.predict import collective_bytes, local_bytes
+from autoshard.passes.predict import collective_bytes
 
 aten = torch.ops.aten
 # torchtitan's selective-op policy (parallelize_llama.py, _save_list): matmuls (every second one recomputed),

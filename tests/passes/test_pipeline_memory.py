@@ -1,0 +1,35 @@
+"""A pipeline's memory per device: its stages' parameters and its micro-batches in flight under the schedule
+(autoshard/cost/pipeline_schedule.py); measured against gloo ranks in tests/multirank/test_memory_accuracy.py."""
+import pytest
+
+import autoshard
+from autoshard.cost.pipeline_schedule import peak_in_flight, rank_memory, schedule_order
+from autoshard.program.pipeline import PipelineConfig
+from autoshard.zoo import gpt2
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2)])
+def test_in_flight_micro_batches_follow_the_schedule(p, m):
+    one_byte = {s: 1 for s in range(p)}
+    one_f_one_b = schedule_order(PipelineConfig("pp", p, m, "1F1B"))
+    assert [peak_in_flight(one_f_one_b[r], one_byte) for r in range(p)] == [min(p - r, m) for r in range(p)]
+    gpipe = schedule_order(PipelineConfig("pp", p, m, "GPipe"))
+    assert [peak_in_flight(gpipe[r], one_byte) for r in range(p)] == [m] * p
+
+
+def test_the_plan_predicts_one_devices_memory_not_the_whole_models():
+    model, inputs, loss_fn = gpt2()
+    flat = autoshard.parallelize(model, (1,), inputs, loss_fn=loss_fn, axis_names=("dp",))
+    pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+                                 pipeline={"schedule": "1f1b", "microbatches": 4})
+    ranks = rank_memory(pipe.state, pipe.config)
+    totals = [sum(parts.values()) for parts in ranks]
+    assert pipe.plan.predicted["memory_bytes_per_rank"] == max(totals) == max(pipe.plan.pipeline["memory_bytes_per_pp_rank"])
+    assert sum(pipe.plan.predicted["memory"].values()) == pipe.plan.predicted["memory_bytes_per_rank"]
+    # Each rank holds its own stages' parameters: together (a tied embedding on both) at least the model's, each
+    # less than the model's.
+    whole = flat.plan.predicted["memory"]["params"]
+    assert sum(parts["params"] for parts in ranks) >= whole > max(parts["params"] for parts in ranks)
+    # The first rank keeps two micro-batches in flight under 1F1B, the last one.
+    table = {row["stage"]: row["activation_bytes"] for row in pipe.plan.pipeline["stage_table"]}
+    assert ranks[0]["activations"] == 2 * table[0] and ranks[1]["activations"] == table[1]
