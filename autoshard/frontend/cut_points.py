@@ -55,7 +55,7 @@ class LayerSequence:
     def layer_of(self, node) -> str:
         """The layer `node` runs in ('' outside the layers).
 
-        >>> layers.layer_of(ops[0]), layers.layer_of(ops[10])
+        >>> layers.layer_of(ops[0]), layers.layer_of(ops[8])
         ('', 'inner.layers.0')
         """
         for path, _ in module_entries(node):
@@ -74,7 +74,7 @@ class LayerSequence:
 def module_entries(node) -> list[tuple[str, str]]:
     """(module path, class name) of the modules a node runs in, outermost first (the model itself left out).
 
-    >>> module_entries(ops[10])[-1]
+    >>> module_entries(ops[8])[-1]
     ('inner.layers.0.attn', 'autoshard.zoo.llama.Attention')
     """
     stack = node.meta.get("nn_module_stack") or {}

@@ -19,6 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from autoshard.frontend.canonical import canonical_graph
 from autoshard.frontend.factory import (
     check_inputs,
     check_loss_fn,
@@ -150,7 +151,7 @@ def trace(model, example_inputs, loss_fn=None, policy=None) -> Traced:
         if _EXPORTS is not None:
             _EXPORTS[key] = exported
     gm = copy.deepcopy(exported.graph_module) if _EXPORTS is not None else exported.graph_module
-    return _lift(exported, gm, model, len(example_inputs))
+    return _lift(exported, canonical_graph(gm), model, len(example_inputs))
 
 
 def _owner(node) -> str:

@@ -409,6 +409,23 @@ def mixtral_eager():
                       experts_implementation="eager", **DECODER)
 
 
+def beam():
+    """BeamForCausalLM (sliding-window and full attention layers, 2 dense layers); inputs (input_ids, labels). Its
+    forward builds one attention mask per layer type in `for layer_type in set(config.layer_types)`, an order set by
+    the process's string hash seed: traced in canonical order (autoshard/frontend/canonical.py), every process gets
+    the same graph. Not in FAMILIES (its own tests: tests/test_canonical_trace.py).
+
+    >>> model, inputs, loss_fn = beam()
+    >>> sorted(set(model.config.layer_types))
+    ['full_attention', 'sliding_attention']
+    """
+    config = {**DECODER, "head_dim": HIDDEN // HEADS, "max_position_embeddings": 4 * SEQ}
+    model = _build("BeamForCausalLM", "BeamConfig", sliding_window=SEQ // 2, moe_intermediate_size=FFN // 4,
+                   num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, **config)
+    ids = _tokens(shape=(BATCH, 2 * SEQ))
+    return model, (ids, ids.clone()), model_loss
+
+
 FAMILIES = {
     "llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2, "phi3": phi3,
     "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom, "falcon": falcon, "gpt2": gpt2, "t5": t5, "bart": bart,
