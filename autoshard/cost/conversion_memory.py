@@ -23,6 +23,7 @@ True
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from autoshard.cost.flops import node_bytes
@@ -126,6 +127,7 @@ def conversion_memory(problem_nodes, axes, combos, choices, class_of, split, gra
             key = (class_of[u], class_of[v])
             wants = [tuple(c.inputs[pos] for c in choices[v]) + tuple(cv[a].inputs[pos] for a in axes)
                      for cv in combos[v]]
+            partials = [_partial_axes(choices[v], cv, pos) if grad.get(u) else () for cv in combos[v]]
             for a, have in enumerate(haves):
                 own_pairs = []
                 for b, want in enumerate(wants):
@@ -138,9 +140,10 @@ def conversion_memory(problem_nodes, axes, combos, choices, class_of, split, gra
                     if kept is OWN:
                         own_pairs.append((a, b))
                     elif kept is not None and v not in dropped:
-                        partial = _partial_axes(choices[v], combos[v][b], pos) if grad.get(u) else ()
-                        charge = shared.setdefault((u, have, want, partial),
-                                                   [_split_bytes(nbytes, kept, mesh_shape), {}, set()])
+                        charge_key = (u, have, want, partials[b])
+                        charge = shared.get(charge_key)
+                        if charge is None:
+                            charge = shared[charge_key] = [_split_bytes(nbytes, kept, mesh_shape), {}, set()]
                         charge[1].setdefault(key, set()).add((a, b))
                         charge[2].add((v, pos))
                 if owns and len(own_pairs) == len(wants):
@@ -175,7 +178,12 @@ def conversion_memory(problem_nodes, axes, combos, choices, class_of, split, gra
 
 
 def _split_bytes(nbytes, placements, mesh_shape) -> float:
-    return nbytes / math.prod(mesh_shape[a] for a, p in enumerate(placements) if isinstance(p, Shard))
+    return nbytes / _ways(tuple(placements), tuple(mesh_shape))
+
+
+@functools.lru_cache(maxsize=4096)  # a few placements over one mesh, asked for once per candidate pair
+def _ways(placements, mesh_shape) -> int:
+    return math.prod(mesh_shape[a] for a, p in enumerate(placements) if isinstance(p, Shard))
 
 
 def _partial_axes(prior, combo, pos) -> tuple:
@@ -185,6 +193,8 @@ def _partial_axes(prior, combo, pos) -> tuple:
 
 
 def _add_to_edge(edges, combos, class_of, u, v, key, pairs, nbytes) -> None:
-    matrix = edges.setdefault(key, [[0.0] * len(combos[v]) for _ in combos[u]])
+    matrix = edges.get(key)
+    if matrix is None:
+        matrix = edges[key] = [[0.0] * len(combos[v]) for _ in combos[u]]
     for a, b in pairs:
         matrix[a][b] += nbytes

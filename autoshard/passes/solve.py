@@ -496,7 +496,9 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
             if u not in combos:
                 continue
             key = (class_of[u], class_of[v])
-            matrix = edges.setdefault(key, [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])])
+            matrix = edges.get(key)
+            if matrix is None:  # made once per class pair (a default argument would be built for every use)
+                matrix = edges[key] = [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])]
             wants = [tuple(cv[a].inputs[pos] for a in axes) for cv in combos[v]]
             partials = [_partial_axes(u, pos, {**dict(enumerate(choices[v])), **cv}, models) for cv in combos[v]]
             # A conversion into an input placement the user asked for (`<module>:input`) is not penalized.
