@@ -61,28 +61,6 @@ class LiveStorages(TorchDispatchMode):
         return self.live
 
 
-class SavedForBackward(torch.autograd.graph.saved_tensors_hooks):
-    """The most bytes autograd keeps for backward at once while active (`peak`): every tensor it saves is
-    tracked by its storage, by a weak reference, until backward frees it; parameters are not counted (they
-    are held anyway). A pipeline rank's activations: its micro-batches in flight under the schedule."""
-
-    def __init__(self, params):
-        self.exclude = {p.untyped_storage()._cdata for p in params}
-        self.refs: dict = {}
-        self.peak = 0
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        storage = t.untyped_storage()
-        if not t.is_meta and storage._cdata not in self.exclude:
-            self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-            dead = [key for key, (ref, _) in self.refs.items() if ref.expired()]
-            for key in dead:
-                del self.refs[key]
-            self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
-        return t
-
-
 def _optimizer_state(opt) -> list:
     inner = getattr(opt, "optim", opt)
     state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]

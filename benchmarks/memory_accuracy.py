@@ -22,7 +22,7 @@ from autoshard.runtime.zero import ZeroOptimizer, unique_bytes
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import plan_hints
 
-from .live_memory import LiveStorages, SavedForBackward, measure_step
+from .live_memory import LiveStorages, measure_step
 from .plan_quality import SHAPES
 from .report import table, write_section
 
@@ -48,9 +48,8 @@ def cases(quick: bool = False) -> list[dict]:
             for z in (1, 2, 3)]
     out.append({"name": "dp 2 + recompute every layer", "model": "gpt2", "mesh": (2,), "axes": ("dp",),
                     "options": {"hints": DP, "checkpoint": ["layers.*"]}})
-    if not quick:
-        out.append({"name": "pp 2 (1F1B, 4 micro-batches)", "model": "gpt2", "mesh": (2,), "axes": ("pp",),
-                        "options": {"pipeline": {"schedule": "1f1b", "microbatches": 4}}})
+    out.append({"name": "pp 2 (1F1B, 4 micro-batches)", "model": "gpt2", "mesh": (2,), "axes": ("pp",),
+                "options": {"pipeline": {"schedule": "1f1b", "microbatches": 4}}})
     return out
 
 
@@ -81,11 +80,11 @@ def _pipeline_step(module, opt, inputs) -> dict:
     inner = getattr(opt, "optim", opt)
     state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     out = {"params": unique_bytes(params, seen), "optimizer": unique_bytes(state, seen), "inputs": 0, "gathered": 0}
-    with LiveStorages() as live, SavedForBackward(params) as saved:
-        module.train_step(*inputs)
+    with LiveStorages() as live:
+        module.train_step(*inputs)  # the module counts what autograd saves in its stages (module.saved)
         out["grads"] = unique_bytes([p.grad for p in params if p.grad is not None], set())
         opt.step()
-    out["activations"] = saved.peak
+    out["activations"] = module.saved.peak
     out["peak"] = out["params"] + out["optimizer"] + live.peak
     return out
 
@@ -184,8 +183,8 @@ def report(rows) -> tuple[str, list, list]:
         "transient buffers the model does not count (gradient buckets of the overlapped sync, collectives' "
         "outputs, one Adam temporary). The pipeline row is one device's: the pp rank with the highest peak, its "
         "stages' parameters, gradients and optimizer state, and as activations the most bytes autograd keeps "
-        "at once over the step (saved_tensors_hooks, parameters excluded: its micro-batches in flight under "
-        "the schedule); the prediction is that rank's too (autoshard/cost/pipeline_schedule.py). The "
+        "at once over the step (the runtime's own count, PipelineRankModule.saved: saved_tensors_hooks around "
+        "each stage's forward, parameters excluded; its micro-batches in flight under the schedule); the prediction is that rank's too (autoshard/cost/pipeline_schedule.py). The "
         "recompute row keeps each region's inputs at the end of forward; its prediction adds the largest "
         "region, live again while it is recomputed in backward.")
     csv_headers = ["model", "plan", *[f"predicted_{t}" for t in TERMS], *[f"measured_{t}" for t in TERMS],

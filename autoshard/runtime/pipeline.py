@@ -79,6 +79,7 @@ class SavedActivations:
     def __init__(self):
         self.live = 0
         self.peak = 0
+        self.storages: dict = {}  # storage -> [saved tensors holding it, its bytes]: views of one count once
 
     def track(self):
         """A context manager: tensors autograd saves inside it are counted while alive (see the class).
@@ -89,18 +90,29 @@ class SavedActivations:
         counter = self
 
         class Held:
-            __slots__ = ("nbytes", "tensor")
+            __slots__ = ("key", "tensor")
 
             def __init__(self, tensor):
                 self.tensor = tensor
                 base = tensor if tensor._base is None else tensor._base
                 weight = base.is_leaf and base.requires_grad  # parameters are not activations
-                self.nbytes = 0 if weight else tensor.numel() * tensor.element_size()
-                counter.live += self.nbytes
-                counter.peak = max(counter.peak, counter.live)
+                self.key = None if weight else tensor.untyped_storage()._cdata
+                if self.key is None:
+                    return
+                entry = counter.storages.setdefault(self.key, [0, tensor.untyped_storage().nbytes()])
+                entry[0] += 1
+                if entry[0] == 1:
+                    counter.live += entry[1]
+                    counter.peak = max(counter.peak, counter.live)
 
             def __del__(self):
-                counter.live -= self.nbytes
+                entry = counter.storages.get(self.key)
+                if entry is None:
+                    return
+                entry[0] -= 1
+                if entry[0] == 0:
+                    counter.live -= entry[1]
+                    del counter.storages[self.key]
 
         return torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.tensor)
 
