@@ -9,7 +9,7 @@ docs/api.md differs from what `render()` writes, so the page cannot go stale.
     python -m autoshard.apidoc            # rewrite docs/api.md
     python -m autoshard.apidoc --check    # exit 1 when docs/api.md is out of date
 
->>> print(render(["autoshard.solver.redistribute"]).split("### ")[1].splitlines()[0])
+>>> print(render(["autoshard.ir.redistribute"]).split("### ")[1].splitlines()[0])
 class `Step(op: str, axis: int, dim: int | None = None, to_dim: int | None = None)`
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def class_members(cls) -> list[tuple[str, object]]:
 def signature(obj) -> str:
     """`(params) -> result` as written in the source (annotations unquoted; a class: its constructor's).
 
-    >>> from autoshard.solver.redistribute import plan_redistribute
+    >>> from autoshard.ir.redistribute import plan_redistribute
     >>> signature(plan_redistribute)
     '(src: Spec, dst: Spec) -> list[Step]'
     """

@@ -153,7 +153,7 @@ def _full_model_rank0(cfg_json, batch, seq, path, plan_json):
     from transformers import LlamaConfig
 
     import autoshard
-    from autoshard.passes.codegen import build_rank_module
+    from autoshard.lowering.rank_module import build_rank_module
     from autoshard.plan.plan import Plan
     torch.set_num_threads(1)
     cfg = LlamaConfig.from_dict(cfg_json)

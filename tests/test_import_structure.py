@@ -103,3 +103,52 @@ def test_lower_layers_do_not_import_the_compiler():
     wrong = [(a, b) for a, b, _ in _imports(modules) for layer, ok in allowed.items()
              if a.startswith(layer) and not any(b == p or b.startswith(p + ".") for p in ok)]
     assert wrong == []
+
+
+# The package order (issue 30): a package imports only packages of earlier layers (or itself). It reads top to
+# bottom as the compile does: the shared vocabulary, the runtime library and the sharding rules; the cost model,
+# then the solver on it; reports and weights; tracing; the plan as a value; the passes that decide it; the
+# lowering that builds what a rank runs; the catalogue and the program; the searches over programs; the public
+# entry point, verification and the command line. The runtime sits low, not after the program: it is the library
+# the lowered ranks call and imports only ir/ (test_lower_layers_do_not_import_the_compiler). The zoo stands
+# outside: it imports the package, and nothing in the package imports it.
+LAYERS = [
+    {"ir"},
+    {"runtime", "strategies"},
+    {"cost"},
+    {"solver"},
+    {"report", "weights"},
+    {"frontend"},
+    {"plan"},
+    {"passes"},
+    {"lowering"},
+    {"catalogue", "program"},
+    {"search"},
+    {"api"},
+    {"verify"},
+    {"__main__", "apidoc", "demo", "__init__"},
+]
+OUTSIDE = {"zoo"}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def test_packages_import_only_earlier_layers():
+    modules = _modules()
+    layer = {pkg: i for i, pkgs in enumerate(LAYERS) for pkg in pkgs}
+    packages = {_package(m) for m in modules}
+    assert packages <= set(layer) | OUTSIDE, f"place these packages in LAYERS: {packages - set(layer) - OUTSIDE}"
+    wrong = []
+    for importer, imported, _ in _imports(modules):
+        a, b = _package(importer), _package(imported)
+        if a == b or a in OUTSIDE:
+            continue
+        if b in OUTSIDE:
+            if a != "demo":  # the demo runs a zoo model
+                wrong.append((importer, imported))
+        elif layer[b] >= layer[a] and layer[a] != len(LAYERS) - 1:  # the entry points import one another
+            wrong.append((importer, imported))
+    assert wrong == []

@@ -28,7 +28,7 @@ from autoshard.ir.placement import (
 )
 from autoshard.runtime import collectives
 from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
-from autoshard.solver.redistribute import Step, plan_redistribute
+from autoshard.ir.redistribute import Step, plan_redistribute
 
 # --- helpers -------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from autoshard.cost.flops import node_bytes
 from autoshard.cost.saved_tensors import chunk_is_view
 from autoshard.ir.errors import PlanError
 from autoshard.ir.placement import Shard, Spec
-from autoshard.solver.redistribute import plan_redistribute
+from autoshard.ir.redistribute import plan_redistribute
 from autoshard.strategies import tensor_inputs
 
 OWN = "own"  # saved_copy: the consumer gets (a view of) the producer's own storage

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from autoshard.ir.collective_table import TABLE, collective_for, direction_bytes
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import Partial, Placement, Shard
-from autoshard.solver.redistribute import plan_redistribute
+from autoshard.ir.redistribute import plan_redistribute
 
 INF = float("inf")
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoshard.frontend.megatron_layers import MEGATRON_LAYERS
 from autoshard.ir.errors import UserInputError
-from autoshard.zoo.hints import MEGATRON_LAYERS
 
 MODES = ("1d", "2d", "2.5d", "3d")
 

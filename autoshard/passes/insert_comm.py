@@ -30,7 +30,7 @@ from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Shard, Spec
 from autoshard.passes.contract import compiler_pass
 from autoshard.runtime.collectives import COLLECTIVES
-from autoshard.solver.redistribute import plan_redistribute
+from autoshard.ir.redistribute import plan_redistribute
 from autoshard.strategies import tensor_inputs
 from autoshard.strategies.base import is_tensor_value
 

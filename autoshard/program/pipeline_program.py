@@ -26,8 +26,8 @@ from autoshard.cost.pipeline_schedule import rank_memory
 from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import local_shape, unshard_tensors
-from autoshard.passes.codegen import build_rank_module
-from autoshard.passes.split_stages import split_stages
+from autoshard.lowering.rank_module import build_rank_module
+from autoshard.lowering.stages import split_stages
 from autoshard.program.program import Program
 from autoshard.runtime.communicator import DistCommunicator
 from autoshard.runtime.pipeline import (

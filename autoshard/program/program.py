@@ -34,7 +34,7 @@ from autoshard.ir.placement import (
     shard_slices,
     unshard_tensors,
 )
-from autoshard.passes.codegen import attr_names, build_rank_module
+from autoshard.lowering.rank_module import attr_names, build_rank_module
 from autoshard.passes.manager import CompileState, History
 from autoshard.passes.random_ops import describe_random_ops
 from autoshard.plan.plan import Plan

@@ -1,6 +1,6 @@
 """Context parallelism at run time: attention whose query rows are split over a mesh axis.
 
-autoshard/strategies/attention.py offers the strategies and autoshard/passes/attention_lowering.py puts these
+autoshard/strategies/attention.py offers the strategies and autoshard/lowering/attention.py puts these
 functions into the rank programs:
 - "allgather" (keys and values gathered whole, Llama 3's form): a rank's query rows attend to every key;
   a causal mask is shifted by the rank's first row (`causal_rows_mask`).

@@ -74,7 +74,7 @@ def test_split_stage_modules_compute_the_rank_program():
     model, inputs, loss_fn = gpt2()
     prog = _plan(model, inputs, loss_fn, {"split_points": ["layers.1"]}, mesh=(2,), names=("pp",), hints=None)
     whole = prog.state.gm  # global program == rank program on a 1-device intra-op mesh
-    from autoshard.passes.codegen import build_rank_module
+    from autoshard.lowering.rank_module import build_rank_module
     from autoshard.runtime.collectives import use_communicator
     from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
     gm = build_rank_module(prog.state, 0)

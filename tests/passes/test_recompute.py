@@ -7,7 +7,7 @@ import torch
 import autoshard
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.meta import RECOMPUTE
-from autoshard.passes.recompute import Recomputed
+from autoshard.lowering.recompute_regions import Recomputed
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify.verify import to_double, verify_simulated
 from autoshard.zoo import gpt2, llama

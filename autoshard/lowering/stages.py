@@ -13,7 +13,7 @@ by two stages on one rank (tied weights with virtual stages) accumulates one gra
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
 ...                              pipeline={"microbatches": 2})
 >>> import torch
->>> from autoshard.passes.codegen import build_rank_module
+>>> from autoshard.lowering.rank_module import build_rank_module
 >>> stages = split_stages(build_rank_module(prog.state, 0), 2)
 """
 from __future__ import annotations
