@@ -114,3 +114,29 @@ def test_random_ops_keep_the_order_they_draw_in():
     gm = trace(_Dropouts(), (torch.randn(4),)).gm
     draws = [n for n in canonical_order(gm.graph) if n.target is torch.ops.aten.dropout.default]
     assert [d.args[0].target for d in draws] == [torch.ops.aten.cos.default, torch.ops.aten.sin.default]
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, x, bias=None):
+        if bias is None:  # the first layer makes the bias the others read (WavLM's position bias)
+            bias = x.sin()
+            return bias * 2 + x, bias
+        return bias.cos() + x, bias  # the bias first: a walk from the output reaches it before the first layer's end
+
+
+class _SharedBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(), _Layer()])
+
+    def forward(self, x):
+        h, bias = self.layers[0](x)
+        return self.layers[1](h, bias)[0]
+
+
+def test_every_module_call_stays_in_one_piece():
+    gm = trace(_SharedBias(), (torch.randn(4),)).gm
+    layers = [n.meta["autoshard.path"] for n in gm.graph.nodes if n.op == "call_function"]
+    first = [i for i, path in enumerate(layers) if path == "layers.0"]
+    assert first == list(range(first[0], first[0] + len(first))), layers
+    assert layers.index("layers.1") > first[-1]

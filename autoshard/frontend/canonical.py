@@ -6,18 +6,25 @@ set of strings (transformers' Beam builds its attention masks in `for kind in se
 its independent branches in an order set by the per-process string hash seed (PYTHONHASHSEED). The launcher and
 the ranks would then trace different graphs and a plan made by one would not apply to the others.
 
-`canonical_graph` rewrites the graph so that its order and names are a function of its structure alone:
-placeholders first, as export lifts them (parameters and buffers in the model's order, then the inputs); then
+`canonical_graph` rewrites the graph so that its order and names are a function of its structure alone. First a
+walk: placeholders, as export lifts them (parameters and buffers in the model's order, then the inputs); then
 every op in depth-first post-order from the outputs, a node's operands visited in argument order, the items of a
 multi-output op right after it. What the outputs do not reach (export's `_assert_tensor_metadata` checks, an
 in-place update of a buffer nothing reads later, a dead value) goes right before the next node that reads one of
 its operands, or at the end; several at once in the order of their op, constant arguments and module path, then
-of where their operands are (nodes alike in both are interchangeable: either order gives the same graph). Two kinds of order that are not data flow are kept as traced: in-place writes stay between the reads of the
+of where their operands are (nodes alike in both are interchangeable: either order gives the same graph). Then
+every module call is put back in one piece, as Python ran it (a layer whose value a later layer reads on its own,
+WavLM's position bias, would otherwise be split by the walk; recomputation regions, pipeline cuts and folded
+layers need each in one piece): at each level of the module tree, Kahn's algorithm over its ops and its
+submodules' calls (one item each), the item the walk reached first going first.
+
+Two kinds of order that are not data flow are kept as traced: in-place writes stay between the reads of the
 value they write (before them: the reads traced before; after them: the reads traced after), and the random
 ops keep their relative order (the order the single device draws in). Names are the traced ones with their
 numeric suffix dropped, numbered again in the new order (`linear`, `linear_1`, ...); a graph whose traced
 order was already the canonical one keeps its names. A graph with a call that is neither an ATen op, a
 higher-order op nor `getitem` (a Python function that may change global state) keeps its traced order.
+Cost: 20 ms for a folded Llama-3-8B trace (307 nodes), 0.2 s for all its 32 layers (2424 nodes, 4% of export).
 
 >>> import torch
 >>> from autoshard.frontend.trace import trace
@@ -41,6 +48,7 @@ True
 from __future__ import annotations
 
 import copy
+import heapq
 import itertools
 import operator
 import re
@@ -90,12 +98,17 @@ def canonical_order(graph: fx.Graph) -> list:
     ['x', 'sin', 'cos', 'mul', 'output']
     """
     nodes = list(graph.nodes)
-    output = nodes[-1]
     before = _order_constraints(nodes)
 
     def operands(node) -> list:
         return [*before.get(node, ()), *node.all_input_nodes]
 
+    return _modules_together(_depth_first(nodes, operands), operands)
+
+
+def _depth_first(nodes: list, operands) -> list:
+    """The order of the depth-first walk from the outputs (see the module docstring)."""
+    output = nodes[-1]
     reached = _reached(output, operands)
     after: dict = {}  # operand -> the unreached nodes that wait for it
     waiting: dict = {}
@@ -157,6 +170,64 @@ def canonical_order(graph: fx.Graph) -> list:
         emit(min(left, key=lambda u: (_local_key(u), [place[o] for o in operands(u)])))
     order.append(output)
     return order
+
+
+def _modules_together(order: list, operands) -> list:
+    """`order` with every module call's nodes next to each other, as Python ran them (recomputation regions,
+    pipeline cuts and folded layers need each layer in one piece): at each level of the module tree, its ops and
+    the calls of its submodules (each as one item) in the order of Kahn's algorithm, the item first in `order`
+    first. A level whose items depend on each other both ways (an op export gave no module) keeps `order`."""
+    place = {n: i for i, n in enumerate(order)}
+    chains = {}
+    for node in order:
+        stack = node.meta.get("nn_module_stack") or {}
+        chains[node] = tuple(stack)
+    for node in order:  # a multi-output op's items belong where the op does
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            chains[node] = chains[node.args[0]]
+    out: list = []
+
+    def expand(members: list, depth: int) -> None:
+        items: dict = {}  # item key -> its nodes, in `order`
+        for node in members:
+            chain = chains[node]
+            key = chain[depth] if len(chain) > depth else node  # a submodule call's key, or the op itself
+            items.setdefault(key, []).append(node)
+        if len(items) == 1 and next(iter(items)) not in place:  # one submodule call: go down
+            expand(members, depth + 1)
+            return
+        item_of = {n: key for key, group in items.items() for n in group}
+        needs: dict = {key: set() for key in items}
+        for key, group in items.items():
+            for node in group:
+                needs[key].update(item_of[o] for o in operands(node) if o in item_of and item_of[o] != key)
+        users: dict = {}
+        for key, needed in needs.items():
+            for other in needed:
+                users.setdefault(other, []).append(key)
+        first = {key: place[group[0]] for key, group in items.items()}  # distinct: no two items tie
+        waiting = {key: len(needed) for key, needed in needs.items()}
+        ready = [(first[key], key) for key in items if not waiting[key]]
+        heapq.heapify(ready)
+        ordered = []
+        while ready:
+            _, key = heapq.heappop(ready)
+            ordered.append(key)
+            for user in users.get(key, ()):
+                waiting[user] -= 1
+                if not waiting[user]:
+                    heapq.heappush(ready, (first[user], user))
+        if len(ordered) < len(items):  # contracting the calls made a cycle: keep the walk's order here
+            out.extend(members)
+            return
+        for key in ordered:
+            if key in place:
+                out.append(key)
+            else:
+                expand(items[key], depth + 1)
+
+    expand(order, 0)
+    return out
 
 
 def _reached(output, operands) -> set:

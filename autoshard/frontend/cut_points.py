@@ -28,6 +28,7 @@ of the layers, and the unfolded graph that cut_stages cuts shows every one of th
 >>> layers = find_layers(ops)
 >>> layers
 LayerSequence('inner.layers': 3 layers)
+>>> attention_op = next(n for n in ops if n.meta["autoshard.path"] == "inner.layers.0.attn")
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class LayerSequence:
     def layer_of(self, node) -> str:
         """The layer `node` runs in ('' outside the layers).
 
-        >>> layers.layer_of(ops[0]), layers.layer_of(ops[8])
+        >>> layers.layer_of(ops[0]), layers.layer_of(attention_op)
         ('', 'inner.layers.0')
         """
         for path, _ in module_entries(node):
@@ -74,7 +75,7 @@ class LayerSequence:
 def module_entries(node) -> list[tuple[str, str]]:
     """(module path, class name) of the modules a node runs in, outermost first (the model itself left out).
 
-    >>> module_entries(ops[8])[-1]
+    >>> module_entries(attention_op)[-1]
     ('inner.layers.0.attn', 'autoshard.zoo.llama.Attention')
     """
     stack = node.meta.get("nn_module_stack") or {}
