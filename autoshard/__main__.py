@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--profile", default=None, help="hardware profile: gpu (default), cpu, or a JSON file")
         p.add_argument("--memory-budget", type=float, default=None,
                        help="bytes per device (default: the profile's device memory less the headroom)")
+        p.add_argument("--ilp-time-limit", type=float, default=None,
+                       help="seconds each sharding ILP may search (default: scaled to its size); a search it stops "
+                            "gives the best plan found, with its optimality gap in the plan's summary")
         p.add_argument("--memory-headroom", type=float, default=DEFAULT_HEADROOM,
                        help=f"share of device memory plans leave free when no budget is given (default "
                             f"{DEFAULT_HEADROOM})")
@@ -168,14 +171,15 @@ def _run(args) -> int:
     hints = Hints.load(args.hints).to_json() if args.hints else None
     mesh = Mesh.of(args.mesh, args.axis_names)
     options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
-               "memory_headroom": args.memory_headroom, "pipeline": _pipeline(args), "fold_layers": not args.no_fold}
+               "memory_headroom": args.memory_headroom, "pipeline": _pipeline(args), "fold_layers": not args.no_fold,
+               "ilp_time_limit": args.ilp_time_limit}
     if args.command == "plan":
         model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
         prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, mixed_precision=args.mixed_precision,
                            **options)
         if args.json:
             extra = {"fingerprint": prog.plan.fingerprint, "ilp": prog.state.ilp_stats,
-                     "axis_roles": prog.plan.axis_roles()}
+                     "ilp_stopped": [r.to_json() for r in prog.state.ilp_stopped], "axis_roles": prog.plan.axis_roles()}
             print(json.dumps(prog.plan.to_json() | extra, indent=1, sort_keys=True))
         else:
             print(prog.plan)

@@ -26,17 +26,18 @@ from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.ir.warn_once import warning_scope
+from autoshard.ir.warn_once import warn_once, warning_scope
 from autoshard.program.parallel_module import ParallelModule
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.pipeline_search import choose_pipeline
+from autoshard.solver.ilp import describe_stopped, solver_session
 
 
 def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
                 zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
                 mixed_precision=None, memory_headroom: float = DEFAULT_HEADROOM, fold_layers: bool = True,
-                compile: bool = False, weights=None, init_fn=None):
+                compile: bool = False, weights=None, init_fn=None, ilp_time_limit: float | None = None):
     """Plan `model` on `mesh` and return the Program (no process group needed to plan); without
     `example_inputs`, return a ParallelModule: an nn.Module that plans on its first batch and trains as this
     rank's share under torchrun (autoshard/program/parallel_module.py; `weights` and `init_fn` are then where its
@@ -75,6 +76,9 @@ def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis
     forward and backward, the collectives inside the graph as opaque ops making the same calls; random ops
     run as they do eagerly (same masks), so results equal the eager program's within float rounding
     (autoshard/runtime/compiled.py). It changes no plan; on the CPU it needs a C++ compiler ($CXX or g++).
+    `ilp_time_limit` bounds the seconds each sharding ILP searches (default: scaled to its size,
+    autoshard/solver/ilp.py); a search it stops gives the best plan found, which the plan's summary and a warning
+    say, with its optimality gap.
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]
@@ -87,7 +91,7 @@ def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis
     options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
                                    seed=seed, mixed_precision=mixed_precision, zero=zero,
                                    optimizer_state_factor=optimizer_state_factor, memory_headroom=memory_headroom,
-                                   fold_layers=fold_layers, compile=compile)
+                                   fold_layers=fold_layers, compile=compile, ilp_time_limit=ilp_time_limit)
     request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
     if example_inputs is None:
         if plan is not None:
@@ -106,11 +110,16 @@ def _compile(request: CompileRequest, pipeline):
     """The Program of one request: a pipeline when asked for or when the search prefers one, else the flat
     program the ILP and the hand plans give."""
     request = request.replace(example_inputs=_traceable_inputs(request.model, request.example_inputs))
-    with reuse_exports(), warning_scope():  # candidates trace the same shapes; each warning told once per call
-        choice = choose_pipeline(request, pipeline, unnamed=not request.mesh.named)
-        if choice is not None:
-            return choice
-        return plan_with_hand_plans(request)
+    # Candidates trace the same shapes and meet the same ILPs; each warning is told once per call.
+    with reuse_exports(), warning_scope(), solver_session(request.options.ilp_time_limit):
+        prog = choose_pipeline(request, pipeline, unnamed=not request.mesh.named)
+        if prog is None:
+            prog = plan_with_hand_plans(request)
+        if prog.state.ilp_stopped:
+            warn_once(f"autoshard: {describe_stopped(prog.state.ilp_stopped)}. A process that plans on its own may "
+                      "get another plan: plan once and give the plan to every rank (plan=; verify and parallelize "
+                      "without example_inputs do)", stacklevel=4)
+        return prog
 
 
 def _plan_module(request: CompileRequest, pipeline, model, batch, plan=None, other_shapes: bool = False):

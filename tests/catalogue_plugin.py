@@ -54,6 +54,7 @@ def _shorten(message: str) -> str:
     message = re.sub(r"/tmp/(?:[^\s'\"/]+/)*", "<tmp>/", message)
     message = re.sub(r"\b[0-9a-f]{16,64}\b", "<fingerprint>", message)
     message = re.sub(r"\]:\d+", "]:<port>", message)
+    message = re.sub(r"searched \d+\.\d s", "searched <seconds> s", message)  # how long a refused search took
     return message.replace("\n", " ⏎ ").replace("|", "\\|")
 
 

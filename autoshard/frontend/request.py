@@ -57,6 +57,7 @@ class CompileOptions:
     pipeline: object = None
     fold_layers: bool = True
     compile: bool = False
+    ilp_time_limit: float | None = None
 
     @classmethod
     def parse(cls, profile=None, mixed_precision=None, rng: str = "placement", seed=None, checkpoint=None,
@@ -77,6 +78,10 @@ class CompileOptions:
         autoshard.ir.errors.UserInputError: rng='fast' is not a random-number mode: use 'placement' (masks follow ...
         >>> CompileOptions.parse(compile=True).compile
         True
+        >>> CompileOptions.parse(ilp_time_limit=0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        autoshard.ir.errors.UserInputError: ilp_time_limit=0: give the seconds each sharding ILP may search ...
         """
         if rng not in MODES:
             raise UserInputError(f"rng={rng!r} is not a random-number mode: use 'placement' (masks follow "
@@ -96,6 +101,11 @@ class CompileOptions:
                 or not 0 <= memory_headroom < 1:
             raise UserInputError(f"memory_headroom={memory_headroom!r}: give the share of device memory plans leave "
                                  "free, from 0 (none) to below 1, e.g. 0.1")
+        limit = others.get("ilp_time_limit")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0
+                                  or limit == float("inf")):
+            raise UserInputError(f"ilp_time_limit={limit!r}: give the seconds each sharding ILP may search (a positive "
+                                 "number), or None for the default scaled to the problem's size")
         if memory_budget is None:
             memory_budget = headroom_budget(profile, memory_headroom)
         elif isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0:

@@ -53,6 +53,7 @@ class CompileState:
     model: object = None  # the user's nn.Module: weights="init" replays its initialisation, buffers come from it
     grad_reduce: dict = field(default_factory=dict)  # insert_comm: param FQN -> axes its gradient is reduced on
     ilp_stats: list = field(default_factory=list)  # solve: one entry per ILP solved
+    ilp_stopped: list = field(default_factory=list)  # compile_state: the IlpResults its time limit stopped
     objective_s: float | None = None  # solve / apply_plan: the plan's objective
     memory_row_bytes: float | None = None  # solve / apply_plan: the ILP's memory row at the plan (every axis)
     zero_for_memory: object = None  # solve: the ZeroConfig the memory row assumes (a requested or forced ZeRO)

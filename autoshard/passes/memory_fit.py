@@ -14,7 +14,12 @@ ILP already weighs in the memory row. A requested ZeRO stage fixes the stage; `c
 user fixes recomputation.
 
 The most memory-saving rung is tried first: when even it does not fit, nothing does, and the refusal names
-its smallest footprint and what dominates it without trying the others.
+its smallest footprint, what dominates it and how long it searched, without trying the others. When every
+axis is decided in one ILP, a rung that does not fit proves that no rung saving less fits either: those are
+not solved, and after a rung fails, the most memory-saving untried rung of its kind (with or without
+recomputation) is tried next, so that a kind of which none fits costs two solves. A rung whose ILP stops at
+its time limit without a plan counts as not fitting (not as proof); when that happens to the most
+memory-saving rung, the IlpTimeLimitError names the rung.
 
 A budget below the plain plan's footprint makes the ladder reach for ZeRO:
 
@@ -30,6 +35,7 @@ ZeRO-2 on 'dp', chosen by the memory budget
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from autoshard.cost.recompute_cost import dropped_activations
@@ -42,7 +48,7 @@ from autoshard.passes.zero import (
     hinted_batch_axes,
     requested_zero,
 )
-from autoshard.solver.ilp import MemoryBudgetError
+from autoshard.solver.ilp import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.layers import layer_key
 
 
@@ -88,7 +94,7 @@ def fit_memory(state, solve_once, error: MemoryBudgetError) -> Rung:
     ...                       memory_budget=1000)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    autoshard.solver.ilp.MemoryBudgetError: no plan fits ... (with ZeRO-3 + recomputation; tried ZeRO-1, ...
+    autoshard.solver.ilp.MemoryBudgetError: no plan fits ... (with ZeRO-3 + recomputation, searched ... s; tried ZeRO-1, ...
     """
     rungs = ladder(state)
     axis = _zero_axis(state, solve_once) if any(r.zero for r in rungs) else None
@@ -96,24 +102,56 @@ def fit_memory(state, solve_once, error: MemoryBudgetError) -> Rung:
     if not rungs:
         raise error
     options, requested = state.options, bool(requested_zero(state))
+    top, started = rungs[-1], time.perf_counter()
     try:
-        _solve_with(state, solve_once, rungs[-1], axis, options)
+        _solve_with(state, solve_once, top, axis, options)
     except MemoryBudgetError as last:
         _reset(state, options)
         tried = ", ".join(map(repr, rungs))
-        raise MemoryBudgetError(last.problem, searched=f"with {rungs[-1]!r}; tried {tried}",
+        raise MemoryBudgetError(last.problem, searched=f"with {top!r}, searched {time.perf_counter() - started:.1f} "
+                                                       f"s; tried {tried}",
                                 advice="Use a larger mesh or a smaller batch per device, or raise the budget "
                                        "(memory_budget=, memory_headroom=).") from None
-    for rung in rungs:
+    except IlpTimeLimitError as stopped:
+        _reset(state, options)
+        raise stopped.at(f"with {top!r}, the most memory-saving rung of the memory ladder") from None
+    rung = _climb(state, solve_once, rungs, axis, options) if len(rungs) > 1 else top
+    if rung.zero and not requested:
+        state.auto_zero = state.zero_for_memory
+    return rung
+
+
+def _climb(state, solve_once, rungs: list, axis, options) -> Rung:
+    """Leave `state` solved with the first of `rungs` that fits and return it; the last one is known to fit (see
+    the module docstring for the rungs not solved)."""
+    joint = state.mesh.ndim == 1 or any(len(stats["axes"]) == state.mesh.ndim for stats in state.ilp_stats)
+    refused: list = []  # rungs that do not fit, proven by a joint ILP
+
+    def fits(rung) -> bool:
+        if any(_saves_at_least(other, rung) for other in refused):
+            return False
         try:
             _solve_with(state, solve_once, rung, axis, options)
-        except MemoryBudgetError:
+            return True
+        except (MemoryBudgetError, IlpTimeLimitError) as failed:
             _reset(state, options)
-            continue
-        if rung.zero and not requested:
-            state.auto_zero = state.zero_for_memory
-        return rung
-    raise AssertionError("unreachable: the last rung fitted")
+            if joint and isinstance(failed, MemoryBudgetError):
+                refused.append(rung)
+            return False
+
+    for i, rung in enumerate(rungs[:-1]):
+        if fits(rung):
+            return rung
+        kind = [r for r in rungs[i + 1:-1] if r.recompute == rung.recompute]
+        if refused and refused[-1] is rung and len(kind) > 1:
+            fits(kind[-1])  # when the most saving of its kind does not fit either, none of them is solved
+    _solve_with(state, solve_once, rungs[-1], axis, options)  # the session remembers its solve
+    return rungs[-1]
+
+
+def _saves_at_least(rung: Rung, other: Rung) -> bool:
+    """Whether `rung` saves at least the memory `other` does: ZeRO stage no lower, recomputation if `other` has it."""
+    return (rung.zero or 0) >= (other.zero or 0) and rung.recompute >= other.recompute
 
 
 def recompute_dropped(nodes, regions=None) -> set:

@@ -43,6 +43,7 @@ from autoshard.passes.strategies import strategies
 from autoshard.passes.unfold import unfold
 from autoshard.passes.zero import AllowPlannedZeroShards
 from autoshard.passes.zero import zero as zero_pass
+from autoshard.solver.ilp import solver_session
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ def declared_pipeline(name: str, plan=None, same_shapes: bool = True) -> tuple[l
 def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bool = False):
     """Trace and run the declared pipeline (with cut_stages for a pipeline's micro-batch program; applying
     `request.plan` when given; without the hint check for a catalogue plan the search compares):
-    (state, history).
+    (state, history). Its ILPs share a solver session (autoshard/solver/ilp.py); `state.ilp_stopped` lists those
+    the time limit stopped.
 
     >>> request = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn)
     >>> state, history = compile_state(request)
@@ -109,7 +111,10 @@ def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bo
     options = CompileOptions.of(request.options)
     traced, fold = trace_for_plan(request, hints, options)
     state = CompileState(traced.gm, request.mesh, traced, hints, options, model=request.model, fold=fold)
-    history = run_passes(state, passes, verify=debug, describe=describe_graph)
+    with solver_session(options.ilp_time_limit) as session:  # the caller's, when it opened one (parallelize does)
+        first = len(session.stopped)
+        history = run_passes(state, passes, verify=debug, describe=describe_graph)
+        state.ilp_stopped = session.stopped[first:]
     return state, history
 
 

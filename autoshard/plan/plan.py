@@ -48,6 +48,7 @@ from autoshard.plan.io import (
 )
 from autoshard.plan.memory_summary import memory_lines
 from autoshard.report.viz import draw_graph, draw_mesh
+from autoshard.solver.ilp import describe_stopped
 
 
 @dataclass
@@ -378,6 +379,9 @@ class Plan:
             lines += self._pipeline_lines()
         if self.search.get("why"):
             lines.append(f"  axis search: {self.search['why']}")
+        stopped = getattr(self._state, "ilp_stopped", None)
+        if stopped:
+            lines.append(f"  solver: {describe_stopped(stopped)}")
         return "\n".join(lines)
 
     def memory_budget(self) -> float | None:

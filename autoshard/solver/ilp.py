@@ -20,6 +20,13 @@ Plans are canonical: a second solve keeps the objective within `tie_slack` of th
 the problem alone, not on the HiGHS version, seed, presolve or thread count
 (tests/properties/test_solver_reproducible.py).
 
+Every solve has a time limit (`default_time_limit`, scaled to the problem's size; a planning call's
+`ilp_time_limit` option, through `solver_session`). When it stops the search, the best plan found is returned with
+its optimality gap (`IlpResult.stopped`, `IlpResult.gap`); when it stops the choice among equally good plans, the
+optimum found is kept (the plan is optimal, but another process could pick another of the ties); when no plan was
+found by then, IlpTimeLimitError says so. Inside a `solver_session` (one per planning call) a problem met again is
+not solved again: the memory ladder and the hand-plan search meet the same problems.
+
 Two classes with two candidates each; the edge forbids mixing candidate 0 of one with candidate 1 of
 the other. The cheapest consistent choice is candidate 1 for both:
 
@@ -31,8 +38,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
+import hashlib
+import math
 import os
+import pickle
 import sys
+import time
 from dataclasses import dataclass, field
 
 import highspy
@@ -108,21 +120,122 @@ class IlpProblem:
 
 @dataclass
 class IlpResult:
-    """The chosen candidate per class, the objective, and the ILP's size.
+    """The chosen candidate per class, the objective, the ILP's size, and whether its time limit stopped it:
+    `stopped` is "" (solved exactly), "search" (the best plan found, `gap` its relative distance to the best
+    bound) or "ties" (optimal, the canonical choice among equally good plans not finished).
 
     >>> result = solve_ilp(problem)
-    >>> result.objective, result.variables, result.constraints
-    (3.0, 8, 6)
+    >>> result.objective, result.variables, result.constraints, result.stopped
+    (3.0, 8, 6, '')
     """
 
     choice: list[int]
     objective: float
     variables: int
     constraints: int
+    stopped: str = ""
+    gap: float = 0.0
+    seconds: float = 0.0
+    time_limit: float = 0.0
+
+    def to_json(self) -> dict:
+        """What a plan's summary and `plan --json` say of a solve the time limit stopped.
+
+        >>> IlpResult([0], 1.0, 8, 6, "search", 0.0125, 10.02, 10.0).to_json()
+        {'stopped': 'search', 'gap': 0.0125, 'seconds': 10.02, 'time_limit': 10.0, 'variables': 8, 'constraints': 6}
+        """
+        return {"stopped": self.stopped, "gap": self.gap, "seconds": round(self.seconds, 2),
+                "time_limit": self.time_limit, "variables": self.variables, "constraints": self.constraints}
+
+
+# Default time limit of one solve: a base plus a share per variable, capped. Measured on this repository's models
+# (2 cores): every solve of the zoo, the transformers families and Llama-3 8B/70B takes under 4 s (the largest,
+# 85k variables, 2.3 s); a WavLM under a tight budget takes 15-25 s per solve, or minutes for its larger configs.
+TIME_LIMIT_BASE_S = 10.0
+TIME_LIMIT_PER_VARIABLE_S = 1e-4
+TIME_LIMIT_MAX_S = 60.0
+# Past a quarter of its limit (and SOFT_LIMIT_MIN_S), a search ends at a plan within GOOD_ENOUGH_GAP of the best bound
+# (the cost model is not more accurate than that), and the choice among ties at its first optimal plan. On a WavLM
+# under a tight budget: first plan at 1.8 s 99% above the bound, 6.5 s 1.1%, 10.1 s 0.9%, optimal at 18.7 s.
+SOFT_LIMIT_SHARE = 0.25
+SOFT_LIMIT_MIN_S = 5.0
+GOOD_ENOUGH_GAP = 0.02
+
+
+def default_time_limit(problem: IlpProblem) -> float:
+    """Seconds one solve of `problem` may take unless the planning call says otherwise: TIME_LIMIT_BASE_S plus
+    TIME_LIMIT_PER_VARIABLE_S per variable (candidates and edge pairs), at most TIME_LIMIT_MAX_S.
+
+    >>> default_time_limit(problem)
+    10.0008
+    """
+    variables = sum(problem.sizes) + sum(len(m) * len(m[0]) for m in problem.edges.values() if m)
+    return min(TIME_LIMIT_MAX_S, TIME_LIMIT_BASE_S + TIME_LIMIT_PER_VARIABLE_S * variables)
+
+
+@dataclass
+class SolverSession:
+    """What the solves of one planning call share (`solver_session`): their time limit (None: each problem's
+    `default_time_limit`), the outcome of every problem solved (met again, it is not solved again) and the solves
+    the time limit stopped, in order.
+
+    >>> with solver_session(time_limit=5.0) as session:
+    ...     solve_ilp(problem).choice, solve_ilp(problem).choice, len(session.solved)
+    ([1, 1], [1, 1], 1)
+    """
+
+    time_limit: float | None = None
+    solved: dict = field(default_factory=dict)
+    stopped: list = field(default_factory=list)
+
+
+def describe_stopped(stopped: list) -> str:
+    """What the plan's summary and the warning say of the solves (IlpResults) the time limit stopped.
+
+    >>> print(describe_stopped([IlpResult([0], 1.0, 8, 6, "search", 0.0125, 10.02, 10.0)]))
+    the sharding ILP stopped early in 1 solve (time limit 10 s; past a quarter of it, a plan within 2% of the best bound ends the search): the plan is the best found, its predicted step within 1.25% of the best bound; raise ilp_time_limit= (--ilp-time-limit) to search longer
+    """
+    searches = [r for r in stopped if r.stopped == "search"]
+    limits = "/".join(f"{limit:g}" for limit in sorted({r.time_limit for r in stopped}))
+    solves = f"{len(stopped)} solve{'s' if len(stopped) > 1 else ''}"
+    if searches:
+        gap = max(r.gap for r in searches)
+        what = f"the plan is the best found, its predicted step within {gap:.2%} of the best bound"
+    else:
+        what = "the plan is optimal, but its choice among equally good plans was not finished"
+    return (f"the sharding ILP stopped early in {solves} (time limit {limits} s; past a quarter of it, a plan within "
+            f"{GOOD_ENOUGH_GAP:.0%} of the best bound ends the search): {what}; raise ilp_time_limit= "
+            "(--ilp-time-limit) to search longer")
+
+
+_SESSION: contextvars.ContextVar = contextvars.ContextVar("autoshard_solver_session", default=None)
+
+
+@contextlib.contextmanager
+def solver_session(time_limit: float | None = None):
+    """The SolverSession of the solves inside the block; inside another one, that one (a planning call's
+    compiles share their caller's).
+
+    >>> with solver_session() as outer, solver_session(time_limit=1.0) as inner:
+    ...     inner is outer, outer.time_limit
+    (True, None)
+    """
+    current = _SESSION.get()
+    if current is not None:
+        yield current
+        return
+    session = SolverSession(time_limit)
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
 
 
 def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
-    """Solve `problem` exactly and canonically (the same choice on every rank and installation).
+    """Solve `problem` exactly and canonically (the same choice on every rank and installation), within its time
+    limit (`options["time_limit"]` in seconds, else the session's, else `default_time_limit`; see the module
+    docstring for what a stopped solve returns).
 
     A memory budget the cheapest choice exceeds forces the other one:
 
@@ -130,6 +243,57 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     >>> solve_ilp(tight).choice
     [1]
     """
+    options = {**(_OVERRIDES.get() or {}), **(options or {})}
+    session = _SESSION.get()
+    key = _digest(problem, options) if session is not None else None
+    if key is not None and key in session.solved:
+        outcome = session.solved[key]
+        if isinstance(outcome, Exception):
+            raise outcome
+    else:
+        limit = options.pop("time_limit", None) or (session.time_limit if session is not None else None) \
+            or default_time_limit(problem)
+        try:
+            outcome = _solve(problem, options, time.perf_counter(), float(limit))
+        except (MemoryBudgetError, IlpTimeLimitError) as error:
+            if key is not None:
+                session.solved[key] = error
+            raise
+        if key is not None:
+            session.solved[key] = outcome
+    if outcome.stopped and session is not None:
+        session.stopped.append(outcome)
+    return outcome
+
+
+def _digest(problem: IlpProblem, options: dict) -> str:
+    """Equal for equal problems (and solver options): what a session's cache is keyed by."""
+    fields = (problem.sizes, problem.costs, problem.edges, problem.memory, problem.budget, problem.shared,
+              problem.conjunctions, problem.edge_memory, problem.memory_charges, problem.later_ways,
+              sorted(options.items()))
+    return hashlib.blake2b(pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """A solve's time: it started at `started` (perf_counter seconds) and may take `limit` seconds; after `soft`
+    seconds a plan good enough ends it (GOOD_ENOUGH_GAP)."""
+
+    started: float
+    limit: float
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.limit
+
+    @property
+    def soft(self) -> float:
+        return self.started + max(SOFT_LIMIT_MIN_S, SOFT_LIMIT_SHARE * self.limit)
+
+
+def _solve(problem: IlpProblem, options: dict, started: float, limit: float) -> IlpResult:
+    """solve_ilp's work: the optimum, then the canonical plan among the ties, within `limit` seconds of `started`."""
+    clock = _Clock(started, limit)
     if problem.budget is not None and problem.memory and sum(min(per) for per in problem.memory) > problem.budget:
         raise MemoryBudgetError(problem)  # even the smallest candidate of every class is too big: no need to solve
     costs = [list(c) for c in problem.costs]
@@ -161,7 +325,7 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("mip_rel_gap", 0.0)  # exact optimum: compute can dwarf the communication differences
-    for key, value in {**_OVERRIDES, **(options or {})}.items():
+    for key, value in options.items():
         h.setOptionValue(key, value)
     start, obj, upper = [], [], []
     for c in range(problem.n_classes):
@@ -237,12 +401,19 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     # HiGHS's presolve spends longer than it saves on these 0/1 assignment problems (zoo and transformers
     # models: solver time 18.9 s -> 10.5 s over 22 plans, plans byte-identical); the tie-breaking solve
     # below, whose extra row presolve does reduce, keeps it.
-    h.setOptionValue("presolve", _OVERRIDES.get("presolve", "off"))
-    _run(h, problem)
-    h.setOptionValue("presolve", _OVERRIDES.get("presolve", "choose"))
+    h.setOptionValue("presolve", options.get("presolve", "off"))
+    finished = _run(h, problem, clock, enough=GOOD_ENOUGH_GAP)
+    h.setOptionValue("presolve", options.get("presolve", "choose"))
     objective = h.getInfo().objective_function_value
     values = h.getSolution().col_value
     optimum = [max(range(n), key=lambda s: values[start[c] + s]) for c, n in enumerate(problem.sizes)]
+
+    def result(choice, stopped="", gap=0.0) -> IlpResult:
+        return IlpResult(choice, problem.evaluate(choice), n_var, n_rows, stopped, gap, time.perf_counter() - started,
+                         limit)
+
+    if not finished:  # the best plan found; no time is left to choose among ties
+        return result(optimum, "search", max(0.0, h.getInfo().mip_gap))
     # Ties: among the plans within tie_slack of the optimum, take the canonical one (see tie_order), so
     # that the plan does not depend on the solver's build, seed or options.
     # Every plan pays each class's cheapest candidate: the row and the slack count only what a plan pays
@@ -250,11 +421,13 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
     floor = [min(cost for cost, ok in zip(costs[c], allowed[c]) if ok) for c in range(problem.n_classes)]
     shift = sum(floor)
     bound = objective + tie_slack(objective - shift)
-    fixed = _fix_by_reduced_costs(h, n_var, n_choice, bound, problem)
+    fixed = _fix_by_reduced_costs(h, n_var, n_choice, bound, problem, clock)
+    if fixed is None:  # the time limit stopped the relaxation
+        return result(optimum, "ties")
     open_choices = [[s for s in range(n) if allowed[c][s] and start[c] + s not in fixed]
                     for c, n in enumerate(problem.sizes)]
     if all(len(left) == 1 for left in open_choices):  # no other plan can tie: the optimum is the plan
-        return IlpResult(optimum, problem.evaluate(optimum), n_var, n_rows)
+        return result(optimum)
     row = list(obj)
     for c in range(problem.n_classes):
         for s in range(problem.sizes[c]):
@@ -272,15 +445,18 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None) -> IlpResult:
         secondary[start[c]:start[c] + len(ranks)] = ranks
     h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), secondary)
     try:
-        _run(h, problem)
-    except MemoryBudgetError:  # the optimum satisfies the row: older HiGHS presolves it away wrongly
-        h.setOptionValue("presolve", "off")
-        _run(h, problem)
+        try:
+            finished = _run(h, problem, clock, enough=math.inf)  # any plan it finds is optimal
+        except MemoryBudgetError:  # the optimum satisfies the row: older HiGHS presolves it away wrongly
+            h.setOptionValue("presolve", "off")
+            finished = _run(h, problem, clock, enough=math.inf)
+    except IlpTimeLimitError:  # no tie found before the limit: the optimum itself
+        return result(optimum, "ties")
     values = h.getSolution().col_value
     choice = [max(range(n), key=lambda s: values[start[c] + s]) for c, n in enumerate(problem.sizes)]
     if problem.evaluate(choice) > problem.evaluate(optimum) + tie_slack(objective - shift):
         choice = optimum  # the row held only within the solver's tolerance: keep the optimum itself
-    return IlpResult(choice, problem.evaluate(choice), n_var, n_rows)
+    return result(choice, "" if finished else "ties")
 
 
 def _pair_indicator(sizes, start, joint_start, c, d, pairs) -> tuple[list[int], float]:
@@ -298,15 +474,18 @@ def _pair_indicator(sizes, start, joint_start, c, d, pairs) -> tuple[list[int], 
     raise ValueError(f"conjunction over classes {c} and {d}, which share no edge: add it to `edges`")
 
 
-def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem) -> set:
+def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem, clock) -> set | None:
     """Fix to 0 every variable that no plan with objective <= `bound` can use: in the LP relaxation, a
     variable at 0 with reduced cost r raises the objective by at least r when set to 1. The tie-breaking
     solve then sees only the candidates that can still tie (usually a few), so it costs little. Returns
-    the fixed variables."""
+    the fixed variables, or None when the time limit stopped the relaxation."""
     everything = np.arange(n_var, dtype=np.int32)
     h.changeColsIntegrality(n_var, everything, np.array([highspy.HighsVarType.kContinuous] * n_var))
     try:
-        _run(h, problem)
+        if not _run(h, problem, clock, mip=False):
+            return None
+    except IlpTimeLimitError:
+        return None
     except PlanError:  # HiGHS 1.7 can end this LP with status "Unknown": fix nothing (it only saves time)
         h.changeColsIntegrality(n_choice, everything[:n_choice], np.array([highspy.HighsVarType.kInteger] * n_choice))
         return set()
@@ -321,25 +500,23 @@ def _fix_by_reduced_costs(h, n_var, n_choice, bound, problem) -> set:
     return set(fixed)
 
 
-_OVERRIDES: dict = {}
+_OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("autoshard_highs_options", default=None)
 
 
 @contextlib.contextmanager
 def highs_options(**options):
     """HiGHS options for every ILP solved inside the block (tests use it to show that the plan does not
-    depend on the solver's seed, presolve or threads).
+    depend on the solver's seed, presolve or threads; `time_limit` is the seconds of each whole solve).
 
     >>> with highs_options(random_seed=7, presolve="off"):
     ...     solve_ilp(problem).choice
     [1, 1]
     """
-    saved = dict(_OVERRIDES)
-    _OVERRIDES.update(options)
+    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), **options})
     try:
         yield
     finally:
-        _OVERRIDES.clear()
-        _OVERRIDES.update(saved)
+        _OVERRIDES.reset(token)
 
 
 # Plans whose objectives differ by less than this share (plus 1 ns) of what the optimum pays above every
@@ -380,13 +557,42 @@ def tie_order(problem: IlpProblem) -> list[list[float]]:
     return out
 
 
-def _run(h, problem) -> None:
-    h.run()
+# Statuses of a run a limit stopped: the time limit, the good-enough callback, or a limit set with highs_options.
+_STOPPED = (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt,
+            highspy.HighsModelStatus.kSolutionLimit, highspy.HighsModelStatus.kIterationLimit)
+
+
+def _run(h, problem, clock: _Clock, mip: bool = True, enough: float | None = None) -> bool:
+    """Run HiGHS until the clock's deadline: True when it finished, False when the time limit stopped it with a
+    feasible solution (or, after the soft limit, a MIP's relative gap came within `enough`); IlpTimeLimitError when
+    it stopped without one."""
+    # HiGHS checks a MIP's time from that MIP's start, an LP's over every run of the model (measured: 1.16)
+    remaining = max(clock.deadline - time.perf_counter(), 1e-3)
+    h.setOptionValue("time_limit", remaining if mip else h.getRunTime() + remaining)
+
+    def good_enough(event) -> None:
+        found = math.isfinite(event.data_out.objective_function_value)
+        if found and time.perf_counter() >= clock.soft and event.data_out.mip_gap <= enough:
+            event.interrupt()
+
+    if mip and enough is not None:
+        h.cbMipInterrupt.subscribe(good_enough)
+    try:
+        h.run()
+    finally:
+        if mip and enough is not None:
+            h.cbMipInterrupt.unsubscribe(good_enough)
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
         raise MemoryBudgetError(problem)
+    if status in _STOPPED:
+        if h.getInfo().primal_solution_status == 2:  # kSolutionStatusFeasible
+            return False
+        raise IlpTimeLimitError(problem, clock.limit, time.perf_counter() - clock.started, h.getNumCol(),
+                                h.getNumRow())
     if status != highspy.HighsModelStatus.kOptimal:
         raise PlanError(f"the sharding ILP found no plan ({h.modelStatusToString(status)})")
+    return True
 
 
 _banner_shown = False
@@ -419,6 +625,35 @@ def quiet_highs():
     if stop is not None:
         atexit.register(stop, True)
     return h
+
+
+class IlpTimeLimitError(PlanError):
+    """The sharding ILP found no plan before its time limit; says the limit, the seconds searched, the ILP's size,
+    where it was solved (`where`: a memory ladder's rung) and what to do.
+
+    >>> print(IlpTimeLimitError(problem, 10.0, 10.01, 8, 6, where="with ZeRO-3 on the memory ladder"))
+    the sharding ILP found no plan within its time limit of 10 s (searched 10.0 s, with ZeRO-3 on the memory ladder; 8 variables, 6 constraints). Raise the limit (parallelize(ilp_time_limit=...), --ilp-time-limit on the command line), or make the search easier: hints that fix placements, a looser memory_budget, ZeRO or checkpoint= given rather than searched.
+    """
+
+    def __init__(self, problem: IlpProblem, time_limit: float, seconds: float, variables: int, constraints: int,
+                 where: str = ""):
+        self.problem, self.time_limit, self.seconds = problem, time_limit, seconds
+        self.variables, self.constraints = variables, constraints
+        self.where = where
+        place = f", {where}" if where else ""
+        super().__init__(f"the sharding ILP found no plan within its time limit of {time_limit:g} s (searched "
+                         f"{seconds:.1f} s{place}; {variables} variables, {constraints} constraints). Raise the limit "
+                         "(parallelize(ilp_time_limit=...), --ilp-time-limit on the command line), or make the search "
+                         "easier: hints that fix placements, a looser memory_budget, ZeRO or checkpoint= given rather "
+                         "than searched.")
+
+    def at(self, where: str) -> IlpTimeLimitError:
+        """The same error, saying where it happened.
+
+        >>> IlpTimeLimitError(problem, 1.0, 1.0, 8, 6).at("with recomputation").where
+        'with recomputation'
+        """
+        return IlpTimeLimitError(self.problem, self.time_limit, self.seconds, self.variables, self.constraints, where)
 
 
 class MemoryBudgetError(PlanError):

@@ -426,6 +426,34 @@ def beam():
     return model, (ids, ids.clone()), model_loss
 
 
+# WavLM at hidden size 64 with a narrow 7-layer feature encoder: on a (2, 2) mesh under WAVLM_BUDGET, in float64 as
+# verify plans it, each of its sharding ILPs takes HiGHS 15-25 s to solve exactly, and planning took 2 minutes before
+# the solver's time limits (tests/passes/test_ilp_time_limit.py).
+WAVLM_SAMPLES = 1600
+WAVLM_BUDGET = 2_793_508  # bytes per device: 0.6 x its unbudgeted float32 plan's on (2, 2)
+
+
+def wavlm():
+    """WavLMForSequenceClassification (convolutional feature encoder, gated relative position bias, 2 layers of hidden
+    size 64, 3 classes) on 0.1 s of 16 kHz audio; inputs (input_values, labels). Not in FAMILIES (its own tests:
+    tests/passes/test_ilp_time_limit.py).
+
+    >>> model, inputs, loss_fn = wavlm()
+    >>> [tuple(t.shape) for t in inputs], model.config.conv_dim
+    ([(4, 1600), (4,)], (64, 64, 64, 64, 64, 64, 64))
+    """
+    transformers = _transformers()
+    defaults = transformers.WavLMConfig()
+    model = _build("WavLMForSequenceClassification", "WavLMConfig", names=("input_values", "labels"),
+                   hidden_size=2 * HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                   intermediate_size=2 * FFN, conv_dim=(2 * HIDDEN,) * 7, conv_stride=defaults.conv_stride,
+                   conv_kernel=defaults.conv_kernel, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                   hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                   final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, num_labels=3)
+    audio = torch.randn(BATCH, WAVLM_SAMPLES)
+    return model, (audio, torch.randint(0, 3, (BATCH,))), model_loss
+
+
 FAMILIES = {
     "llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2, "phi3": phi3,
     "gpt_neox": gpt_neox, "opt": opt, "bloom": bloom, "falcon": falcon, "gpt2": gpt2, "t5": t5, "bart": bart,
