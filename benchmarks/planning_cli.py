@@ -75,8 +75,9 @@ def main(quick: bool = False) -> None:
     load = os.getloadavg()[0]
     body = (f"Targets: {', '.join(f'{n} <= {t:.0f} s' for n, _, t in timed)} — "
             + (f"**NOT met: {', '.join(missed)}**" if missed else "**met on every row**")
-            + f". Load average (1 min) when the runs ended: {load:.1f} (the CPU column is the planner's own time, "
-            "which the machine's other jobs do not inflate).\n\n" + table(headers, rows))
+            + f". Load average (1 min) when the runs ended: {load:.1f} (the CPU column is the planner's own time; "
+            "on this VM's two hyperthreads another busy process still inflates it: the 8B dp,tp case took 8.3 CPU s "
+            "alone and 10.0 beside one other planning process).\n\n" + table(headers, rows))
     body += ("\n\nMemory (issue 17 item 1): every plan fits the default budget, the device's 80 GB less 10% headroom "
              "(67.1 GiB); the planner reaches for ZeRO and recomputation by itself when the placements alone do not fit "
              "(the ZeRO and 'layers recomputed' columns), and the printed plan breaks the memory down (last column; "
