@@ -196,7 +196,7 @@ def describe_stopped(stopped: list) -> str:
     the sharding ILP stopped early in 1 solve (time limit 10 s; past a quarter of it, a plan within 2% of the best bound ends the search): the plan is the best found, its predicted step within 1.25% of the best bound; raise ilp_time_limit= (--ilp-time-limit) to search longer
     """
     searches = [r for r in stopped if r.stopped == "search"]
-    limits = "/".join(f"{limit:g}" for limit in sorted({r.time_limit for r in stopped}))
+    limits = "/".join(f"{limit:.3g}" for limit in sorted({round(r.time_limit, 1) for r in stopped}))
     solves = f"{len(stopped)} solve{'s' if len(stopped) > 1 else ''}"
     if searches:
         gap = max(r.gap for r in searches)
