@@ -3,8 +3,8 @@ above a catalogue plan's that fits, priced by the same cost model, for the zoo's
 under the default (H100) and the cpu profiles. The catalogue plans are planned here as a user plans them
 (`parallelize(model, mesh, inputs, **plan.options)`), not through the search.
 
-By default: zoo gpt2 on (2,2) (H100 profile) and llama on (2,2,2) (cpu profile), transformers' Llama (H100) and
-GPT-2 (cpu) on (2,2); `AUTOSHARD_FULL_MATRIX=1` runs every model x mesh x profile.
+By default: zoo gpt2 on (2,2) (H100 profile) and llama on (2,2,2) (cpu profile), transformers' GPT-2 (cpu) on (2,2);
+`AUTOSHARD_FULL_MATRIX=1` runs every model x mesh x profile, transformers' Llama included.
 """
 import os
 import warnings
@@ -71,7 +71,7 @@ def test_automatic_plan_never_worse_than_a_catalogue_plan_zoo(name, shape, profi
 
 
 @pytest.mark.parametrize("family,profile", [(f, p) for f in FAMILIES for p in (None, "cpu")] if FULL else
-                         [("transformers_llama", None), ("transformers_gpt2", "cpu")])
+                         [("transformers_gpt2", "cpu")])  # Llama under the H100 profile: 41 s, in the full matrix
 def test_automatic_plan_never_worse_than_a_catalogue_plan_transformers(family, profile):
     model, inputs, loss_fn = FAMILIES[family]()
     _assert_never_worse(model, inputs, loss_fn, (2, 2), profile)
