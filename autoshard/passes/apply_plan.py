@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
-from autoshard.frontend.hints import Hints
+from autoshard.frontend.hints import RECOMPUTE_KEY, Hints
 from autoshard.ir import meta
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.json_files import short
@@ -68,6 +68,9 @@ def resolve_plan(plan, mesh: Mesh, hints):
     if hints is None:
         return plan, (plan.hints or None)
     given = Hints.load(hints).to_json()
+    planned = plan.hints or {}
+    if RECOMPUTE_KEY not in given and given == {k: v for k, v in planned.items() if k != RECOMPUTE_KEY}:
+        return plan, plan.hints  # the hints it was made with: the plan adds the regions it recomputes
     if given != plan.hints:
         raise PlanMismatchError(f"hints= differ from the hints the plan was made with: {_hints_difference(given, plan.hints)}"
                                 "; leave hints out when passing plan= (the plan carries its hints), or re-plan "

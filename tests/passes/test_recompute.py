@@ -111,3 +111,7 @@ def test_a_saved_plan_recomputes_the_regions_it_was_made_with(tmp_path):
                                     plan=str(tmp_path / "plan.json"))
     assert applied.state.recompute_regions == ckpt.state.recompute_regions != []
     assert applied.plan.predicted["memory_bytes_per_rank"] == ckpt.plan.predicted["memory_bytes_per_rank"]
+    # the hints it was planned with, given again beside the plan, agree with it (the plan adds its regions)
+    again = autoshard.parallelize(to_double(model, inputs)[0], MESH, inputs, loss_fn=loss_fn, axis_names=NAMES,
+                                  hints=plan_hints("gpt2", NAMES, ("dp",), "tp"), plan=str(tmp_path / "plan.json"))
+    assert again.state.recompute_regions == ckpt.state.recompute_regions
