@@ -160,8 +160,9 @@ def stage_activations(state, per_stage) -> tuple[dict, dict]:
     (True, {0: 0, 1: 0})
     """
     kept, largest = {}, {}
+    order = {n: i for i, n in enumerate(state.gm.graph.nodes)}  # one walk of the graph, not one per stage
     for stage, nodes in enumerate(per_stage):
-        ops = [n for n in state.gm.graph.nodes if n in nodes and n.op == "call_function"]
+        ops = sorted((n for n in nodes if n.op == "call_function"), key=order.__getitem__)
         regions: dict = {}
         for node in ops:
             if node.meta.get(RECOMPUTE):
