@@ -24,6 +24,7 @@ BENCHMARKS = [
     "moe",               # 13. MoE: all-to-all bytes vs the formula (simulator); the planner's choice for 8 and 64 experts
     "hand_plans",        # 14. the automatic plan vs every catalogue hand plan (DDP ... FSDP x TP x PP), one cost model
     "memory_accuracy",   # 15. memory per rank: predicted vs measured term by term, peak of live storages (gloo ranks)
+    "architectures",     # 16. every transformers family with a head: export, verify dp=2 and (2,2) under a budget, plan (2,2,2)
 ]
 
 
