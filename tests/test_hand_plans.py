@@ -117,3 +117,16 @@ def test_hand_plans_say_why_they_do_not_apply():
         catalogue.ep_dp(roles, autoshard.Mesh((2,), ("dp",)), batch=8)
     with pytest.raises(catalogue.NotApplicable, match="not divisible by tp=3"):
         catalogue.fsdp_tp(roles, autoshard.Mesh((2, 3), ("dp", "tp")), batch=8)
+
+
+def test_unnamed_mesh_keeps_the_hand_plan_record():
+    """On an unnamed mesh the pipeline search's record sits beside the hand plans the flat plan was compared with
+    (it used to replace them)."""
+    model, inputs, loss_fn = llama(n_layers=2)
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, memory_budget=1.5e6)
+    search = prog.plan.search
+    assert search["candidates"][0]["axis"] is None
+    names = [row["name"] for row in search["hand_plans"]]
+    assert names[0] == "automatic" and "fsdp_tp" in names
+    if search["chosen_pipeline_axis"] is None:
+        assert search["chosen_plan"] in names

@@ -87,22 +87,33 @@ def held_bytes_factor(node, grad: dict, optimizer_state_factor: float) -> float:
 
 
 def needs_grad(graph) -> dict:
-    """Which values carry a gradient: parameters and everything float computed from them.
+    """Which values carry a gradient: parameters and everything float computed from them. Each node's flag is
+    stored in its meta (`autoshard.grad`, written for every node by normalize) and derived here, by the same
+    rule, only for nodes added since (collectives, copies): the graph is walked, not re-analysed.
 
     >>> sorted(n.name for n, g in needs_grad(graph).items() if g)[:4]  # graph: see the module docstring
     ['add_tensor', 'add_tensor_1', 'div_tensor', 'linear_default']
     """
     out = {}
     for node in graph.nodes:
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        is_float = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
-        if node.op == "placeholder":
-            out[node] = node.meta.get(meta.KIND) == "param" and is_float
-        elif node.op == "call_function":
-            out[node] = bool(is_float and node.target is not aten.detach.default
-                             and any(out.get(i, False) for i in node.all_input_nodes))
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        flag = node.meta.get(meta.GRAD)
+        if flag is None:
+            flag = node.meta[meta.GRAD] = _derived_grad(node, out)
+        out[node] = flag
     return out
+
+
+def _derived_grad(node, flags: dict) -> bool:
+    """The rule: a float parameter, or a float op (not a detach) with an input that carries a gradient."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    is_float = any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals)
+    if node.op == "placeholder":
+        return node.meta.get(meta.KIND) == "param" and is_float
+    return bool(is_float and node.target is not aten.detach.default
+                and any(flags.get(i, False) for i in node.all_input_nodes))
 
 
 class AxisCostModel:

@@ -17,6 +17,8 @@
   comm_cost    {"fwd_bytes", "bwd_bytes", "seconds"} on a collective (predict)
   node_cost    {"seconds", "memory_bytes", "sync_s"}: what one node adds (predict)
   stage        the pipeline stage of a node (cut_stages)
+  grad         whether the value carries a gradient (normalize, for every node; `needs_grad` derives it by the
+               same rule for nodes added later)
 
 (The axes on which a parameter's gradient is reduced after backward are `state.grad_reduce`, by FQN.)
 
@@ -46,6 +48,7 @@ RECOMPUTE = "autoshard.recompute"
 COMM_COST = "autoshard.comm_cost"
 NODE_COST = "autoshard.node_cost"
 STAGE = "autoshard.stage"
+GRAD = "autoshard.grad"
 
 
 def module_path(node) -> str:

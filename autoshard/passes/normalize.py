@@ -37,7 +37,7 @@ from autoshard.passes.random_ops import number_random_ops
 aten = torch.ops.aten
 
 
-@compiler_pass("normalize", reads=("val", meta.KIND), writes=(NORMALIZED, meta.RNG_INDEX))
+@compiler_pass("normalize", reads=("val", meta.KIND), writes=(NORMALIZED, meta.RNG_INDEX, meta.GRAD))
 def normalize(state) -> None:
     """The pass: rewrite `state.gm` in place (see the module docstring). A linear's bias becomes an add
     and the default loss's mean a sum divided by the global count:
@@ -68,6 +68,7 @@ def normalize(state) -> None:
         gm.graph.lint()
         refresh_vals(gm)
     number_random_ops(gm.graph, state.options.rng)
+    needs_grad(gm.graph)  # every node's gradient flag, stored for the passes after
 
 
 

@@ -202,7 +202,11 @@ def _search_axes(request: CompileRequest, opts: dict):
     if best is None and flat is None:
         raise _smallest_footprint(errors)
     target = best if best is not None else flat
-    target.plan.search = {"candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
+    # The flat plan's record (the hand plans it was compared with) is kept beside the pipeline candidates; for a
+    # pipelined plan only the rows, as the no-pipeline candidate's alternatives.
+    kept = {} if flat is None else flat.plan.search if target is flat else \
+        {k: v for k, v in flat.plan.search.items() if k == "hand_plans"}
+    target.plan.search = {**kept, "candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
     return target
 
 
