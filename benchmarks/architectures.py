@@ -47,6 +47,7 @@ CELLS = ("build", "export", "dp2", "dp_tp", "plan222")
 QUICK = ("llama", "bert", "vit", "t5", "wav2vec2", "clip")
 BUDGET_SHARE = 0.6
 TIMEOUT = 600
+MAX_RSS = 6 * 2**30  # a worker past this much memory is stopped (two run at once on a 23 GiB machine)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -169,13 +170,9 @@ def run_in_subprocess(family: str, timeout: float = TIMEOUT, threads: int | None
         if threads:
             env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         with open(log, "w") as handle:
-            try:
-                proc = subprocess.run([sys.executable, "-m", "benchmarks.architectures", "--worker", family,
-                                       "--out", out], cwd=HERE.parent, env=env, stdout=handle, stderr=handle,
-                                      timeout=timeout, check=False)
-                failure = None if proc.returncode == 0 else f"worker exited with code {proc.returncode}"
-            except subprocess.TimeoutExpired:
-                failure = f"timeout: more than {timeout:.0f} s for the family"
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.architectures", "--worker", family, "--out",
+                                     out], cwd=HERE.parent, env=env, stdout=handle, stderr=handle)
+            failure = _watch(proc, timeout)
         if failure is None and os.path.exists(out):
             record = json.loads(Path(out).read_text())
         else:
@@ -186,6 +183,32 @@ def run_in_subprocess(family: str, timeout: float = TIMEOUT, threads: int | None
             record["notes"]["crash"] = f"{failure}; {last[-1][:300] if last else ''}"
     record["seconds"] = round(time.perf_counter() - began, 1)
     return record
+
+
+def _watch(proc, timeout: float) -> str | None:
+    """Wait for the worker; stop it past `timeout` seconds or MAX_RSS bytes of memory. None: it exited 0."""
+    began = time.perf_counter()
+    while proc.poll() is None:
+        time.sleep(1)
+        reason = None
+        if time.perf_counter() - began > timeout:
+            reason = f"timeout: more than {timeout:.0f} s for the family"
+        elif _rss(proc.pid) > MAX_RSS:
+            reason = f"out of memory: more than {MAX_RSS / 2**30:.0f} GiB resident"
+        if reason:
+            proc.kill()
+            proc.wait()
+            return reason
+    return None if proc.returncode == 0 else f"worker exited with code {proc.returncode}"
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            line = next(x for x in status if x.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return 0
 
 
 def _head(family: str) -> str:

@@ -40,6 +40,7 @@ import torch
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 4, 8, 128, 32, 4, 2, 8, 64, 2
 IMAGE, CLASSES, EXPERTS, POSITIONS = 32, 3, 4, 64
+MAX_PARAMETERS = 10_000_000  # a config the rules left big is refused, not built
 
 # (auto-mapping name, head): a family's head is the first of these that it has.
 HEAD_MAPPINGS = [
@@ -65,7 +66,7 @@ _INT_RULES = [
     (r"key_value_heads|kv_heads", KV_HEADS),
     (r"heads?$|^n_head$|num_heads", HEADS),
     (r"head_dim|^d_kv$|attention_head_size", HEAD_DIM),
-    (r"lora_rank$", 2 * HEAD_DIM),
+    (r"lora_rank$|^state_size$|^d_state$|time_step_rank$", 2 * HEAD_DIM),
     (r"layers$|^n_layer$|^num_layers$|^depth$|num_blocks$|^n_layers$|block_repeats$", LAYERS),
     (r"intermediate_size|ffn_dim|^d_ff$|^n_inner$|ffn_hidden_size|inner_dim|^d_inner$|mlp_dim", FFN),
     (r"vocab_size$", VOCAB),
@@ -308,10 +309,14 @@ def build(family: str):
     errors = []
     for kwargs in attempts:
         try:
-            torch.manual_seed(0)
             config = config_cls(**kwargs, **({"num_labels": CLASSES} if "classification" in head else {}))
             if hasattr(config, "use_cache"):
                 config.use_cache = False
+            with torch.device("meta"):  # sized before anything is allocated
+                size = sum(p.numel() for p in model_cls._from_config(config).parameters())
+            if size > MAX_PARAMETERS:
+                raise BuildError(f"{size / 1e6:.0f}M parameters after shrinking, over {MAX_PARAMETERS / 1e6:.0f}M")
+            torch.manual_seed(0)
             model = model_cls._from_config(config)
             model.train()
         except Exception as exc:  # noqa: BLE001 (the next attempt, then a BuildError naming each)
