@@ -73,3 +73,26 @@ def test_transformers_llama_in_mixed_precision_folds_with_its_casts():
     whole = autoshard.parallelize(model, (2, 2), (ids,), fold_layers=False, **kw)
     assert folded.state.fold is not None
     assert _rows(folded) == _rows(whole) and folded.plan.predicted == whole.plan.predicted
+
+
+class _IndexedEmbeddings(torch.nn.Module):
+    """MarkupLM's shape: a long ModuleList indexed one by one (`tables[i](ids[:, i])`), not looped over."""
+
+    def __init__(self, n=10):
+        super().__init__()
+        self.tables = torch.nn.ModuleList(torch.nn.Embedding(16, 8) for _ in range(n))
+
+    def forward(self, ids):
+        return sum(self.tables[i](ids[:, i]) for i in range(ids.shape[1]))
+
+
+def test_a_list_indexed_one_by_one_is_traced_whole():
+    """Folding keeps three of the ten tables; indexing the others used to fail the export with KeyError: '2'.
+    The folded trace now calls the middle table in their place, differs from the whole model's and is
+    discarded: the plan covers every table."""
+    torch.manual_seed(0)
+    model, ids = _IndexedEmbeddings(), torch.randint(0, 16, (4, 10))
+    assert fold_model(model) is not None
+    report, program = verify_simulated(model, (ids,), mesh=(2,), axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}})
+    assert report.ok, report
+    assert sum(r.kind == "param" for r in program.plan.rows) == 10

@@ -269,5 +269,30 @@ def _with_replaced(module, path: list[str], kept: dict):
     else:
         short = copy.copy(module._modules[head])
         short._modules = dict(kept)
+        if type(short) is torch.nn.ModuleList:
+            short.__class__ = FoldedList
+            short.n_layers = len(module._modules[head])
         clone._modules[head] = short
     return clone
+
+
+class FoldedList(torch.nn.ModuleList):
+    """The folded ModuleList: it holds the first, second and last layers under their real indices. Iterating it
+    gives those three; a model that indexes its layers one by one (`layers[i] for i in range(n)`, e.g. MarkupLM's
+    per-depth xpath embeddings) gets the middle layer for an index it does not hold, so its folded trace calls
+    that layer many times, differs from the whole model's and is discarded by `check_folded_trace`, instead of
+    failing with a KeyError.
+
+    >>> folded = _with_replaced(torch.nn.Sequential(torch.nn.ModuleList(torch.nn.Linear(1, 1) for _ in range(8))),
+    ...                         ["0"], {"0": torch.nn.Linear(1, 1), "1": torch.nn.Linear(1, 1), "7": torch.nn.Linear(1, 1)})
+    >>> layers = folded[0]
+    >>> len(layers), layers[5] is layers[1], layers[-1] is layers[7]
+    (3, True, True)
+    """
+
+    def __getitem__(self, idx):
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            n = getattr(self, "n_layers", len(self))
+            key = str(idx + n if idx < 0 else idx)
+            return self._modules.get(key, self._modules.get("1"))
+        return super().__getitem__(idx)
