@@ -1,9 +1,9 @@
 """Every model family the installed `transformers` ships with a trainable head, built tiny and generically.
 
 `families()` lists each model type of transformers' auto mappings once, with the first head it offers in
-`HEAD_MAPPINGS` order (causal LM, masked LM, seq2seq LM, speech seq2seq, CTC, audio / image / video classification,
-contrastive image-text, sequence classification, token classification). `build(family)` makes a random
-instance from the family's own config class, shrunk by rules over the config's fields (`tiny_config`: every
+`HEAD_MAPPINGS` order (causal LM, masked LM, seq2seq LM, speech seq2seq, CTC, audio classification, contrastive
+image-text, image / video classification, sequence classification, token classification). `build(family)`
+makes a random instance from the family's own config class, shrunk by rules over the config's fields (`tiny_config`: every
 integer field named like a layer count, a width, a head count, a feed-forward width, a vocabulary or a
 position table is made small, every dropout 0, recursively into sub-configs), never written per family; and a
 synthetic batch of the kind its `main_input_name` asks for (token ids, pixel values, raw audio, audio
@@ -50,9 +50,9 @@ HEAD_MAPPINGS = [
     ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "speech-seq2seq"),
     ("MODEL_FOR_CTC_MAPPING_NAMES", "ctc"),
     ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "audio-classification"),
+    ("MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES", "contrastive"),
     ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image-classification"),
     ("MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES", "video-classification"),
-    ("MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES", "contrastive"),
     ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence-classification"),
     ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token-classification"),
 ]
@@ -295,9 +295,9 @@ def build(family: str):
     the first candidate batch on which its forward returns a loss. A config the rules cannot shrink is built
     again with only its layer counts and dropouts shrunk.
 
-    >>> model, (ids, labels), _ = build("bert")
-    >>> type(model).__name__, int((labels != -100).sum())
-    ('BertForMaskedLM', 16)
+    >>> model, (ids, labels), _ = build("distilbert")
+    >>> type(model).__name__, int((labels != -100).sum())  # masked LM: every other position
+    ('DistilBertForMaskedLM', 16)
     """
     transformers = _transformers()
     head = families()[family]
