@@ -40,7 +40,7 @@ import torch
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 4, 8, 128, 32, 4, 2, 8, 64, 2
 IMAGE, CLASSES, EXPERTS, POSITIONS = 32, 3, 4, 64
-MAX_PARAMETERS = 10_000_000  # a config the rules left big is refused, not built
+MAX_PARAMETERS = 20_000_000  # a config the rules left big is refused, not built
 
 # (auto-mapping name, head): a family's head is the first of these that it has.
 HEAD_MAPPINGS = [
@@ -120,6 +120,8 @@ def tiny_config(config):
             changes[name] = type(value)(**tiny_config(value))
         elif isinstance(value, float) and not isinstance(value, bool) and _DROPOUT.search(name) and value > 0:
             changes[name] = 0.0
+        elif name == "use_cache" and value is True:
+            changes[name] = False  # a sub-config's cache would be returned (export cannot take a DynamicCache)
         elif isinstance(value, float) and name.endswith("_coefficient") and value > 1:
             changes[name] = 1.0  # EfficientNet-style width / depth multipliers
         elif (small := _small(name, value)) is not None:
