@@ -313,6 +313,93 @@ def write_report(names) -> None:
                   "memory budget, plan (2,2,2)", body + "\n" + table(headers, rows), headers, rows)
 
 
+# Failure classes of the sweep: (name, cells, pattern of the error, cause, what the user can do). A family's class is
+# that of its first failing cell; docs/error_catalogue.md's section "Architectures sweep" is written from these.
+FAILURES = [
+    ("build: the generic size rules do not fit the config", ("build",), r"BuildError|parameters after shrinking",
+     ("the family's config ties sizes together in a way the field-name rules (autoshard/zoo/architectures.py) do "
+     "not know (e.g. a width that must equal expand x heads x head_dim), or its forward needs inputs the synthetic "
+     "batch does not give"), ("build the model from a config of your own (any consistent small sizes) and pass it "
+     "to parallelize / a factory; nothing in autoshard is involved yet")),
+    ("export: data-dependent control flow", ("export",), r"data-dependent|GuardOnDataDependent",
+     ("the forward branches on tensor values or makes a shape from them (a loop over the experts that received "
+     "tokens, `nonzero`, `.item()`); torch.export cannot trace that"),
+     ("the ExportError names the line: use torch.where / torch.cond, or the family's static variant (MoE: "
+     "`experts_implementation=\"grouped_mm\"` or `\"batched_mm\"`)")),
+    ("export: a cache or non-tensor output", ("export",), r"DynamicCache|Cache|not a known type",
+     "the model returns a cache object (use_cache on a sub-config)", ("build with `use_cache=False` on every "
+     "(sub-)config")),
+    ("export: other", ("export",), r".", "torch.export could not trace the model (the message says why)",
+     "check that `torch.export.export(model, inputs, strict=False)` works on its own; the ExportError names the line"),
+    ("planning: data-dependent sizes in the graph", ("dp2", "dp_tp", "plan222"), r"GuardOnDataDependent",
+     ("the graph exports but holds sizes known only at run time (unbacked SymInts, e.g. the tokens routed to each "
+     "expert); autoshard's strategies and cost model need static shapes (autoshard/strategies/base.py `_divides`, "
+     "autoshard/strategies/views.py)"), ("use a static-shape variant of the layer (capacity-based experts, as "
+     "autoshard.zoo.moe); planning over unbacked sizes is an open gap")),
+    ("verify: results differ", ("dp2", "dp_tp"), r"^mismatch", ("the parallel program's loss, gradients or "
+     "parameters differ from the single device's beyond the tolerance"), ("report it with the family's factory "
+     "(`autoshard.zoo.architectures:<family>`): this is an autoshard bug")),
+    ("planning: memory budget", ("dp_tp", "plan222"), r"MemoryBudget|memory budget", ("no plan fits 0.6 x the "
+     "unbudgeted plan's memory"), "raise the budget or add devices"),
+    ("planning: too slow", ("timeout",), r"timeout", ("planning under the budget took longer than the sweep's "
+     "timeout per family"), "raise `--timeout`; pass `ilp_time_limit=` to bound each sharding ILP"),
+    ("worker out of memory", ("crash",), r"out of memory", ("the tiny model still used more than the worker's "
+     "memory limit"), "shrink the config further"),
+    ("other", CELLS + ("crash", "timeout"), r".", "see the error's first line", "see the message"),
+]
+
+
+def failure_class(record: dict):
+    """(class name, cell, error) of a family's first failing cell, or None when every cell passed.
+
+    >>> failure_class({"cells": {"build": {"ok": True}, "export": {"ok": False, "error": "ExportError: ... "
+    ...                "GuardOnDataDependentSymNode: Could not guard"}}})[0]
+    'export: data-dependent control flow'
+    """
+    import re
+    for cell in CELLS:
+        text = status(record, cell)
+        if text in ("ok", "skipped"):
+            continue
+        kind = "timeout" if text.startswith("timeout") else "crash" if text.startswith(("out of memory", "worker")) \
+            else cell
+        for name, cells, pattern, _, _ in FAILURES:
+            if kind in cells and re.search(pattern, text):
+                return name, cell, text
+    return None
+
+
+CATALOGUE = HERE.parent / "docs" / "error_catalogue.md"
+
+
+def write_catalogue(results: dict, names) -> None:
+    """docs/error_catalogue.md's section "Architectures sweep": each failure class with its families."""
+    families = results["families"]
+    found = {}
+    for name in names:
+        if name in families and (hit := failure_class(families[name])) is not None:
+            found.setdefault(hit[0], []).append((name, hit[1], hit[2]))
+    lines = ["<!-- architectures -->", "## Architectures sweep (benchmarks/architectures.py)", "",
+             ("Written by `python -m benchmarks.architectures --report` from benchmarks/architectures.json: every "
+             "family of the sweep that fails a cell, by the class of its first failing cell (the table in "
+             "benchmarks/RESULTS.md, section 16, has every cell)."), "",
+             "| class | families | cause | what to do |", "|---|---|---|---|"]
+    for name, _, _, cause, todo in FAILURES:
+        if name in found:
+            fams = ", ".join(f"{f} ({cell}: {err[:90].replace('|', '/')})" for f, cell, err in found[name])
+            lines.append(f"| {name} ({len(found[name])}) | {fams} | {cause} | {todo} |")
+    lines.append("<!-- /architectures -->")
+    section = "\n".join(lines) + "\n"
+    text = CATALOGUE.read_text()
+    start, end = text.find("<!-- architectures -->"), text.find("<!-- /architectures -->")
+    if start >= 0 and end >= 0:
+        text = text[:start] + section + text[end + len("<!-- /architectures -->\n"):]
+    else:
+        gaps = text.find("## Known gaps")
+        text = text[:gaps] + section + "\n" + text[gaps:] if gaps >= 0 else text.rstrip("\n") + "\n\n" + section
+    CATALOGUE.write_text(text)
+
+
 def selected(families_arg=None, quick: bool = False) -> list[str]:
     from autoshard.zoo import architectures
     names = list(architectures.families())
@@ -346,6 +433,7 @@ def main(quick: bool = False, argv=None) -> None:
     if not args.report:
         sweep(names, jobs=args.jobs, timeout=args.timeout, redo=args.redo, limit=args.limit)
     write_report(selected())
+    write_catalogue(load_results(), selected())
 
 
 if __name__ == "__main__":
