@@ -130,3 +130,23 @@ def test_unnamed_mesh_keeps_the_hand_plan_record():
     assert names[0] == "automatic" and "fsdp_tp" in names
     if search["chosen_pipeline_axis"] is None:
         assert search["chosen_plan"] in names
+
+
+def test_a_conv1d_weight_is_not_a_stack_of_experts():
+    """A 3-D parameter in a repeated layer is an expert stack only when no convolution takes it (WavLM's feature
+    encoder was offered EP inside dp)."""
+    import torch
+
+    class Convs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Conv1d(4, 4, 3, padding=1) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x.sum()
+
+    x = torch.randn(2, 4, 8)
+    roles = model_roles(trace(Convs(), (x,), None).gm)
+    assert roles.experts == []

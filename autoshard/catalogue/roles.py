@@ -141,7 +141,7 @@ def model_roles(gm: torch.fx.GraphModule) -> ModelRoles:
             linears[node] = found
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.meta.get(meta.KIND) == "param" and node.meta["val"].dim() == 3 \
-                and _in_repeated_layer(node.meta.get(meta.PATH, "")):
+                and _in_repeated_layer(node.meta.get(meta.PATH, "")) and not _convolved(node):
             _add(roles.experts, layer_glob(node.meta[meta.PATH]))
             roles.sizes[layer_glob(node.meta[meta.PATH])] = tuple(node.meta["val"].shape)
     parents = {n: _parent(n.meta.get(meta.PATH, "")) for n in linears}
@@ -167,6 +167,26 @@ def model_roles(gm: torch.fx.GraphModule) -> ModelRoles:
         roles.column.pop(key)
         roles.row.pop(key)
     return roles
+
+
+_CONVOLUTIONS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                 aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
+
+
+def _convolved(param) -> bool:
+    """Whether a parameter is a convolution's weight (a 3-D conv1d weight is not a stack of experts), through its
+    casts and views."""
+    seen, todo = set(), [param]
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            if user.target in _CONVOLUTIONS:
+                return True
+            if user not in seen and (cast_parameter(user) is not None or user.target in (
+                    aten._to_copy.default, aten.view.default, aten.alias.default, aten.detach.default)):
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 def _producer_module(value, parent: str) -> tuple:
