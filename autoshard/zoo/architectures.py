@@ -120,6 +120,10 @@ def tiny_config(config):
             changes[name] = type(value)(**tiny_config(value))
         elif isinstance(value, float) and not isinstance(value, bool) and _DROPOUT.search(name) and value > 0:
             changes[name] = 0.0
+        elif value is None and name == "vocab_size":
+            changes[name] = VOCAB  # a head over tokens needs one (ESM, CTC models leave it to the user)
+        elif value is None and name == "pad_token_id" and "vocab_size" in fields:
+            changes[name] = 0  # models that compare ids with it (ESM) need one; 0 is never drawn as a token
         elif name == "use_cache" and value is True:
             changes[name] = False  # a sub-config's cache would be returned (export cannot take a DynamicCache)
         elif isinstance(value, float) and name.endswith("_coefficient") and value > 1:
@@ -336,7 +340,7 @@ def build(family: str):
                 continue
             model.zero_grad(set_to_none=True)
             return model, tensors, model_loss
-    raise BuildError(f"{family} ({head}): " + errors[-1] if errors else f"{family}: nothing to try")
+    raise BuildError(f"{family} ({head}): " + " / with layer counts only: ".join(dict.fromkeys(errors[:1] + errors[-1:])))
 
 
 def _first_line(exc: BaseException) -> str:
