@@ -129,3 +129,23 @@ def test_ilp_time_limit_is_checked_where_it_enters():
     model, inputs, loss_fn = mlp(n_layers=2)
     with pytest.raises(autoshard.UserInputError, match=r"ilp_time_limit=-1: give the seconds"):
         autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, ilp_time_limit=-1)
+
+
+def test_a_budget_below_the_memory_floor_is_refused_without_the_mip(monkeypatch):
+    """A budget no plan can meet because of the copies conversions keep (which the per-class minimum does not see)
+    is refused by one LP, before the MIP: a 2-layer Llama under 0.2 of its memory took 15 s in the MIP's proof."""
+    from autoshard.solver import ilp
+
+    problem = IlpProblem(sizes=[2, 2], costs=[[0.0, 1.0]] * 2, edges={(0, 1): [[0.0, 1.0], [1.0, 0.0]]},
+                         memory=[[4.0, 2.0], [4.0, 2.0]], edge_memory={(0, 1): [[0.0, 0.0], [9.0, 9.0]]}, budget=5.0)
+    assert sum(min(per) for per in problem.memory) <= problem.budget  # the quick check cannot tell
+
+    def no_mip(*args, **kwargs):
+        raise AssertionError("the MIP ran")
+
+    monkeypatch.setattr(ilp, "_run", no_mip)
+    with pytest.raises(MemoryBudgetError):
+        solve_ilp(problem)
+    problem.budget = 6.0  # (0, 1): 4 + 2, no copy: fits, and the MIP decides
+    with pytest.raises(AssertionError, match="the MIP ran"):
+        solve_ilp(problem)
