@@ -37,7 +37,9 @@ parallelism).
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,32 +116,47 @@ def solve(state) -> None:
     """
     state.zero_for_memory = planned_zero(state)  # a requested ZeRO shrinks the memory row from the start
     state.recompute_for_memory = False
+    # The memory ladder's rungs change only the ILP's memory row: what the costs are made of is built once.
+    solve_once = functools.partial(_solve, shared=_SharedParts())
     try:
-        _solve(state)
+        solve_once(state)
     except MemoryBudgetError as error:
-        fit_memory(state, _solve, error)  # ZeRO and/or recomputation, or a refusal naming the smallest footprint
+        fit_memory(state, solve_once, error)  # ZeRO and/or recomputation, or a refusal naming the smallest footprint
 
 
-def _solve(state) -> None:
+@dataclass
+class _SharedParts:
+    """What every solve of one compile shares (the graph and the options the costs read do not change between
+    the memory ladder's rungs): the analyses, the cost models, the joint candidates, and each ILP's cost parts
+    by (axes, the earlier axes' choices)."""
+
+    analyses: tuple | None = None  # (nodes, grad, split, models, joint combos or None)
+    costs: dict = field(default_factory=dict)
+
+
+def _solve(state, shared: _SharedParts | None = None) -> None:
     graph = state.gm.graph
-    profile = state.options.profile
-    nodes = [n for n in graph.nodes if meta.CANDIDATES in n.meta]
-    grad = needs_grad(graph)
+    shared = shared or _SharedParts()
     semi_auto = state.semi_auto
     mesh = state.mesh
-    split = kept_split(graph, grad)  # what autograd keeps: the node's own part here, its consumers' on the edges
-    models = [AxisCostModel(mesh, a, profile, grad, state.options.optimizer_state_factor, split.own)
-              for a in range(mesh.ndim)]
+    if shared.analyses is None:
+        nodes = [n for n in graph.nodes if meta.CANDIDATES in n.meta]
+        grad = needs_grad(graph)
+        split = kept_split(graph, grad)  # what autograd keeps: the node's own part here, its consumers' on the edges
+        models = [AxisCostModel(mesh, a, state.options.profile, grad, state.options.optimizer_state_factor,
+                                split.own) for a in range(mesh.ndim)]
+        copies = state.fold.copies if state.fold is not None else lambda node: 1
+        shared.analyses = (nodes, grad, split, models, _joint_combos(nodes, mesh, copies) if mesh.ndim > 1 else None)
+    nodes, grad, split, models, joint = shared.analyses
     state.ilp_stats = []
     choices: dict = {n: [] for n in nodes}
-    copies = state.fold.copies if state.fold is not None else lambda node: 1
-    joint = _joint_combos(nodes, mesh, copies) if mesh.ndim > 1 else None
     if joint is not None:
-        picked = _solve_axes(nodes, tuple(range(mesh.ndim)), joint, choices, state, models, semi_auto, split)
+        picked = _solve_axes(nodes, tuple(range(mesh.ndim)), joint, choices, state, models, semi_auto, split,
+                             shared=shared)
         for node in nodes:
             choices[node] = [picked[node][a] for a in range(mesh.ndim)]
     else:
-        choices = _solve_sequential(nodes, state, models, semi_auto, split)
+        choices = _solve_sequential(nodes, state, models, semi_auto, split, shared)
     for node in nodes:
         record_choice(node, choices[node], grad)
     chosen = _chosen_problem(state, split)
@@ -155,7 +172,7 @@ def _solve(state) -> None:
 _BUDGET_OPTIMISM = (1.0, 0.5, 0.0)
 
 
-def _solve_sequential(nodes, state, models, semi_auto, split) -> dict:
+def _solve_sequential(nodes, state, models, semi_auto, split, shared: _SharedParts | None = None) -> dict:
     mesh = state.mesh
     for attempt, optimism in enumerate(_BUDGET_OPTIMISM):
         choices: dict = {n: [] for n in nodes}
@@ -163,7 +180,8 @@ def _solve_sequential(nodes, state, models, semi_auto, split) -> dict:
         try:
             for axis in range(mesh.ndim):
                 combos = {n: [{axis: c} for c in sequential_candidates(n, axis, mesh, choices)] for n in nodes}
-                picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto, split, optimism)
+                picked = _solve_axes(nodes, (axis,), combos, choices, state, models, semi_auto, split, optimism,
+                                     shared)
                 for node in nodes:
                     choices[node].append(picked[node][axis])
             return choices
@@ -385,10 +403,11 @@ def _zero_memory_scale(node, combo, prior, state, models) -> float:
                         isinstance(placement, Shard))
 
 
-def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0):
+def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0,
+                shared: _SharedParts | None = None):
     """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
     problem, classes, class_of = _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split,
-                                                optimism)
+                                                optimism, shared)
     result = solve_ilp(problem)
     state.ilp_stats.append({"axes": [state.mesh.names[a] for a in axes], "nodes": len(nodes), "classes": len(classes),
                             "variables": result.variables, "constraints": result.constraints,
@@ -443,8 +462,9 @@ def _check_memory(chosen, kept: float) -> None:
                                        kinds=[*chosen.kinds, "saved activations"]))
 
 
-def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0):
-    """The ILP deciding `axes` (see _solve_axes): (IlpProblem, decision classes, class of each node)."""
+def _cost_parts(nodes, axes, combos, choices, state, models, semi_auto, split) -> tuple:
+    """What the ILP deciding `axes` costs, apart from its memory row: (classes, class of each node, sizes, costs,
+    edges, shared charges, conjunction charges, each node's per-candidate breakdowns)."""
     mesh = state.mesh
     free_sync = data_parallel_axes(nodes) if semi_auto else set()  # gradient sync there is the user's choice
     profile = models[0].profile
@@ -461,17 +481,12 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
                           tuple(c.output for c in choices[n])))
     sizes = [len(combos[members[0]]) for members in classes]
     costs = [[0.0] * size for size in sizes]
-    memory = [[0.0] * size for size in sizes]
-    dropped = planned_dropped(state, nodes)
     copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
     for n in nodes:
         c = class_of[n]
-        kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
         for s, per_axis in enumerate(breakdowns[n]):
-            # compute (with a ring's messages inside the op) and memory are per node, not per axis
+            # compute (with a ring's messages inside the op) is per node, not per axis
             costs[c][s] += copies(n) * (per_axis[0].compute + per_axis[0].in_op_comm) * _SCALE
-            memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n], state,
-                                                                             models)
     pipeline = state.options.pipeline
     sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
     shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share, copies)
@@ -528,6 +543,32 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
                                                          ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
+    return classes, class_of, sizes, costs, edges, shared, _conversion_charges(conversions, edges), breakdowns
+
+
+def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0,
+                   shared: _SharedParts | None = None):
+    """The ILP deciding `axes` (see _solve_axes): (IlpProblem, decision classes, class of each node). Its cost
+    parts depend on the axes and the earlier axes' choices only (`shared` keeps them for the compile's other
+    solves); its memory row on the memory saver being tried."""
+    key = (axes, tuple(tuple(choices[n]) for n in nodes))
+    parts = shared.costs.get(key) if shared is not None else None
+    if parts is None:
+        parts = _cost_parts(nodes, axes, combos, choices, state, models, semi_auto, split)
+        if shared is not None:
+            shared.costs[key] = parts
+    classes, class_of, sizes, costs, edges, shared_charges, conjunctions, breakdowns = parts
+    mesh = state.mesh
+    profile = models[0].profile
+    memory = [[0.0] * size for size in sizes]
+    dropped = planned_dropped(state, nodes)
+    copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
+    for n in nodes:
+        c = class_of[n]
+        kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
+        for s, per_axis in enumerate(breakdowns[n]):
+            memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n],
+                                                                                     state, models)
     zero = state.zero_for_memory
     zero_axis = mesh.axis(zero.axis) if zero is not None and zero.stage == 3 else None
     fixed, edge_memory, memory_charges = conversion_memory(
@@ -541,8 +582,8 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
         budget = headroom_budget(profile, state.options.memory_headroom)
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism
     budget = None if math.isinf(budget) else budget * later
-    problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared,
-                         conjunctions=_conversion_charges(conversions, edges), edge_memory=edge_memory,
+    problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared_charges,
+                         conjunctions=conjunctions, edge_memory=edge_memory,
                          memory_charges=memory_charges,
                          names=[f"{m[0].meta.get(meta.PATH) or m[0].name} (node {m[0].name!r}"
                                 + (f" and its {len(m) - 1} copies)" if len(m) > 2 else " and its copy)" if len(m) > 1
