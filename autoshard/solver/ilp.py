@@ -446,6 +446,11 @@ def _solve(problem: IlpProblem, options: dict, started: float, limit: float) -> 
     for c, ranks in enumerate(order):
         secondary[start[c]:start[c] + len(ranks)] = ranks
     h.changeColsCost(n_var, np.arange(n_var, dtype=np.int32), secondary)
+    # The optimum satisfies the tie row: handed over as the first incumbent, it spares the search finding one
+    # (measured: 2.5 -> 2.2 s on each of the Llama-3-70B plan's budgeted solves; the same plans).
+    incumbent = h.getSolution()
+    incumbent.col_value = list(values)  # the first solve's columns (the model has changed since)
+    h.setSolution(incumbent)
     try:
         try:
             finished = _run(h, problem, clock, enough=math.inf)  # any plan it finds is optimal
