@@ -29,6 +29,7 @@ from autoshard.frontend.factory import make_case
 from autoshard.frontend.hints import Hints
 from autoshard.frontend.request import DEFAULT_HEADROOM
 from autoshard.ir.errors import AutoshardError
+from autoshard.ir.gc_tuning import fewer_collections
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.communicator import CollectiveTimeout
 from autoshard.runtime.launch import FingerprintMismatch, RanksFailed
@@ -133,7 +134,8 @@ def main(argv=None) -> int:
     """
     args = _parser().parse_args(argv)
     try:
-        return _run(args)
+        with fewer_collections():  # a short-lived process: its factory's imports and model too (ir/gc_tuning.py)
+            return _run(args)
     except BrokenPipeError:  # the reader stopped early (`... | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return OK

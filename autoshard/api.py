@@ -25,6 +25,7 @@ from autoshard.frontend.request import DEFAULT_HEADROOM, CompileOptions, Compile
 from autoshard.frontend.tp_modes import apply_parallel_config
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.errors import UserInputError
+from autoshard.ir.gc_tuning import fewer_collections
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.warn_once import warn_once, warning_scope
 from autoshard.program.parallel_module import ParallelModule
@@ -111,7 +112,7 @@ def _compile(request: CompileRequest, pipeline):
     program the ILP and the hand plans give."""
     request = request.replace(example_inputs=_traceable_inputs(request.model, request.example_inputs))
     # Candidates trace the same shapes and meet the same ILPs; each warning is told once per call.
-    with reuse_exports(), warning_scope(), solver_session(request.options.ilp_time_limit):
+    with fewer_collections(), reuse_exports(), warning_scope(), solver_session(request.options.ilp_time_limit):
         prog = choose_pipeline(request, pipeline, unnamed=not request.mesh.named)
         if prog is None:
             prog = plan_with_hand_plans(request)
