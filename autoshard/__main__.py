@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import traceback
@@ -203,5 +204,22 @@ def _run(args) -> int:
     return OK if report.ok else MISMATCH
 
 
+def exit_now(code: int) -> None:
+    """End a `plan` process without the interpreter's teardown: freeing every object a plan made took 1.3 s of an
+    8B plan's 9.3 s (mypy ends the same way). Output and logs are flushed first; `plan` starts no process, thread
+    pool or file that needs an exit handler (verify and calibrate do, and exit normally).
+
+    >>> callable(exit_now)  # it ends the process: not run here
+    True
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if sys.argv[1:2] == ["plan"]:
+        exit_now(status)
+    sys.exit(status)

@@ -56,10 +56,10 @@ def test_bfloat16_is_planned_in_bfloat16(capsys):
 def test_planning_a_real_model_does_not_copy_its_weights(tmp_path):
     hints = tmp_path / "replicated.json"  # data parallel: each rank holds the whole 1 GiB
     hints.write_text(json.dumps({"input:0": {"dp": "S(0)"}, "0.weight": {"dp": "R"}, "2.weight": {"dp": "R"}}))
-    code = ("import resource, runpy, sys; sys.argv = ['autoshard', 'plan', 'test_cli_plan_dtype:one_gib_float32', "
-            f"'--mesh', '2', '--axis-names', 'dp', '--hints', {str(hints)!r}, '--json']\n"
-            "try:\n    runpy.run_module('autoshard', run_name='__main__')\nexcept SystemExit as end:\n"
-            "    assert not end.code, end.code\n"
+    # main() as `python -m autoshard plan` runs it (whose process then ends without teardown: no line after it)
+    code = ("import resource, sys; from autoshard.__main__ import main\n"
+            "assert main(['plan', 'test_cli_plan_dtype:one_gib_float32', '--mesh', '2', '--axis-names', 'dp', "
+            f"'--hints', {str(hints)!r}, '--json']) == 0\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=False)
