@@ -76,8 +76,8 @@ def main(quick: bool = False) -> None:
     body = (f"Targets: {', '.join(f'{n} <= {t:.0f} s' for n, _, t in timed)} — "
             + (f"**NOT met: {', '.join(missed)}**" if missed else "**met on every row**")
             + f". Load average (1 min) when the runs ended: {load:.1f} (the CPU column is the planner's own time; "
-            "on this VM's two hyperthreads another busy process still inflates it: the 8B dp,tp case took 8.3 CPU s "
-            "alone and 10.0 beside one other planning process).\n\n" + table(headers, rows))
+            "on this VM's two hyperthreads another busy process inflates both columns, by about 20% beside one other "
+            "planning process, and two quiet runs differ by up to 10%).\n\n" + table(headers, rows))
     body += ("\n\nMemory (issue 17 item 1): every plan fits the default budget, the device's 80 GB less 10% headroom "
              "(67.1 GiB); the planner reaches for ZeRO and recomputation by itself when the placements alone do not fit "
              "(the ZeRO and 'layers recomputed' columns), and the printed plan breaks the memory down (last column; "
