@@ -96,3 +96,27 @@ def test_a_list_indexed_one_by_one_is_traced_whole():
     report, program = verify_simulated(model, (ids,), mesh=(2,), axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}})
     assert report.ok, report
     assert sum(r.kind == "param" for r in program.plan.rows) == 10
+
+
+class _CountsItsLayers(torch.nn.Module):
+    """A forward that checks how many layers it holds: its folded copy (three layers) fails to trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(8))
+
+    def forward(self, x):
+        if len(self.layers) != 8:
+            raise ValueError(f"expected 8 layers, got {len(self.layers)}")
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def test_a_folded_copy_that_does_not_trace_is_traced_whole():
+    torch.manual_seed(0)
+    model, x = _CountsItsLayers(), torch.randn(4, 8)
+    assert fold_model(model) is not None
+    report, program = verify_simulated(model, (x,), mesh=(2,), axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}})
+    assert report.ok, report
+    assert sum(r.kind == "param" for r in program.plan.rows) == 16  # every layer's weight and bias

@@ -130,8 +130,13 @@ def trace_for_plan(request: CompileRequest, hints, options: CompileOptions):
     """
     fold = fold_model(request.model, hints) if options.fold_layers else None
     if fold is not None:
-        traced = trace(fold.model, request.example_inputs, request.loss_fn, options.mixed_precision)
-        if check_folded_trace(fold, traced.gm):
+        try:
+            traced = trace(fold.model, request.example_inputs, request.loss_fn, options.mixed_precision)
+        except Exception as exc:  # noqa: BLE001 -- the folded copy is ours: whatever it breaks, the model is traced whole
+            log.info("the folded copy of %s does not trace (%s); tracing all %d layers", fold.container,
+                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__, fold.n_layers)
+            traced = None
+        if traced is not None and check_folded_trace(fold, traced.gm):
             return traced, fold
         log.info("the repeated layers of %s do not trace alike; tracing all %d", fold.container, fold.n_layers)
     return trace(request.model, request.example_inputs, request.loss_fn, options.mixed_precision), None
