@@ -45,7 +45,7 @@ AUTO_CUT_ALL_POSITIONS = 400  # up to this many ops every position is a candidat
 
 
 @compiler_pass("cut_stages", reads=(meta.NODE_COST, meta.COMM_COST, "state.predicted"),
-               writes=(meta.STAGE, "state.pipeline_stages", "state.grad_flags", "state.predicted"))
+               writes=(meta.STAGE, "state.pipeline_stages", "state.predicted"))
 def cut_stages(state) -> None:
     """The pass: write `autoshard.stage` on every node and `state.pipeline_stages`.
 
@@ -204,7 +204,7 @@ def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
     n = len(nodes)
     index = op_positions(state.gm.graph, nodes)
     fwd, bwd, bad = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
-    grads = state.grad_flags
+    grads = needs_grad(state.gm.graph)  # stored in node meta by normalize: read, not re-analysed
     for node in state.gm.graph.nodes:
         if node.op == "call_function":
             first = index[node] + 1
@@ -300,7 +300,6 @@ class CutCosts:
     """
 
     def __init__(self, state, nodes, config):
-        state.grad_flags = needs_grad(state.gm.graph)
         self.n = len(nodes)
         self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
         seconds = [node.meta.get(NODE_COST, {}).get("seconds", 0.0) for node in nodes] + [0.0]
@@ -375,7 +374,7 @@ def stage_summary(state, config) -> list[dict]:
     >>> [(s["stage"], s["ops"], s["first_module"], s["last_module"]) for s in stage_summary(state, config)]
     [(0, 7, 'layers.0', 'layers.2'), (1, 4, 'layers.2', 'layers.2')]
     """
-    grads = state.grad_flags or needs_grad(state.gm.graph)
+    grads = needs_grad(state.gm.graph)
     profile = state.options.profile
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
             "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0}

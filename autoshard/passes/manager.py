@@ -63,7 +63,6 @@ class CompileState:
     recompute_regions: list = field(default_factory=list)  # recompute: module paths, graph order
     predicted: dict | None = None  # predict: step time, communication, memory
     pipeline_stages: list | None = None  # cut_stages: one summary dict per stage
-    grad_flags: dict | None = None  # cut_stages / scale search: which nodes need a gradient
     fold: object = None  # compile_state: the Fold when three repeated layers stand for all (frontend/fold.py)
 
     def __post_init__(self):

@@ -131,7 +131,7 @@ def units_of(state, profile) -> tuple[list[Unit], list]:
         seen_layer = seen_layer or bool(instance)
         of[node] = where[instance] if instance else (len(units) - 1 if seen_layer else 0)
         members.setdefault(of[node], []).append(node)
-    grad = state.grad_flags = needs_grad(graph)
+    grad = needs_grad(graph)
     fwd, bwd, _ = boundary_bytes(state, ops)
     for k, node in enumerate(ops):
         unit = units[of[node]]
