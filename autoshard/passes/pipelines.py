@@ -1,5 +1,6 @@
-"""The compiler's pass pipelines, declared by name: PASSES in order ("plan"), and the variants that apply a
-saved plan, plan a pipeline's micro-batch program, or plan the scale search's already normalized graph;
+"""The compiler's pass pipelines, declared by name as data (PIPELINES: each a PassList of its passes in order;
+PASSES is "plan"'s): the variants apply a saved plan, plan a pipeline's micro-batch program, price a catalogue
+plan, or plan the scale search's already normalized graph;
 `compile_state` (trace, then run a pipeline) and `state_before` (the state a pass sees, for watching one
 pass at work).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -47,18 +49,38 @@ from autoshard.solver.ilp import solver_session
 
 log = logging.getLogger(__name__)
 
-PASSES = [normalize, annotate, strategies, solve, zero_pass, unfold, insert_comm, fuse_comm, recompute, predict,
-          check_hints, codegen]
+@dataclass(frozen=True)
+class PassList:
+    """One declared pipeline: what it is for, its passes in order (CheckPlan, AllowPlannedZeroShards and ApplyPlan
+    stand for the passes made from the saved plan it applies), and what the state holds before the first.
 
+    >>> [p.name for p in PIPELINES["hand_plan"].passes][-3:]  # no check_hints: its hints are the planner's
+    ['recompute', 'predict', 'codegen']
+    """
+
+    description: str
+    passes: tuple
+    provided: tuple = TRACED
+
+
+_SOLVED = (normalize, annotate, strategies, solve, zero_pass, unfold, insert_comm, fuse_comm, recompute, predict)
+# A saved plan: a folded trace is unfolded first (the plan's rows are the whole model's) and checked against it.
+_APPLIED = (normalize, unfold, CheckPlan, annotate, strategies, AllowPlannedZeroShards, ApplyPlan, zero_pass,
+            insert_comm, fuse_comm, recompute, predict)
 
 PIPELINES = {
-    "plan": "PASSES: solve every node's strategy by the ILP",
-    "apply_plan": "PASSES with a saved plan's decisions in solve's place (checked against the graph first)",
-    "microbatch": "PASSES with cut_stages after predict: a pipeline's micro-batch program and its stage cut",
-    "microbatch_apply_plan": "both: a saved pipeline plan",
-    "scale": "PASSES without normalize and codegen, on a graph normalized once (the scale search)",
-    "hand_plan": "PASSES without check_hints: a catalogue plan the search compares (its hints are the planner's)",
+    "plan": PassList("solve every node's strategy by the ILP", (*_SOLVED, check_hints, codegen)),
+    "apply_plan": PassList("a saved plan's decisions in solve's place, checked against the graph first",
+                           (*_APPLIED, check_hints, codegen)),
+    "microbatch": PassList("a pipeline's micro-batch program and its stage cut",
+                           (*_SOLVED, cut_stages, check_hints, codegen)),
+    "microbatch_apply_plan": PassList("a saved pipeline plan", (*_APPLIED, cut_stages, check_hints, codegen)),
+    "scale": PassList("the scale search's programs, on a graph normalized once (no per-rank modules)",
+                      (*_SOLVED[1:], check_hints), TRACED + normalize.contract.writes),
+    "hand_plan": PassList("a catalogue plan the search compares: no hint check (its hints are the planner's)",
+                          (*_SOLVED, codegen)),
 }
+PASSES = list(PIPELINES["plan"].passes)
 
 
 def declared_pipeline(name: str, plan=None, same_shapes: bool = True) -> tuple[list, tuple]:
@@ -72,19 +94,10 @@ def declared_pipeline(name: str, plan=None, same_shapes: bool = True) -> tuple[l
     """
     if name not in PIPELINES:
         raise UserInputError(f"no pass pipeline named {name!r}; the pipelines are {sorted(PIPELINES)}")
-    passes, provided = list(PASSES), TRACED
-    if name.endswith("apply_plan"):  # a folded trace is unfolded first: the plan's rows are the whole model's
-        passes = [q for p in passes if p is not unfold
-                  for q in ([p, unfold, CheckPlan(plan, same_shapes)] if p is normalize else
-                            [AllowPlannedZeroShards(plan), ApplyPlan(plan, same_shapes)] if p is solve else [p])]
-    if name.startswith("microbatch"):
-        passes = [q for p in passes for q in ([p, cut_stages] if p is predict else [p])]
-    if name == "hand_plan":
-        passes = [p for p in passes if p is not check_hints]
-    if name == "scale":
-        passes = [p for p in passes if p not in (normalize, codegen)]
-        provided = TRACED + normalize.contract.writes
-    return passes, provided
+    made = {CheckPlan: lambda: CheckPlan(plan, same_shapes), ApplyPlan: lambda: ApplyPlan(plan, same_shapes),
+            AllowPlannedZeroShards: lambda: AllowPlannedZeroShards(plan)}
+    declared = PIPELINES[name]
+    return [made[p]() if p in made else p for p in declared.passes], declared.provided
 
 
 def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bool = False):
