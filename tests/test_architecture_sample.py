@@ -33,7 +33,10 @@ def _passing() -> list[str]:
     return list(sweep.QUICK)
 
 
-SEED = int(os.environ.get("AUTOSHARD_ARCH_SEED") or int(time.time()) % 100_000)
+# One seed per run, the same in every pytest-xdist worker (they collect separately and must collect the same
+# tests: a seed from each worker's clock made the workers disagree when they started in different seconds).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+SEED = int(os.environ.get("AUTOSHARD_ARCH_SEED") or (int(_RUN, 16) if _RUN else int(time.time())) % 100_000)
 CHOSEN = (os.environ["AUTOSHARD_ARCH_FAMILIES"].split(",") if os.environ.get("AUTOSHARD_ARCH_FAMILIES")
           else random.Random(SEED).sample(_passing(), SAMPLE))
 print(f"[architecture sample] seed {SEED}: {', '.join(CHOSEN)} (AUTOSHARD_ARCH_SEED={SEED} repeats it)")
