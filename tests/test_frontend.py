@@ -265,3 +265,34 @@ def test_pipeline_search_exports_each_shape_once(monkeypatch):
     # Up to 5 compiles (no pipeline; per axis the first micro-batch count and, when its estimate can still
     # win, a re-plan at the best count) but each shape is traced once.
     assert len(exports) == len(set(exports)) >= 2
+
+
+def test_a_custom_autograd_function_is_named_because_export_drops_its_backward():
+    """torch.export inlines an autograd.Function's forward and drops its backward (transformers' YOSO: its
+    approximate backward made verify differ by 0.48 in the gradients): the trace says so, naming the Function."""
+    import warnings
+
+    from autoshard.frontend.trace import trace
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2.0
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return Twice.apply(x * self.w).sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace(Model(), (torch.ones(3),), lambda out, x: out)
+    assert any("torch.autograd.Function" in str(w.message) and "Twice" in str(w.message) for w in caught)
+    assert "apply" in torch.autograd.Function.__dict__  # the hook is gone after the trace

@@ -30,6 +30,7 @@ from autoshard.frontend.factory import (
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, ExportError, UserInputError
 from autoshard.ir.mixed_precision import policy_call
+from autoshard.ir.warn_once import warn_once
 
 
 class _TrainStep(torch.nn.Module):
@@ -141,17 +142,58 @@ def trace(model, example_inputs, loss_fn=None, policy=None) -> Traced:
     exported = _EXPORTS.get(key) if _EXPORTS is not None else None
     if exported is None:
         step = _TrainStep(model, loss_fn, policy)
+        functions: list = []
         try:
-            exported = torch.export.export(step, tuple(example_inputs), strict=False)
+            with custom_functions_seen(functions):
+                exported = torch.export.export(step, tuple(example_inputs), strict=False)
         except AutoshardError:  # a check inside the traced code (e.g. the loss's value) already says what to do
             raise
         except Exception as exc:  # re-raised with what to do; the original stays chained
             culprit = f"the loss function {loss_name(loss_fn)}" if step.failed_in_loss(exc) else "the model"
             raise ExportError.from_exception(exc, culprit) from exc
+        if functions:
+            names = ", ".join(sorted({f"{cls.__module__}.{cls.__qualname__}" for cls in functions}))
+            warn_once(f"autoshard: the model applies torch.autograd.Function {names}, whose own backward torch.export "
+                      "does not keep: the parallel program differentiates its forward instead, so its gradients "
+                      "differ from the model's wherever that backward is not the forward's exact derivative (an "
+                      "approximate or straight-through gradient); `python -m autoshard verify` shows whether they "
+                      "do", key=f"custom autograd function {names}")
         if _EXPORTS is not None:
             _EXPORTS[key] = exported
     gm = copy.deepcopy(exported.graph_module) if _EXPORTS is not None else exported.graph_module
     return _lift(exported, canonical_graph(gm), model, len(example_inputs))
+
+
+@contextlib.contextmanager
+def custom_functions_seen(found: list):
+    """Within the block, every torch.autograd.Function subclass applied (outside torch itself) is appended to
+    `found`: non-strict export inlines its forward and drops its backward.
+
+    >>> class Twice(torch.autograd.Function):  # forward x, backward 2 x grad: not the forward's derivative
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         return x * 1.0
+    ...     @staticmethod
+    ...     def backward(ctx, grad):
+    ...         return grad * 2.0
+    >>> seen = []
+    >>> with custom_functions_seen(seen):
+    ...     _ = Twice.apply(torch.ones(2))
+    >>> [cls.__name__ for cls in seen]
+    ['Twice']
+    """
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            found.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
 
 
 def _owner(node) -> str:
