@@ -13,6 +13,15 @@ def test_plan_json_stdout_is_only_json_in_a_fresh_process():
     assert plan["mesh"] and "HiGHS" not in run.stdout + run.stderr
 
 
+def test_plan_process_ends_with_its_exit_code_and_its_whole_message():
+    """`plan` ends without the interpreter's teardown (autoshard/__main__.py exit_now): its exit code and its
+    flushed error message must survive that."""
+    run = subprocess.run([sys.executable, "-m", "autoshard", "plan", "autoshard.zoo:no_such_factory", "--mesh", "2"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    assert "no_such_factory" in run.stderr
+
+
 def test_an_unknown_op_warns_once_per_parallelize_call():
     """Each call tells its own warnings once (its candidate plans and repeated layers do not repeat them); a later
     call is told again: a process-wide "seen" set silenced it (issue 30)."""
