@@ -37,6 +37,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import describe_type, dtype_name
 from autoshard.passes.choice import axis_candidates, record_choice
 from autoshard.passes.contract import NORMALIZED, Contract
+from autoshard.passes.memory_fit import MemorySavers
 from autoshard.passes.solve import plan_figures
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan, op_name
@@ -135,7 +136,7 @@ class ApplyPlan:
     contract: ClassVar[Contract] = Contract(
         reads=(meta.CANDIDATES, meta.HINT), writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL,
                                                     "state.ilp_stats", "state.objective_s",
-                                                    "state.memory_row_bytes"))
+                                                    "state.memory_row_bytes", "state.memory_savers"))
 
     def __call__(self, state) -> None:
         mesh = state.mesh
@@ -160,6 +161,7 @@ class ApplyPlan:
         for node in nodes:
             record_choice(node, choices[node], grad)
         state.ilp_stats = []
+        state.memory_savers = MemorySavers()  # a saved plan's ZeRO and recomputation come from its hints
         state.objective_s, state.memory_row_bytes = plan_figures(state)
 
 

@@ -56,9 +56,7 @@ class CompileState:
     ilp_stopped: list = field(default_factory=list)  # compile_state: the IlpResults its time limit stopped
     objective_s: float | None = None  # solve / apply_plan: the plan's objective
     memory_row_bytes: float | None = None  # solve / apply_plan: the ILP's memory row at the plan (every axis)
-    zero_for_memory: object = None  # solve: the ZeroConfig the memory row assumes (a requested or forced ZeRO)
-    auto_zero: object = None  # solve: the ZeroConfig chosen because only it fits the memory budget
-    recompute_for_memory: bool = False  # solve: the memory row assumes repeated layers are recomputed
+    memory_savers: object = None  # solve: the MemorySavers its memory row assumed; zero and recompute apply them
     zero: object = None  # zero: ZeroConfig or None
     recompute_regions: list = field(default_factory=list)  # recompute: module paths, graph order
     predicted: dict | None = None  # predict: step time, communication, memory

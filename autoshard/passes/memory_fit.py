@@ -53,6 +53,35 @@ from autoshard.solver.layers import layer_key
 
 
 @dataclass(frozen=True)
+class MemorySavers:
+    """What the ILP's memory row assumed when solve planned: a ZeRO (requested, or chosen because only it fits the
+    budget) and whether repeated layers are recomputed as far as the budget needs. Solve writes it
+    (`state.memory_savers`); the zero pass applies its ZeRO, the recompute pass its recomputation; nothing
+    rewrites the user's options.
+
+    >>> MemorySavers(ZeroConfig("dp", 2, "memory budget"), recompute=True)
+    ZeRO-2 on 'dp', chosen by the memory budget + recomputation
+    """
+
+    zero: ZeroConfig | None = None
+    recompute: bool = False
+    bounded: bool = True  # False: the ILP has no memory row (the ladder's probe for where the batch goes)
+
+    def __repr__(self) -> str:
+        parts = ([repr(self.zero)] if self.zero else []) + (["recomputation"] if self.recompute else [])
+        return " + ".join(parts) or "no memory saver"
+
+    @property
+    def chosen_zero(self) -> ZeroConfig | None:
+        """The ZeRO the memory budget chose (None when none, or when it is the one requested).
+
+        >>> MemorySavers(ZeroConfig("dp", 3)).chosen_zero is None  # requested: the zero pass resolves the request
+        True
+        """
+        return self.zero if self.zero is not None and self.zero.reason != "requested" else None
+
+
+@dataclass(frozen=True)
 class Rung:
     """One memory saver of the ladder: a ZeRO stage (None: none) and whether repeated layers are recomputed.
 
@@ -85,7 +114,7 @@ def ladder(state) -> list[Rung]:
 
 def fit_memory(state, solve_once, error: MemoryBudgetError) -> Rung:
     """Climb the ladder after `solve_once(state)` raised `error`; leaves `state` solved with the first rung that
-    fits (`state.auto_zero`, `state.recompute_for_memory`) and returns it, or raises the refusal: the smallest
+    fits (`state.memory_savers`) and returns it, or raises the refusal: the smallest
     footprint of the most memory-saving rung and what dominates it.
 
     When nothing fits, the refusal says what was tried and what dominates the smallest footprint:
@@ -101,27 +130,23 @@ def fit_memory(state, solve_once, error: MemoryBudgetError) -> Rung:
     rungs = [r for r in rungs if not r.zero or axis is not None]
     if not rungs:
         raise error
-    options, requested = state.options, bool(requested_zero(state))
     top, started = rungs[-1], time.perf_counter()
     try:
-        _solve_with(state, solve_once, top, axis, options)
+        _solve_with(state, solve_once, top, axis)
     except MemoryBudgetError as last:
-        _reset(state, options)
+        _reset(state)
         tried = ", ".join(map(repr, rungs))
         raise MemoryBudgetError(last.problem, searched=f"with {top!r}, searched {time.perf_counter() - started:.1f} "
                                                        f"s; tried {tried}",
                                 advice="Use a larger mesh or a smaller batch per device, or raise the budget "
                                        "(memory_budget=, memory_headroom=).") from None
     except IlpTimeLimitError as stopped:
-        _reset(state, options)
+        _reset(state)
         raise stopped.at(f"with {top!r}, the most memory-saving rung of the memory ladder") from None
-    rung = _climb(state, solve_once, rungs, axis, options) if len(rungs) > 1 else top
-    if rung.zero and not requested:
-        state.auto_zero = state.zero_for_memory
-    return rung
+    return _climb(state, solve_once, rungs, axis) if len(rungs) > 1 else top
 
 
-def _climb(state, solve_once, rungs: list, axis, options) -> Rung:
+def _climb(state, solve_once, rungs: list, axis) -> Rung:
     """Leave `state` solved with the first of `rungs` that fits and return it; the last one is known to fit (see
     the module docstring for the rungs not solved)."""
     joint = state.mesh.ndim == 1 or any(len(stats["axes"]) == state.mesh.ndim for stats in state.ilp_stats)
@@ -131,10 +156,10 @@ def _climb(state, solve_once, rungs: list, axis, options) -> Rung:
         if any(_saves_at_least(other, rung) for other in refused):
             return False
         try:
-            _solve_with(state, solve_once, rung, axis, options)
+            _solve_with(state, solve_once, rung, axis)
             return True
         except (MemoryBudgetError, IlpTimeLimitError) as failed:
-            _reset(state, options)
+            _reset(state)
             if joint and isinstance(failed, MemoryBudgetError):
                 refused.append(rung)
             return False
@@ -145,7 +170,7 @@ def _climb(state, solve_once, rungs: list, axis, options) -> Rung:
         kind = [r for r in rungs[i + 1:-1] if r.recompute == rung.recompute]
         if refused and refused[-1] is rung and len(kind) > 1:
             fits(kind[-1])  # when the most saving of its kind does not fit either, none of them is solved
-    _solve_with(state, solve_once, rungs[-1], axis, options)  # the session remembers its solve
+    _solve_with(state, solve_once, rungs[-1], axis)  # the session remembers its solve
     return rungs[-1]
 
 
@@ -190,7 +215,7 @@ def planned_dropped(state, nodes) -> set:
     >>> len(planned_dropped(plain.state, list(plain.state.gm.graph.nodes)))  # neither: every activation counts
     0
     """
-    if state.recompute_for_memory:
+    if state.memory_savers is not None and state.memory_savers.recompute:
         return recompute_dropped(nodes)
     option = state.options.checkpoint
     if not option or option == "auto":
@@ -204,27 +229,23 @@ def _zero_axis(state, solve_once) -> str | None:
     named = [axis for axis in requested_zero(state) if axis is not None]
     axes = named or hinted_batch_axes(state)
     if not axes:
-        options = state.options
-        state.options = options.replace(memory_budget=float("inf"))
+        savers = state.memory_savers
+        state.memory_savers = MemorySavers(savers.zero, savers.recompute, bounded=False)
         try:
             solve_once(state)
         finally:
-            state.options = options
+            state.memory_savers = savers
         axes = batch_axes(state)
     return axes[0] if axes else None
 
 
-def _solve_with(state, solve_once, rung: Rung, axis, options) -> None:
-    requested = requested_zero(state)
-    if rung.zero:
-        state.zero_for_memory = ZeroConfig(axis, rung.zero, "requested" if requested else "memory budget")
-    state.recompute_for_memory = rung.recompute
-    if rung.recompute:  # the recompute pass checkpoints layers until the predicted memory fits this budget
-        state.options = options.replace(checkpoint="auto", checkpoint_budget=options.memory_budget)
+def _solve_with(state, solve_once, rung: Rung, axis) -> None:
+    reason = "requested" if requested_zero(state) else "memory budget"
+    # Only the memory row changes between rungs; the recompute pass reads `recompute` and checkpoints layers until
+    # the predicted memory fits the budget.
+    state.memory_savers = MemorySavers(ZeroConfig(axis, rung.zero, reason) if rung.zero else None, rung.recompute)
     solve_once(state)
 
 
-def _reset(state, options) -> None:
-    state.options = options
-    state.recompute_for_memory = False
-    state.zero_for_memory = None
+def _reset(state) -> None:
+    state.memory_savers = MemorySavers()

@@ -1,10 +1,11 @@
 """recompute: activation checkpointing — choose regions whose activations are recomputed in backward.
 
-Reads `state.options.checkpoint` (or, when it is None, the regions a saved plan's hints list under
-"recompute"): None, a list of module globs (`["layers.*"]`: every matching
-module instance is one region), or "auto" (checkpoint repeated layers — modules at `<list>.<index>` —
-while the predicted memory per rank exceeds `state.options.checkpoint_budget`, most bytes saved
-per second of recompute first; the choice is recorded in the plan's hints). Writes `autoshard.recompute` = the region's module path on every op
+Reads `state.options.checkpoint` (when it is None: "auto" if solve's memory ladder planned for recomputation,
+`state.memory_savers`, else the regions a saved plan's hints list under "recompute"): None, a list of module
+globs (`["layers.*"]`: every matching module instance is one region), or "auto" (checkpoint repeated layers —
+modules at `<list>.<index>` — while the predicted memory per rank exceeds the budget, `state.options.checkpoint_budget`
+or for the ladder's recomputation the memory budget, most bytes saved per second of recompute first; the choice is
+recorded in the plan's hints). Writes `autoshard.recompute` = the region's module path on every op
 and collective inside a region, and `state.recompute_regions` (paths, graph order).
 Runs after insert_comm/fuse_comm, so a region holds its collectives: recomputing the whole region
 re-runs them, in the same order on every rank (every rank has the same regions).
@@ -38,7 +39,7 @@ from autoshard.passes.predict import predict
 _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
 
 
-@compiler_pass("recompute", reads=(meta.COMM, meta.SPEC),
+@compiler_pass("recompute", reads=(meta.COMM, meta.SPEC, "state.memory_savers"),
                writes=(meta.RECOMPUTE, "state.recompute_regions", "state.hints"))
 def recompute(state) -> None:
     """The pass: mark every op of each region with `autoshard.recompute` = the region's path.
@@ -47,7 +48,9 @@ def recompute(state) -> None:
     ['-', 'layers.0', 'layers.1']
     """
     hints = state.hints = state.hints if isinstance(state.hints, Hints) else Hints.parse(state.hints)
-    option = state.options.checkpoint or hints.recompute  # a saved plan's hints carry the regions it chose
+    # The memory ladder's recomputation rung recomputes as the budget needs; a saved plan's hints carry the regions
+    # it chose.
+    option = state.options.checkpoint or ("auto" if _ladder_recomputes(state) else None) or hints.recompute
     state.recompute_regions = []
     if not option:
         return
@@ -103,10 +106,16 @@ def region_of(node, regions):
     return next((r for r in regions if path == r or path.startswith(r + ".")), None)
 
 
+def _ladder_recomputes(state) -> bool:
+    """Whether solve planned for recomputation because only it fits the memory budget (passes/memory_fit.py)."""
+    return state.options.checkpoint is None and state.memory_savers is not None and state.memory_savers.recompute
+
+
 def _auto_regions(state, ops, layers) -> list[str]:
     """Repeated layers to checkpoint until the predicted memory fits the budget (greedy by bytes saved
     per recompute second); none when it already fits."""
-    budget = state.options.checkpoint_budget
+    options = state.options
+    budget = options.memory_budget if _ladder_recomputes(state) else options.checkpoint_budget
     if budget is None or not layers:
         return []
     predict(state)

@@ -66,7 +66,7 @@ from autoshard.passes.choice import (
     sequential_candidates,
 )
 from autoshard.passes.contract import compiler_pass
-from autoshard.passes.memory_fit import fit_memory, planned_dropped
+from autoshard.passes.memory_fit import MemorySavers, fit_memory, planned_dropped
 from autoshard.passes.zero import planned_zero
 from autoshard.solver.ilp import IlpProblem, MemoryBudgetError, solve_ilp
 from autoshard.solver.layers import decision_classes
@@ -104,8 +104,7 @@ JOINT_MAX_VARIABLES = 150_000
 
 @compiler_pass("solve", reads=(meta.CANDIDATES, meta.HINT, meta.INPUT_HINT),
                writes=(meta.CHOICE, meta.SPEC, meta.IN_SPECS, meta.GRAD_PARTIAL, "state.ilp_stats",
-                       "state.objective_s", "state.memory_row_bytes", "state.zero_for_memory", "state.auto_zero", "state.recompute_for_memory",
-                       "state.options"))
+                       "state.objective_s", "state.memory_row_bytes", "state.memory_savers"))
 def solve(state) -> None:
     """The pass: one strategy per node and mesh axis (see the module docstring). The column-parallel
     layer's unhinted bias follows its weight's sharding; the row-parallel one's is added once, replicated:
@@ -114,8 +113,7 @@ def solve(state) -> None:
     >>> {n.meta["autoshard.path"]: str(n.meta["autoshard.spec"]) for n in state.gm.graph.nodes if n.op == "placeholder"}
     {'0.weight': '[S(0)]', '0.bias': '[S(0)]', '2.weight': '[S(1)]', '2.bias': '[R]', 'input:0': '[R]'}
     """
-    state.zero_for_memory = planned_zero(state)  # a requested ZeRO shrinks the memory row from the start
-    state.recompute_for_memory = False
+    state.memory_savers = MemorySavers(planned_zero(state))  # a requested ZeRO shrinks the memory row from the start
     # The memory ladder's rungs change only the ILP's memory row: what the costs are made of is built once.
     solve_once = functools.partial(_solve, shared=_SharedParts())
     try:
@@ -392,9 +390,9 @@ def _memory_kind(node) -> str:
 
 
 def _zero_memory_scale(node, combo, prior, state, models) -> float:
-    """A parameter's memory under the ZeRO stage being planned for (`state.zero_for_memory`), relative to
+    """A parameter's memory under the ZeRO stage being planned for (`state.memory_savers`), relative to
     without; its placement on the ZeRO axis is the candidate's, the earlier decision's, or R (undecided)."""
-    zero = state.zero_for_memory
+    zero = state.memory_savers.zero
     if zero is None or node.op != "placeholder" or node.meta.get(meta.KIND) != "param" or not models[0].grad.get(node):
         return 1.0
     axis = state.mesh.axis(zero.axis)
@@ -569,7 +567,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
         for s, per_axis in enumerate(breakdowns[n]):
             memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n],
                                                                                      state, models)
-    zero = state.zero_for_memory
+    zero = state.memory_savers.zero
     zero_axis = mesh.axis(zero.axis) if zero is not None and zero.stage == 3 else None
     fixed, edge_memory, memory_charges = conversion_memory(
         nodes, axes, combos, choices, class_of, split, models[0].grad, mesh.shape, copies, dropped,
@@ -577,7 +575,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
     for u, per_candidate in fixed.items():
         for s, nbytes in enumerate(per_candidate):
             memory[class_of[u]][s] += nbytes
-    budget = state.options.memory_budget
+    budget = state.options.memory_budget if state.memory_savers.bounded else math.inf
     if budget is None:
         budget = headroom_budget(profile, state.options.memory_headroom)
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism

@@ -1,7 +1,8 @@
 """zero: ZeRO stage 1/2/3 on the data-parallel axis (the mesh axis the batch is split on).
 
 Reads the request (`parallelize(zero=...)` in `state.options.zero`, `{"zero": {"dp": 3}}` in the hint
-file, or `state.auto_zero` written by solve when only ZeRO fits the memory budget: passes/memory_fit.py), the input specs
+file) or the ZeRO solve chose because only it fits the memory budget (`state.memory_savers`:
+passes/memory_fit.py), the input specs
 (which axis carries the batch) and the parameters' specs. Writes `state.zero` (ZeroConfig or None) and
 `state.hints.zero` (so the plan's hints record the stage and a saved plan reproduces it). Stage 3 also
 shards every parameter that is replicated on the ZeRO axis along a dim no other axis shards (spec and
@@ -99,7 +100,7 @@ def resolve_zero(state) -> ZeroConfig | None:
     >>> resolve_zero(state)
     ZeRO-3 on 'dp'
     """
-    auto = state.auto_zero
+    auto = state.memory_savers.chosen_zero if state.memory_savers is not None else None
     if auto is not None:
         return auto
     request = requested_zero(state)
@@ -149,7 +150,7 @@ def planned_zero(state) -> ZeroConfig | None:
     return ZeroConfig(axis, stage) if axis in state.mesh.names else None
 
 
-@compiler_pass("zero", reads=(meta.SPEC, meta.IN_SPECS, meta.CHOICE, "state.hints"),
+@compiler_pass("zero", reads=(meta.SPEC, meta.IN_SPECS, meta.CHOICE, "state.hints", "state.memory_savers"),
                writes=("state.zero", "state.hints", meta.SPEC, meta.CHOICE))
 def zero(state) -> None:
     """The pass: write `state.zero`; ZeRO-3 shards each replicated parameter on the ZeRO axis.

@@ -74,8 +74,8 @@ def test_a_session_solves_a_problem_once_and_remembers_a_refusal():
 
 
 def _rung_of(state) -> Rung:
-    zero = state.zero_for_memory
-    return Rung(zero.stage if zero is not None else None, state.recompute_for_memory)
+    savers = state.memory_savers
+    return Rung(savers.zero.stage if savers.zero is not None else None, savers.recompute)
 
 
 @pytest.mark.parametrize("fitting, chosen, solved", [
