@@ -151,9 +151,10 @@ def planned_zero(state) -> ZeroConfig | None:
 
 
 @compiler_pass("zero", reads=(meta.SPEC, meta.IN_SPECS, meta.CHOICE, "state.hints", "state.memory_savers"),
-               writes=("state.zero", "state.hints", meta.SPEC, meta.CHOICE))
+               writes=("state.zero", "state.hints", meta.SPEC, meta.CHOICE, meta.CANDIDATES))
 def zero(state) -> None:
-    """The pass: write `state.zero`; ZeRO-3 shards each replicated parameter on the ZeRO axis.
+    """The pass: write `state.zero`; ZeRO-3 shards each replicated parameter on the ZeRO axis (its sharded placement
+    joins the parameter's candidates, so that the choice stays one of them).
 
     >>> zero(state)
     >>> state.zero, [n.meta["autoshard.spec"] for n in state.gm.graph.nodes if n.op == "placeholder"][:2]
