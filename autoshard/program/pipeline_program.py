@@ -266,7 +266,15 @@ class PipelineProgram(Program):
         return {**super()._rank_program_fields(), "pp_axis": c.axis, "microbatches": c.microbatches,
                 "stage_ranks": tuple(c.stage_rank(s) for s in range(c.num_stages)),
                 "tied_params": self.tied_params, "num_stages": c.num_stages, "schedule": c.schedule,
-                "boundary_values": boundary}
+                "boundary_values": boundary, "first_stage": self._first_stages()}
+
+    def _first_stages(self) -> dict:
+        """FQN -> the first stage using it (a pipeline's owner of a tensor several stages use)."""
+        first: dict = {}
+        for stage in range(self.config.num_stages):
+            for fqn in self.stage_tensors({stage}):
+                first.setdefault(fqn, stage)
+        return first
 
     def microbatches(self, inputs) -> list[tuple]:
         """The full batch as `microbatches` global micro-batches (dim 0 chunks, in order).

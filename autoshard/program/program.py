@@ -210,7 +210,8 @@ class Program:
                                      "into a flat plan and write it with autoshard.save_weights, then pass that")
             return {fqn: torch.empty(local_shape(t.shape, self.param_spec(fqn), self.state.mesh.shape), dtype=t.dtype)
                     for fqn, t in {**self.traced.params, **self.traced.buffers}.items()}
-        return rank_weights(self.state, rank, source, keep=keep, init_fn=init_fn, seed=seed, strict=strict)
+        return rank_weights(self.rank_program, rank, source, self.state.model, self.traced.buffers, keep=keep,
+                            init_fn=init_fn, seed=seed, strict=strict)
 
     def assemble(self, blocks_by_rank: dict, spec) -> torch.Tensor:
         """The global tensor from every rank's block (sums partial axes).
@@ -304,7 +305,10 @@ class Program:
                                 if n.meta.get(meta.KIND) in ("param", "buffer")},
                 "attr_names": self.attr_names, "params": frozenset(self.traced.params),
                 "grad_reduce": self.grad_reduce, "zero": self.zero,
-                "param_meta": {fqn: (tuple(t.shape), t.dtype) for fqn, t in self.traced.params.items()}}
+                "param_meta": {fqn: (tuple(t.shape), t.dtype) for fqn, t in self.traced.params.items()},
+                "buffer_meta": {fqn: (tuple(t.shape), t.dtype) for fqn, t in self.traced.buffers.items()},
+                "non_persistent": self.traced.non_persistent, "aliases": dict(self.traced.aliases),
+                "plan_fingerprint": self.plan.fingerprint}
 
     def simulate(self, *inputs, timeout_s: float = 60.0):
         """Run all ranks in this process (threads); return the global (loss, outputs) like the model.

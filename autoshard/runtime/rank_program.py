@@ -1,7 +1,8 @@
 """RankProgram: what a rank's runtime needs of a compiled program, as a plain value — the mesh, the specs of
 inputs, outputs and stored parameters, the gradient reductions, the ZeRO config and, for a pipeline, its
 axis, the pp rank of each stage and the tied parameters. Rank modules, ZeroOptimizer, gradient clipping
-and loss scaling read only this; the compiler's Program builds it (`prog.rank_program`).
+and loss scaling read only this, and so do saving and loading weights and checkpoints (autoshard/weights/); the
+compiler's Program builds it (`prog.rank_program`).
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
@@ -50,6 +51,11 @@ class RankProgram:
     schedule: str = ""  # a pipeline's torch.distributed.pipelining schedule class name
     boundary_values: dict = field(default_factory=dict)  # value between stages -> (local shape, dtype, needs grad)
     param_meta: dict = field(default_factory=dict)  # parameter FQN -> (global shape, dtype)
+    buffer_meta: dict = field(default_factory=dict)  # buffer FQN -> (global shape, dtype)
+    non_persistent: frozenset = frozenset()  # buffers a state dict leaves out
+    aliases: dict = field(default_factory=dict)  # a tied parameter's first FQN -> its other names
+    plan_fingerprint: str = ""  # the plan's fingerprint, which checkpoints record
+    first_stage: dict = field(default_factory=dict)  # a pipeline's FQN -> the first stage using it (its owner)
 
     def param_spec(self, fqn: str):
         """The spec parameter or buffer `fqn` is stored with (KeyError for a name the model lacks).

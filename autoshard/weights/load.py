@@ -24,36 +24,38 @@ import warnings
 
 import torch
 
-from autoshard.ir import meta
 from autoshard.ir.placement import shard_slices
+from autoshard.runtime.rank_program import RankProgram
 from autoshard.weights.key_prefix import checkpoint_prefix
 from autoshard.weights.replay import replay_init
 from autoshard.weights.sources import InitWeights, StateDictWeights, open_weights
 from autoshard.weights.training_checkpoint import CheckpointError
 
 
-def rank_weights(state, rank: int, weights, keep=None, init_fn=None, seed: int = 0, strict: bool = True) -> dict:
+def rank_weights(program: RankProgram, rank: int, weights, model=None, buffers=None, *, keep=None, init_fn=None,
+                 seed: int = 0, strict: bool = True) -> dict:
     """{FQN: this rank's block} for every parameter and buffer of the planned model (only FQNs in `keep`
-    when given): from `weights` (see sources.open_weights) under the plan's specs, on the rank's mesh
-    coordinate. `init_fn` and `seed` apply to weights="init" (and to buffers computed by replay);
-    `strict=False` ignores names the model does not have.
+    when given): from `weights` (see sources.open_weights) under the plan's specs (`program`,
+    `prog.rank_program`), on the rank's mesh coordinate. Buffers the source lacks come from `buffers` (the traced
+    model's, {FQN: tensor}) when they hold values, else from replaying `model`'s initialisation. `init_fn` and
+    `seed` apply to weights="init" (and to buffers computed by replay); `strict=False` ignores names the model
+    does not have.
 
     >>> from autoshard.ir.placement import shard_tensor
-    >>> blocks = rank_weights(prog.state, 1, folder)
+    >>> blocks = rank_weights(prog.rank_program, 1, folder, model=net)
     >>> prog.param_spec("2.weight"), torch.equal(blocks["0.weight"], net[0].weight.detach()[4:])
     ([S(1)], True)
     >>> torch.equal(blocks["2.weight"], shard_tensor(net[2].weight.detach(), prog.param_spec("2.weight"), (1,), (2,)))
     True
     """
     source = open_weights(weights)
-    entries = _entries(state)
+    entries = _entries(program)
     keep = set(entries) if keep is None else set(keep) & set(entries)
-    coord, mesh_shape = state.mesh.coord(rank), state.mesh.shape
-    model = state.model
+    coord, mesh_shape = program.mesh.coord(rank), program.mesh.shape
     out: dict = {}
 
     def take(fqn, full):
-        name = _canonical(state, fqn)
+        name = _canonical(program, fqn)
         if name in keep and name not in out:
             spec, shape, dtype, _ = entries[name]
             out[name] = _block(lambda index: full[index], shape, spec, coord, mesh_shape, dtype).clone()
@@ -65,7 +67,7 @@ def rank_weights(state, rank: int, weights, keep=None, init_fn=None, seed: int =
     if not hasattr(source, "keys"):
         raise CheckpointError(f"{source.description} is read by DCP into a rank module: pass it to prog.module(rank, "
                               "comm, weights=...) on real ranks")
-    found = _match_keys(state, source, entries, strict)
+    found = _match_keys(program, source, entries, strict)
     computed = []
     for fqn in sorted(keep):
         spec, shape, dtype, kind = entries[fqn]
@@ -82,37 +84,33 @@ def rank_weights(state, rank: int, weights, keep=None, init_fn=None, seed: int =
             out[fqn] = block.clone() if isinstance(source, StateDictWeights) and not cast else block
         else:
             computed.append(fqn)
-    _compute_buffers(state, model, computed, take, init_fn, seed, source)
+    _compute_buffers(buffers or {}, model, computed, take, init_fn, seed, source)
     return out
 
 
-def _entries(state) -> dict:
+def _entries(program: RankProgram) -> dict:
     """FQN -> (spec, global shape, dtype, "param" | "buffer") of the planned model's tensors."""
-    out = {}
-    for node in state.gm.graph.nodes:
-        kind = node.meta.get(meta.KIND)
-        if node.op == "placeholder" and kind in ("param", "buffer"):
-            val = node.meta["val"]
-            out[node.meta[meta.PATH]] = (node.meta[meta.SPEC], tuple(val.shape), val.dtype, kind)
-    return out
+    kinds = [(program.param_meta, "param"), (program.buffer_meta, "buffer")]
+    return {fqn: (program.param_specs[fqn], shape, dtype, kind)
+            for tensors, kind in kinds for fqn, (shape, dtype) in tensors.items()}
 
 
-def _canonical(state, name: str) -> str:
-    for first, others in state.traced.aliases.items():
+def _canonical(program: RankProgram, name: str) -> str:
+    for first, others in program.aliases.items():
         if name in others:
             return first
     return name
 
 
-def _match_keys(state, source, entries: dict, strict: bool) -> dict:
+def _match_keys(program: RankProgram, source, entries: dict, strict: bool) -> dict:
     """Canonical FQN -> the source's key for it; errors for unexpected keys and missing parameters. Keys
     written by a model the planned one wraps are read under the wrapper's prefix (key_prefix.py)."""
-    names = set(entries) | {other for others in state.traced.aliases.values() for other in others}
+    names = set(entries) | {other for others in program.aliases.values() for other in others}
     prefix = checkpoint_prefix(source.keys(), names, source.description)
     where = f"{source.description} (its keys read as {prefix!r} + key)" if prefix else source.description
     found, unexpected = {}, []
     for key in sorted(source.keys()):
-        name = _canonical(state, prefix + key)
+        name = _canonical(program, prefix + key)
         if name in entries:
             found.setdefault(name, key)
         else:
@@ -135,7 +133,7 @@ def _match_keys(state, source, entries: dict, strict: bool) -> dict:
     return found
 
 
-def _compute_buffers(state, model, fqns, take, init_fn, seed, source) -> None:
+def _compute_buffers(buffers: dict, model, fqns, take, init_fn, seed, source) -> None:
     """Buffers the source does not hold: taken from the model's real values, else replayed."""
     if not fqns:
         return
@@ -145,7 +143,7 @@ def _compute_buffers(state, model, fqns, take, init_fn, seed, source) -> None:
         if fqn in persistent:
             raise CheckpointError(f"{source.description} lacks buffer {fqn!r}, which the model saves in its state "
                                   "dict: save the checkpoint from the full model (model.state_dict())")
-        tensor = state.traced.buffers.get(fqn)
+        tensor = buffers.get(fqn)
         if tensor is not None and tensor.device.type != "meta":
             take(fqn, tensor.detach())
         else:

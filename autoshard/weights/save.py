@@ -43,8 +43,9 @@ from autoshard.ir.errors import UserInputError
 from autoshard.ir.placement import Partial, Replicate, shard_slices
 from autoshard.runtime.communicator import CollectiveTimeout
 from autoshard.runtime.rank_module import rank_module_of
+from autoshard.runtime.rank_program import RankProgram
 from autoshard.weights.layout import INDEX, block_runs, weights_layout
-from autoshard.weights.training_checkpoint import CheckpointError, tensor_specs
+from autoshard.weights.training_checkpoint import CheckpointError
 
 _STALE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # a previous save's shards (save_pretrained's pattern)
 
@@ -74,7 +75,7 @@ def save_weights(directory, module, max_shard_bytes: int = 5 * 2**30) -> None:
     dtypes = _agreed_dtypes(_agree(full, error, "checking the blocks", held))
     entries = [(fqn, dtypes.get(fqn, dtype), shape) for fqn, dtype, shape in written_tensors(program)]
     shapes = {fqn: shape for fqn, _, shape in entries}
-    aliases = {first: list(others) for first, others in program.traced.aliases.items() if first in shapes}
+    aliases = {first: list(others) for first, others in program.aliases.items() if first in shapes}
     layout = weights_layout(entries, max_shard_bytes, {"autoshard_aliases": aliases} if aliases else None)
 
     _step(full, full.rank == 0, "creating the files", lambda: _create_files(directory, layout))
@@ -82,40 +83,40 @@ def save_weights(directory, module, max_shard_bytes: int = 5 * 2**30) -> None:
     _step(full, full.rank == 0, "writing the index", lambda: _write_index(directory, layout))
 
 
-def written_tensors(program) -> list:
+def written_tensors(program: RankProgram) -> list:
     """[(FQN, dtype, global shape)] of what a save writes, in model order: every parameter (a tied one
     under its first name) and persistent buffer, in the planned dtype. A partial-sum spec is an error.
 
-    >>> [(fqn, tuple(shape)) for fqn, _, shape in written_tensors(prog)][:2]
+    >>> [(fqn, tuple(shape)) for fqn, _, shape in written_tensors(prog.rank_program)][:2]
     [('layers.0.weight', (128, 32)), ('layers.0.bias', (128,))]
     """
-    specs = tensor_specs(program)
+    specs = program.param_specs
     out = []
-    for fqn, tensor in {**program.traced.params, **program.traced.buffers}.items():
-        if fqn in program.traced.non_persistent:
+    for fqn, (shape, dtype) in {**program.param_meta, **program.buffer_meta}.items():
+        if fqn in program.non_persistent:
             continue
         if any(isinstance(p, Partial) for p in specs[fqn]):
             raise UserInputError(f"{fqn!r} is stored as partial sums (spec {specs[fqn]!r}), which no rank can write "
                                  "as its value; re-plan without 'P' hints on parameters and buffers")
-        out.append((fqn, tensor.dtype, tuple(tensor.shape)))
+        out.append((fqn, dtype, tuple(shape)))
     return out
 
 
-def rank_blocks(program, coord, stages=None) -> dict:
+def rank_blocks(program: RankProgram, coord, stages=None) -> dict:
     """{FQN: block index (one slice per dim)} of the blocks the rank at mesh `coord` writes: those it
     holds at coordinate 0 of every axis that replicates them. For a pipeline, `coord` is on the mesh
     without the pp axis and `stages` are the rank's stages: it writes the tensors whose first user is
     one of them.
 
-    >>> rank_blocks(prog, (0, 1))["layers.0.weight"]  # rows 64..127: its half on tp
+    >>> rank_blocks(prog.rank_program, (0, 1))["layers.0.weight"]  # rows 64..127: its half on tp
     (slice(64, 128, None), slice(0, 32, None))
-    >>> rank_blocks(prog, (0, 0))["layers.1.bias"], "layers.1.bias" in rank_blocks(prog, (0, 1))  # tp replicates it
+    >>> rp = prog.rank_program
+    >>> rank_blocks(rp, (0, 0))["layers.1.bias"], "layers.1.bias" in rank_blocks(rp, (0, 1))  # tp replicates it
     ((slice(0, 32, None),), False)
-    >>> rank_blocks(prog, (1, 0))  # dp replicates everything: the dp=1 ranks write nothing
+    >>> rank_blocks(rp, (1, 0))  # dp replicates everything: the dp=1 ranks write nothing
     {}
     """
-    specs = tensor_specs(program)
-    first = _first_stages(program) if stages is not None else {}
+    specs, first = program.param_specs, program.first_stage
     out = {}
     for fqn, _, shape in written_tensors(program):
         spec = specs[fqn]
@@ -127,22 +128,13 @@ def rank_blocks(program, coord, stages=None) -> dict:
                                       "the weights from a plan without a pipeline")
             if first[fqn] not in stages:
                 continue
-        out[fqn] = shard_slices(shape, spec, coord, program.state.mesh.shape)
+        out[fqn] = shard_slices(shape, spec, coord, program.mesh.shape)
     return out
 
 
-def _first_stages(program) -> dict:
-    """FQN -> the first stage using it (a pipeline's owner of a tensor several stages use)."""
-    first: dict = {}
-    for stage in range(program.config.num_stages):
-        for fqn in program.stage_tensors({stage}):
-            first.setdefault(fqn, stage)
-    return first
-
-
 def _rank_parts(module):
-    """(program, communicator of the sharding mesh, communicator of the full mesh); clear errors otherwise."""
-    program = getattr(module, "program", None)
+    """(RankProgram, communicator of the sharding mesh, communicator of the full mesh); clear errors otherwise."""
+    program = getattr(module, "rank_program", None)
     comm = getattr(module, "comm", None)
     if program is None or comm is None or not hasattr(module, "named_local_parameters"):
         raise UserInputError(f"save_weights takes this rank's module, prog.module(rank, comm), on every rank; got "

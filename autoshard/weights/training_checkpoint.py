@@ -34,7 +34,6 @@ import warnings
 
 import torch
 
-from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.json_files import read_json_file
 from autoshard.ir.placement import Partial, Shard
@@ -66,7 +65,7 @@ def save_checkpoint(path, module, optimizer=None) -> None:
     module = rank_module_of(module)
     program, comm = _rank_program(module, "save a checkpoint")
     import torch.distributed.checkpoint as dcp
-    specs = tensor_specs(program)
+    specs = program.param_specs
     tensors = dict(_rank_tensors(module, program))
     state = {fqn: _dtensor(t, specs[fqn], program, comm) for fqn, t in tensors.items()}
     if optimizer is not None:
@@ -76,10 +75,10 @@ def save_checkpoint(path, module, optimizer=None) -> None:
                 state[key] = _dtensor(value, specs[fqn], program, comm) if value.shape == param.shape else value
     if comm.rank == 0:  # before DCP's last collective, so every rank sees it when save returns
         os.makedirs(path, exist_ok=True)
-        sidecar = {"format": FORMAT, "params": sorted(f for f in tensors if f in program.traced.params),
-                   "buffers": sorted(f for f in tensors if f not in program.traced.params),
+        sidecar = {"format": FORMAT, "params": sorted(f for f in tensors if f in program.params),
+                   "buffers": sorted(f for f in tensors if f not in program.params),
                    "optimizer": optimizer is not None, "mesh": program.mesh.to_json(),
-                   "plan_fingerprint": program.plan.fingerprint}
+                   "plan_fingerprint": program.plan_fingerprint}
         with open(os.path.join(path, SIDECAR), "w", encoding="utf-8") as handle:
             json.dump(sidecar, handle, indent=1, sort_keys=True)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=comm.mesh_group)
@@ -98,12 +97,12 @@ def load_checkpoint(path, target, optimizer=None) -> None:
     target = rank_module_of(target)
     if hasattr(target, "named_local_parameters"):
         program, comm = _rank_program(target, "load a checkpoint")
-        specs = tensor_specs(program)
+        specs = program.param_specs
         local = dict(_rank_tensors(target, program))
         params = dict(target.named_local_parameters())
         wanted = {fqn: _dtensor(t.detach(), specs[fqn], program, comm) for fqn, t in local.items()}
-        shapes = {fqn: tuple(program.traced.params.get(fqn, program.traced.buffers.get(fqn)).shape) for fqn in local}
-        buffers = set(local) - set(program.traced.params)
+        shapes = {fqn: tuple(program.param_meta.get(fqn, program.buffer_meta.get(fqn))[0]) for fqn in local}
+        buffers = set(local) - set(program.params)
         load_options = {"process_group": comm.mesh_group}
     elif isinstance(target, torch.nn.Module):
         program = comm = None
@@ -130,7 +129,7 @@ def load_checkpoint(path, target, optimizer=None) -> None:
 
 
 def _rank_program(module, what: str):
-    """(program, communicator) of a RankModule on real process groups; clear errors otherwise."""
+    """(RankProgram, communicator) of a RankModule on real process groups; clear errors otherwise."""
     comm = getattr(module, "comm", None)
     if not hasattr(module, "named_local_parameters") or comm is None:
         raise UserInputError(f"to {what} on the mesh pass this rank's module, prog.module(rank, comm); got "
@@ -138,23 +137,7 @@ def _rank_program(module, what: str):
     if not hasattr(comm, "mesh_group"):
         raise UserInputError(f"cannot {what} from the in-process simulator: checkpoints are written and read by "
                              "real ranks (torch.distributed; communicator_for(prog.mesh) under torchrun)")
-    return module.program, comm  # the Program that planned this module
-
-
-def tensor_specs(program) -> dict:
-    """{FQN: spec} of every parameter and buffer as the rank modules store it (after ZeRO-3 sharding;
-    for a pipeline, on the mesh without the pp axis). A tied parameter appears under its first name.
-
-    >>> import autoshard
-    >>> from autoshard.zoo import mlp
-    >>> model, inputs, loss_fn = mlp(n_layers=2)
-    >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",),
-    ...                              hints={"layers.0.weight": {"tp": "S(0)"}, "layers.1.bias": {"tp": "R"}})
-    >>> tensor_specs(prog)["layers.0.weight"], tensor_specs(prog)["layers.1.bias"]
-    ([S(0)], [R])
-    """
-    return {n.meta[meta.PATH]: n.meta[meta.SPEC] for n in program.state.gm.graph.nodes
-            if n.op == "placeholder" and n.meta.get(meta.KIND) in ("param", "buffer")}
+    return module.rank_program, comm
 
 
 def _rank_tensors(module, program):
