@@ -29,6 +29,8 @@ True
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 import re
@@ -42,7 +44,26 @@ from autoshard.ir import meta
 
 FOLD_MIN_LAYERS = 8  # below this the three traced layers save too little to be worth it
 _INDEX_ATTR = re.compile(r"(^|_)(idx|index|id|number|num)$")
-_FOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one folded copy per model: exports are reused
+# While `reuse_folds()` is active (one planning call): model -> its Fold, so that the copies the search traces are one
+# model and their exports are reused. Not kept across calls: a model changed in place between them is folded anew.
+_FOLDS: contextvars.ContextVar = contextvars.ContextVar("autoshard_folds", default=None)
+
+
+@contextlib.contextmanager
+def reuse_folds():
+    """Within the block, folding one model again returns the same folded copy (nested blocks share it).
+
+    >>> with reuse_folds():
+    ...     fold_model(model) is fold_model(model)
+    True
+    >>> fold_model(model) is fold_model(model)  # outside a block: a fresh copy each time
+    False
+    """
+    token = _FOLDS.set(_FOLDS.get() if _FOLDS.get() is not None else weakref.WeakKeyDictionary())
+    try:
+        yield
+    finally:
+        _FOLDS.reset(token)
 
 
 @dataclass(frozen=True)
@@ -101,7 +122,7 @@ class Fold:
 
 
 def fold_model(model, hints=None) -> Fold | None:
-    """The folded copy of `model` (cached per model), or None when no repeated layers can be folded.
+    """The folded copy of `model` (one per model inside `reuse_folds`), or None when no repeated layers can be folded.
 
     >>> fold_model(llama(n_layers=4, device="meta")[0]) is None  # too shallow to be worth it
     True
@@ -114,13 +135,15 @@ def fold_model(model, hints=None) -> Fold | None:
     path, layers = found
     if _hints_name_one_layer(hints, path):
         return None
-    cached = _FOLDS.get(model)
+    folds = _FOLDS.get()
+    cached = folds.get(model) if folds is not None else None
     if cached is not None and cached.container == path and cached.n_layers == len(layers):
         return cached
     n = len(layers)
     kept = {"0": layers[0], "1": layers[1], str(n - 1): layers[n - 1]}
     fold = Fold(path, n, _with_replaced(model, path.split("."), kept))
-    _FOLDS[model] = fold
+    if folds is not None:
+        folds[model] = fold
     return fold
 
 

@@ -12,6 +12,7 @@ other names are kept as aliases.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from autoshard.frontend.factory import (
     check_model,
     loss_name,
 )
+from autoshard.frontend.fold import reuse_folds
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, ExportError, UserInputError
 from autoshard.ir.mixed_precision import policy_call
@@ -96,27 +98,27 @@ class Traced:
 
 
 # While `reuse_exports()` is active: (model, loss_fn, input shapes) -> the ExportedProgram, kept unmodified.
-_EXPORTS: dict | None = None
+_EXPORTS: contextvars.ContextVar = contextvars.ContextVar("autoshard_exports", default=None)
 
 
 @contextlib.contextmanager
 def reuse_exports():
-    """Within the block, tracing one model and loss at the same input shapes exports once: the
-    pipeline search plans several candidates whose micro-batch programs often share their shapes.
-    Each trace still gets its own copy of the graph (the passes rewrite it in place).
+    """Within the block, tracing one model and loss at the same input shapes exports once, and folding a model
+    gives one folded copy (frontend/fold.py `reuse_folds`): the pipeline search and the hand-plan search plan
+    several candidates whose programs often share their shapes. Each trace still gets its own copy of the graph
+    (the passes rewrite it in place). `parallelize` opens one block per call; nothing is kept after it.
 
     >>> with reuse_exports():
     ...     first, second = trace(model, inputs, loss_fn), trace(model, inputs, loss_fn)
     >>> first.gm is not second.gm and first.gm.code == second.gm.code
     True
     """
-    global _EXPORTS
-    outer = _EXPORTS
-    _EXPORTS = {} if outer is None else outer
+    token = _EXPORTS.set(_EXPORTS.get() if _EXPORTS.get() is not None else {})
     try:
-        yield
+        with reuse_folds():
+            yield
     finally:
-        _EXPORTS = outer
+        _EXPORTS.reset(token)
 
 
 def trace(model, example_inputs, loss_fn=None, policy=None) -> Traced:
@@ -139,7 +141,8 @@ def trace(model, example_inputs, loss_fn=None, policy=None) -> Traced:
     example_inputs = check_inputs(example_inputs)
     check_loss_fn(loss_fn, len(example_inputs))
     key = (id(model), id(loss_fn), policy, tuple((tuple(v.shape), v.dtype, str(v.device)) for v in example_inputs))
-    exported = _EXPORTS.get(key) if _EXPORTS is not None else None
+    exports = _EXPORTS.get()
+    exported = exports.get(key) if exports is not None else None
     if exported is None:
         step = _TrainStep(model, loss_fn, policy)
         functions: list = []
@@ -158,9 +161,9 @@ def trace(model, example_inputs, loss_fn=None, policy=None) -> Traced:
                       "differ from the model's wherever that backward is not the forward's exact derivative (an "
                       "approximate or straight-through gradient); `python -m autoshard verify` shows whether they "
                       "do", key=f"custom autograd function {names}")
-        if _EXPORTS is not None:
-            _EXPORTS[key] = exported
-    gm = copy.deepcopy(exported.graph_module) if _EXPORTS is not None else exported.graph_module
+        if exports is not None:
+            exports[key] = exported
+    gm = copy.deepcopy(exported.graph_module) if exports is not None else exported.graph_module
     return _lift(exported, canonical_graph(gm), model, len(example_inputs))
 
 
