@@ -31,7 +31,8 @@ from autoshard.ir.warn_once import warn_once, warning_scope
 from autoshard.program.parallel_module import ParallelModule
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.pipeline_search import choose_pipeline
-from autoshard.solver.ilp import describe_stopped, solver_session
+from autoshard.solver.session import solver_session
+from autoshard.solver.time_limit import describe_stopped
 
 
 def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis_names=None, debug=False,

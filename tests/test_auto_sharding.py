@@ -7,7 +7,7 @@ from torch import nn
 
 import autoshard
 from autoshard.cost.model import CPU_PROFILE, HardwareProfile, load_profile
-from autoshard.solver.ilp import MemoryBudgetError
+from autoshard.solver.errors import MemoryBudgetError
 from autoshard.zoo import gpt2, llama
 
 

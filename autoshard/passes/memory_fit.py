@@ -48,7 +48,7 @@ from autoshard.passes.zero import (
     hinted_batch_axes,
     requested_zero,
 )
-from autoshard.solver.ilp import IlpTimeLimitError, MemoryBudgetError
+from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.layers import layer_key
 
 
@@ -123,7 +123,7 @@ def fit_memory(state, solve_once, error: MemoryBudgetError) -> Rung:
     ...                       memory_budget=1000)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    autoshard.solver.ilp.MemoryBudgetError: no plan fits ... (with ZeRO-3 + recomputation, searched ... s; tried ZeRO-1, ...
+    autoshard.solver.errors.MemoryBudgetError: no plan fits ... (with ZeRO-3 + recomputation, searched ... s; tried ZeRO-1, ...
     """
     rungs = ladder(state)
     axis = _zero_axis(state, solve_once) if any(r.zero for r in rungs) else None

@@ -45,7 +45,7 @@ from autoshard.passes.strategies import strategies
 from autoshard.passes.unfold import unfold
 from autoshard.passes.zero import AllowPlannedZeroShards
 from autoshard.passes.zero import zero as zero_pass
-from autoshard.solver.ilp import solver_session
+from autoshard.solver.session import solver_session
 
 log = logging.getLogger(__name__)
 

@@ -68,8 +68,10 @@ from autoshard.passes.choice import (
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.memory_fit import MemorySavers, fit_memory, planned_dropped
 from autoshard.passes.zero import planned_zero
-from autoshard.solver.ilp import IlpProblem, MemoryBudgetError, solve_ilp
+from autoshard.solver.errors import MemoryBudgetError
+from autoshard.solver.ilp import solve_ilp
 from autoshard.solver.layers import decision_classes
+from autoshard.solver.problem import IlpProblem
 from autoshard.strategies import tensor_inputs
 
 aten = torch.ops.aten

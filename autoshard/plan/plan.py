@@ -48,7 +48,7 @@ from autoshard.plan.io import (
 )
 from autoshard.plan.memory_summary import memory_lines
 from autoshard.report.viz import draw_graph, draw_mesh
-from autoshard.solver.ilp import describe_stopped
+from autoshard.solver.time_limit import describe_stopped
 
 
 @dataclass

@@ -30,7 +30,7 @@ from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import batch_size, check_options, parallelize_pipeline
 from autoshard.search.hand_plan_search import plan_with_hand_plans
-from autoshard.solver.ilp import MemoryBudgetError
+from autoshard.solver.errors import MemoryBudgetError
 
 log = logging.getLogger(__name__)
 

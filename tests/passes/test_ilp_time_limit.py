@@ -19,14 +19,10 @@ from autoshard.ir.mesh import Mesh
 from autoshard.passes.memory_fit import Rung, fit_memory
 from autoshard.passes.pipelines import compile_state, state_before
 from autoshard.program.program import Program
-from autoshard.solver.ilp import (
-    IlpProblem,
-    IlpTimeLimitError,
-    MemoryBudgetError,
-    highs_options,
-    solve_ilp,
-    solver_session,
-)
+from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
+from autoshard.solver.ilp import solve_ilp
+from autoshard.solver.problem import IlpProblem
+from autoshard.solver.session import highs_options, solver_session
 from autoshard.verify.verify import build_case
 from autoshard.zoo import mlp
 from autoshard.zoo.transformers_families import WAVLM_BUDGET
@@ -143,7 +139,7 @@ def test_a_budget_below_the_memory_floor_is_refused_without_the_mip(monkeypatch)
     def no_mip(*args, **kwargs):
         raise AssertionError("the MIP ran")
 
-    monkeypatch.setattr(ilp, "_run", no_mip)
+    monkeypatch.setattr(ilp, "run_highs", no_mip)
     with pytest.raises(MemoryBudgetError):
         solve_ilp(problem)
     problem.budget = 6.0  # (0, 1): 4 + 2, no copy: fits, and the MIP decides

@@ -6,7 +6,7 @@ import torch
 
 import autoshard
 from autoshard.passes.memory_fit import ladder
-from autoshard.solver.ilp import MemoryBudgetError
+from autoshard.solver.errors import MemoryBudgetError
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import plan_hints

@@ -18,16 +18,13 @@ from hypothesis import strategies as st
 from test_random_models import NAMES, cases
 
 import autoshard
+from autoshard.cost.model import INF
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.errors import HintError, PlanError
-from autoshard.solver.ilp import (
-    INF,
-    IlpProblem,
-    highs_options,
-    solve_ilp,
-    tie_order,
-    tie_slack,
-)
+from autoshard.solver.ilp import solve_ilp
+from autoshard.solver.problem import IlpProblem
+from autoshard.solver.session import highs_options
+from autoshard.solver.tie_break import tie_order, tie_slack
 
 # Threads are tried in a fresh process (below): HiGHS sizes one scheduler per process at its first solve.
 OPTION_SETS = [{}, {"random_seed": 11}, {"presolve": "off"},
@@ -112,7 +109,7 @@ def test_random_model_plans_are_independent_of_solver_options(case):
 PLANS = """
 import sys
 import autoshard
-from autoshard.solver.ilp import highs_options
+from autoshard.solver.session import highs_options
 from autoshard.zoo import gpt2
 with highs_options(**eval(sys.argv[1])):
     for factory in (gpt2,):
