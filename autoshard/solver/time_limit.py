@@ -118,6 +118,10 @@ def run_highs(h, problem: IlpProblem, clock: SolveClock, mip: bool = True, enoug
             h.cbMipInterrupt.unsubscribe(good_enough)
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
+        if problem.budget is None:  # no memory row: the forbidden pairs alone leave no consistent choice
+            raise PlanError("the sharding ILP has no plan: the candidates' forbidden pairs leave no consistent "
+                            "choice (an autoshard bug: a node with no candidate compatible with its neighbours); "
+                            "report it with the model, or pin the placements with hints")
         raise MemoryBudgetError(problem)
     if status in _STOPPED:
         if h.getInfo().primal_solution_status == 2:  # kSolutionStatusFeasible

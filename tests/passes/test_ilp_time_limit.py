@@ -15,6 +15,8 @@ import pytest
 
 import autoshard
 from autoshard.frontend.request import CompileOptions, CompileRequest
+from autoshard.cost.model import INF
+from autoshard.ir.errors import PlanError
 from autoshard.ir.mesh import Mesh
 from autoshard.passes.memory_fit import Rung, fit_memory
 from autoshard.passes.pipelines import compile_state, state_before
@@ -144,4 +146,11 @@ def test_a_budget_below_the_memory_floor_is_refused_without_the_mip(monkeypatch)
         solve_ilp(problem)
     problem.budget = 6.0  # (0, 1): 4 + 2, no copy: fits, and the MIP decides
     with pytest.raises(AssertionError, match="the MIP ran"):
+        solve_ilp(problem)
+
+
+def test_a_problem_without_a_budget_and_no_consistent_choice_is_a_plan_error():
+    # Every pair forbidden: without a memory row, infeasibility is not about memory.
+    problem = IlpProblem(sizes=[2, 2], costs=[[1.0, 1.0], [1.0, 1.0]], edges={(0, 1): [[INF, INF], [INF, INF]]})
+    with pytest.raises(PlanError, match="no consistent choice"):
         solve_ilp(problem)
