@@ -79,7 +79,7 @@ def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis
     run as they do eagerly (same masks), so results equal the eager program's within float rounding
     (autoshard/runtime/compiled.py). It changes no plan; on the CPU it needs a C++ compiler ($CXX or g++).
     `ilp_time_limit` bounds the seconds each sharding ILP searches (default: scaled to its size,
-    autoshard/solver/ilp.py); a search it stops gives the best plan found, which the plan's summary and a warning
+    autoshard/solver/time_limit.py); a search it stops gives the best plan found, which the plan's summary and a warning
     say, with its optimality gap.
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring

@@ -10,7 +10,7 @@ instead of the producer's storage. So:
     it takes it unconverted;
   - a ZeRO-3 parameter's gather on the ZeRO axis is saved as its shard: no copy.
 A charge one consumer alone can incur goes on its edge's matrix; one several share is a memory charge the ILP
-pays once (autoshard/solver/ilp.py). Sizes are after the axes decided before (`choices`) and the candidate's
+pays once (autoshard/solver/model.py). Sizes are after the axes decided before (`choices`) and the candidate's
 axes; axes decided later count as replicated.
 
 >>> from autoshard.ir.placement import R, S, P, Spec

@@ -103,7 +103,7 @@ def declared_pipeline(name: str, plan=None, same_shapes: bool = True) -> tuple[l
 def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bool = False):
     """Trace and run the declared pipeline (with cut_stages for a pipeline's micro-batch program; applying
     `request.plan` when given; without the hint check for a catalogue plan the search compares):
-    (state, history). Its ILPs share a solver session (autoshard/solver/ilp.py); `state.ilp_stopped` lists those
+    (state, history). Its ILPs share a solver session (autoshard/solver/session.py); `state.ilp_stopped` lists those
     the time limit stopped.
 
     >>> request = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, {"input:0": {"dp": "S(0)"}}, loss_fn)

@@ -360,7 +360,7 @@ def _partial_axes(u, pos, strategies, models) -> tuple:
 
 
 def _conversion_charges(conversions, edges) -> list:
-    """Conjunction charges (autoshard/solver/ilp.py) for the conversions: insert_comm emits one chain per value,
+    """Conjunction charges (autoshard/solver/model.py) for the conversions: insert_comm emits one chain per value,
     wanted placement and partial axes, shared by every consumer that asks for it, so its cost is paid
     once when any consumer pair chooses it. Copies of a value in repeated layers whose charges span the
     same class pairs merge into one charge that costs their sum. A chain only one input of one consumer
