@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost.model import all_to_all_time
-from autoshard.strategies.attention import attention_args
+from autoshard.strategies.base import argument
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ def attention_terms(node, strategies: dict, mesh, profile, compute_s: float, in_
     >>> terms.compute_s, terms.ring_axis, terms.ring.fwd_bytes  # 5/8 of the work; one shift of k and v + the reordering
     (0.625, 0, 24576)
     """
-    q, key = node.args[0].meta["val"], node.args[1].meta["val"]
-    causal = bool(attention_args(node)["is_causal"])
+    q, key = argument(node, "query").meta["val"], argument(node, "key").meta["val"]
+    causal = bool(argument(node, "is_causal"))
     ring = [(axis, s) for axis, s in strategies.items() if s.method == "ring"]
     fused = getattr(profile, "fused_attention", True)
     if not ring:

@@ -26,7 +26,7 @@ from autoshard.runtime.context_parallel import (
     causal_rows_mask,
     ring_attention,
 )
-from autoshard.strategies.attention import attention_args
+from autoshard.strategies.base import argument, arguments
 
 aten = torch.ops.aten
 
@@ -43,7 +43,7 @@ def lower_attention(new: fx.Node, node: fx.Node, mesh, coord) -> None:
     if not methods:
         return
     axis, method = methods[0]
-    args = attention_args(new)
+    args = arguments(new)  # by name, defaults filled in: what ring_attention and causal_rows_attention take
     query, key = args.pop("query"), args.pop("key")
     value = args.pop("value")
     if method == "ring":
@@ -52,9 +52,10 @@ def lower_attention(new: fx.Node, node: fx.Node, mesh, coord) -> None:
         return
     if args["is_causal"]:  # allgather: this rank's rows start at its block's first row
         q_spec = node.meta[meta.IN_SPECS][0]
-        rows = node.args[0].meta["val"].dim() - 2
+        q = argument(node, "query").meta["val"]  # the whole query, as planned
+        rows = q.dim() - 2
         index, count = shard_index(q_spec, rows, coord, mesh.shape)
-        offset = index * (node.args[0].meta["val"].shape[rows] // count)
+        offset = index * (q.shape[rows] // count)
         if not args["dropout_p"]:  # the fused kernel on the rows' two key ranges: no rows x keys mask
             new.target = causal_rows_attention
             new.args, new.kwargs = (query, key, value), {**args, "row_offset": offset}

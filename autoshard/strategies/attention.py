@@ -29,25 +29,10 @@ import torch
 from torch import fx
 
 from autoshard.ir.placement import R, Shard
-from autoshard.strategies.base import REGISTRY, AxisStrategy
+from autoshard.strategies.base import REGISTRY, AxisStrategy, argument, arguments
 
 aten = torch.ops.aten
 SEQUENCE_METHODS = ("allgather", "ring", "alltoall")
-_ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-def attention_args(node) -> dict:
-    """The attention's arguments by name, defaults filled in.
-
-    >>> args = attention_args(node)
-    >>> args["is_causal"], args["dropout_p"], args["query"].name
-    (True, 0.0, 'q')
-    """
-    args = dict(_DEFAULTS)
-    args.update(zip(_ARG_NAMES, node.args))
-    args.update(node.kwargs)
-    return args
 
 
 def _attention(ctx):
@@ -65,7 +50,7 @@ def _attention(ctx):
         found.append(AxisStrategy(tuple(placements), Shard(d)))
     if len(q) < 2:
         return found
-    args = attention_args(ctx.node)
+    args = arguments(ctx.node)
     mask = tuple(_mask_rows(shape) for shape in ctx.in_shapes[3:])
     rows = Shard(len(q) - 2)
     found.append(AxisStrategy((rows, R, R, *mask), rows, "allgather"))
@@ -80,7 +65,7 @@ def learned(mask, limit: int = 256) -> bool:
     """Whether an attention mask is computed from a trained parameter (a learned bias: the ring refuses it, its
     gradient would be lost); masks made from more than `limit` nodes count as learned (not searched further).
 
-    >>> learned(None), learned(node.args[0])  # q is a placeholder without the "param" kind
+    >>> learned(None), learned(argument(node, "query"))  # q is a placeholder without the "param" kind
     (False, False)
     """
     if not isinstance(mask, fx.Node):
@@ -110,8 +95,8 @@ def why_not(node, method: str, axis_size: int) -> str:
     >>> why_not(node, "ring", 2), why_not(node, "ring", 8)[:48]
     ('', 'a causal ring cuts the sequence (8) into 2 x 8 =')
     """
-    args = attention_args(node)
-    q, key = node.args[0].meta["val"].shape, node.args[1].meta["val"].shape
+    args = arguments(node)
+    q, key = args["query"].meta["val"].shape, args["key"].meta["val"].shape
     if method == "ring":
         if args["dropout_p"]:
             return (f"the ring has no attention dropout (this attention drops {args['dropout_p']}); use 'allgather' or "
@@ -137,7 +122,7 @@ def one_sequence_axis(node, strategies) -> bool:
     >>> one_sequence_axis(node, [ring]), one_sequence_axis(node, [ring, ring])
     (True, False)
     """
-    rows = Shard(len(node.args[0].meta["val"].shape) - 2)
+    rows = Shard(len(argument(node, "query").meta["val"].shape) - 2)
     return sum(1 for s in strategies if s.inputs and s.inputs[0] == rows) <= 1
 
 
@@ -149,7 +134,7 @@ def method_of(node, strategy) -> str:
     """
     if strategy.method:
         return strategy.method
-    q = node.args[0].meta["val"]
+    q = argument(node, "query").meta["val"]
     heads = Shard(q.dim() - 3) if q.dim() >= 3 else None
     return "alltoall" if heads is not None and strategy.inputs and strategy.inputs[0] == heads else ""
 

@@ -88,7 +88,7 @@ def _matmul_rule(ctx):
 
 @register([aten.einsum.default])
 def _einsum_rule(ctx):
-    equation = ctx.args[0].replace(" ", "")
+    equation = ctx.arg("equation").replace(" ", "")
     if "..." in equation or "->" not in equation:
         return []
     lhs, out = equation.split("->")
@@ -109,9 +109,9 @@ def _embedding_rule(ctx):
 def _conv_rule(ctx):
     """Batch (N), output channels (O) and, without groups, input channels (C, partial output)."""
     generic = ctx.node.target is aten.convolution.default
-    groups = ctx.arg(8, "groups", 1) if generic else ctx.arg(6, "groups", 1)
+    groups = ctx.arg("groups")
     # A transposed convolution's weight is [C_in, C_out, ...]: the channel dims swap roles.
-    w_out, w_in = (1, 0) if generic and ctx.arg(6, "transposed", False) else (0, 1)
+    w_out, w_in = (1, 0) if generic and ctx.arg("transposed") else (0, 1)
     found = [AxisStrategy((Shard(0), R), Shard(0))]
     if groups == 1:
         found.append(AxisStrategy((R, Shard(w_out)), Shard(1)))

@@ -14,10 +14,10 @@ from autoshard.strategies.pointwise import broadcast_strategies
 aten = torch.ops.aten
 
 
-def _leading_dims(ctx, normalized_index=1):
+def _leading_dims(ctx):
     """Norms over the trailing `normalized_shape` dims: shard leading dims; weight/bias replicated."""
     ndim = len(ctx.in_shapes[0])
-    normalized = ctx.arg(normalized_index, "normalized_shape")
+    normalized = ctx.arg("normalized_shape")
     rest = (R,) * (len(ctx.in_shapes) - 1)
     return [AxisStrategy((Shard(d),) + rest, Shard(d)) for d in range(ndim - len(normalized))]
 
@@ -28,7 +28,7 @@ REGISTRY.register([aten.layer_norm.default, aten.rms_norm.default], _leading_dim
 
 def _batch_norm(ctx):
     """Training batch norm reduces over every dim but channels (1); eval may shard the batch too."""
-    training = ctx.arg(5, "training", False)
+    training = ctx.arg("training")
     channel = AxisStrategy((Shard(1),) + tuple(Shard(0) for _ in ctx.in_shapes[1:]), Shard(1))
     found = [channel]
     if not training:
@@ -41,7 +41,7 @@ REGISTRY.register([aten.batch_norm.default], _batch_norm, note="channels shard; 
 
 def _nll_loss(ctx):
     """input [N, C, ...], target [N, ...]: sharded N or spatial dims make partial sums (reduction=sum)."""
-    reduction = ctx.arg(3, "reduction", 1)
+    reduction = ctx.arg("reduction")
     ndim = len(ctx.in_shapes[0])
     rest = (R,) * (len(ctx.in_shapes) - 2)  # class weights
     found = []
@@ -83,7 +83,7 @@ REGISTRY.register([aten.new_ones.default, aten.new_zeros.default, aten.new_full.
 def _index(ctx):
     """x[..., ids] with one index tensor at dim p (MoE dispatch, expert-weight lookups, Falcon's k/v slots): the
     output is x.shape[:p] + ids.shape + x.shape[p + 1:]; every dim but p shards, so do the ids'; linear in x."""
-    indices = ctx.arg(1, "indices")
+    indices = ctx.arg("indices")
     tensors = [i for i, ids in enumerate(indices) if ids is not None]
     if len(tensors) != 1 or len(ctx.in_shapes) != 2:
         return []
@@ -98,14 +98,14 @@ REGISTRY.register([aten.index.Tensor], _index, note="x[ids]: gathered dim whole"
 def _repeat_interleave(ctx):
     """Element i becomes r neighbours, so a block of rows stays a block: every dim shards; linear."""
     ndim = len(ctx.in_shapes[0])
-    if ctx.arg(2, "dim", None) is None and ndim != 1:  # repeats of the flattened tensor
+    if ctx.arg("dim") is None and ndim != 1:  # repeats of the flattened tensor
         return []
     return [AxisStrategy((Shard(d),), Shard(d)) for d in range(ndim)] + [AxisStrategy((P,), P)]
 
 
 def _repeat(ctx):
     """x.repeat(sizes) tiles each dim: a tiled dim stays whole, the others shard (after new leading dims)."""
-    sizes = ctx.arg(1, "repeats")
+    sizes = ctx.arg("repeats")
     lead = len(sizes) - len(ctx.in_shapes[0])
     found = [AxisStrategy((Shard(d),), Shard(lead + d)) for d in range(len(ctx.in_shapes[0])) if sizes[lead + d] == 1]
     return found + [AxisStrategy((P,), P)]
@@ -116,7 +116,7 @@ REGISTRY.register([aten.repeat.default], _repeat, note="tiled dims stay whole")
 def _gather(ctx):
     """gather(x, dim, ids): out[i] = x[i with ids[i] at dim]. A whole x serves a block of ids along `dim`;
     another dim (it addresses x by position) shards in both where their sizes agree; linear in x."""
-    (x, ids), dim = ctx.in_shapes, ctx.arg(1, "dim") % max(len(ctx.in_shapes[0]), 1)
+    (x, ids), dim = ctx.in_shapes, ctx.arg("dim") % max(len(ctx.in_shapes[0]), 1)
     found = [AxisStrategy((R, Shard(dim)), Shard(dim))]
     found += [AxisStrategy((Shard(d), Shard(d)), Shard(d)) for d in range(len(ids)) if d != dim and x[d] == ids[d]]
     return found + [AxisStrategy((P, R), P)]

@@ -13,15 +13,15 @@ from autoshard.strategies.base import REGISTRY, AxisStrategy, RuleContext, keeps
 aten = torch.ops.aten
 
 
-def _reduced_dims(ctx: RuleContext, dim_index=1, keepdim_index=2):
+def _reduced_dims(ctx: RuleContext):
     """(sorted reduced dims, keepdim) of a reduction node; no dims or an empty list = all dims."""
     ndim = len(ctx.in_shapes[0])
-    dims = ctx.arg(dim_index, "dim", None)
+    dims = ctx.arg("dim")
     if dims is None or dims == []:
         dims = list(range(ndim))
     elif isinstance(dims, int):
         dims = [dims]
-    keepdim = bool(ctx.arg(keepdim_index, "keepdim", False))
+    keepdim = bool(ctx.arg("keepdim"))
     return sorted(d % max(ndim, 1) for d in dims), keepdim
 
 
@@ -29,9 +29,9 @@ def _out_dim(d, reduced, keepdim):
     return d if keepdim else d - sum(1 for r in reduced if r < d)
 
 
-def _reduction_rule(partial: bool, dim_index=1, keepdim_index=2):
+def _reduction_rule(partial: bool):
     def rule(ctx):
-        reduced, keepdim = _reduced_dims(ctx, dim_index, keepdim_index)
+        reduced, keepdim = _reduced_dims(ctx)
         n = len(ctx.in_shapes)
         found = [ctx.replicated()]
         for d in range(len(ctx.in_shapes[0])):
@@ -57,21 +57,18 @@ REGISTRY.register([aten.sum.default], _whole_sum, note="sum of everything: any s
 REGISTRY.register([aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
                    aten.argmin.default, aten.logsumexp.default, aten.prod.dim_int, aten.any.dim, aten.all.dim],
                   _reduction_rule(False), note="reduced dims stay whole")
-# norm(x, p, dim, keepdim) and linalg_vector_norm(x, ord, dim, keepdim): the order comes before the dims.
-REGISTRY.register([aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default], _reduction_rule(False, 2, 3),
+REGISTRY.register([aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default], _reduction_rule(False),
                   note="reduced dims stay whole")
-# var.dim(x, dim, unbiased, keepdim): `unbiased` sits where other reductions keep `keepdim`.
-REGISTRY.register([aten.var.dim, aten.std.dim, aten.var_mean.dim], _reduction_rule(False, 1, 3),
-                  note="reduced dims whole")
-REGISTRY.register([aten.var.correction, aten.std.correction, aten.var_mean.correction],
-                  _reduction_rule(False, 1, 3), note="reduced dims stay whole")
+REGISTRY.register([aten.var.dim, aten.std.dim, aten.var_mean.dim], _reduction_rule(False), note="reduced dims whole")
+REGISTRY.register([aten.var.correction, aten.std.correction, aten.var_mean.correction], _reduction_rule(False),
+                  note="reduced dims stay whole")
 
 
-def _along_dim(linear: bool, dim_index: int = 1):
+def _along_dim(linear: bool):
     """Ops working along one dim (softmax, cumsum, topk): that dim stays whole; every tensor input (diff's
     prepend/append) is sharded alike on the others."""
     def rule(ctx):
-        dim = ctx.arg(dim_index, "dim", -1) % max(len(ctx.in_shapes[0]), 1)  # sort's dim defaults to -1
+        dim = ctx.arg("dim") % max(len(ctx.in_shapes[0]), 1)
         n = len(ctx.in_shapes)
         found = [AxisStrategy((Shard(d),) * n, Shard(d)) for d in range(len(ctx.in_shapes[0]))
                  if d != dim and all(s[d] == ctx.in_shapes[0][d] for s in ctx.in_shapes)]
@@ -86,15 +83,13 @@ REGISTRY.register([aten.softmax.int, aten.log_softmax.int, aten._softmax.default
                   _along_dim(False), note="the softmax/sort dim stays whole")
 REGISTRY.register([aten.cumsum.default], _along_dim(True), note="the cumsum dim stays whole; linear")
 # diff(x, n, dim, prepend, append): differences along dim, linear in x, prepend and append together.
-REGISTRY.register([aten.diff.default], _along_dim(True, dim_index=2), note="the diff dim stays whole; linear")
-# topk(x, k, dim) / kthvalue(x, k, dim): the k comes before the dim.
-REGISTRY.register([aten.topk.default, aten.kthvalue.default], _along_dim(False, dim_index=2),
-                  note="the topk dim stays whole")
+REGISTRY.register([aten.diff.default], _along_dim(True), note="the diff dim stays whole; linear")
+REGISTRY.register([aten.topk.default, aten.kthvalue.default], _along_dim(False), note="the topk dim stays whole")
 
 
 def _histc(ctx):
     """Counts over a fixed range add up across shards; min == max takes the range from the data (whole)."""
-    low, high = ctx.arg(2, "min", 0), ctx.arg(3, "max", 0)
+    low, high = ctx.arg("min"), ctx.arg("max")
     return [AxisStrategy((Shard(d),), P) for d in range(len(ctx.in_shapes[0]))] if low < high else []
 
 

@@ -73,11 +73,11 @@ def _permute_rule(ctx):
     node = ctx.node
     ndim = len(ctx.in_shapes[0])
     if node.target is aten.permute.default:
-        order = [d % ndim for d in ctx.arg(1, "dims")]
+        order = [d % ndim for d in ctx.arg("dims")]
     elif node.target in (aten.t.default, aten.numpy_T.default):
         order = list(reversed(range(ndim)))
     else:  # transpose(x, a, b)
-        a, b = ctx.arg(1, "dim0") % ndim, ctx.arg(2, "dim1") % ndim
+        a, b = ctx.arg("dim0") % ndim, ctx.arg("dim1") % ndim
         order = list(range(ndim))
         order[a], order[b] = order[b], order[a]
     return [AxisStrategy((Shard(src),), Shard(dst)) for dst, src in enumerate(order)] + [AxisStrategy((P,), P)]
@@ -97,11 +97,11 @@ def _expand_rule(ctx):
     return found + [AxisStrategy((P,), P)]
 
 
-def _keep_dim_whole(dim_index: int, removes_dim: bool = False):
+def _keep_dim_whole(removes_dim: bool = False):
     """slice/select/split/narrow/index_select along one dim: every other dim may be sharded."""
     def rule(ctx):
         ndim = len(ctx.in_shapes[0])
-        dim = ctx.arg(dim_index, "dim", 0) % ndim
+        dim = ctx.arg("dim") % ndim
         rest = (R,) * (len(ctx.in_shapes) - 1)
         found = []
         for d in range(ndim):
@@ -115,7 +115,7 @@ def _cat_rule(ctx):
     """Inputs shard alike off the cat dim; a 1-D empty input (torch.cat skips it: transformers' first KV-cache
     update concatenates onto one) stays replicated."""
     ndim = len(ctx.out_shape)
-    dim = ctx.arg(1, "dim", 0) % ndim
+    dim = ctx.arg("dim") % ndim
     skipped = [shape == (0,) and ndim > 1 for shape in ctx.in_shapes]
 
     def each(placement):
@@ -126,7 +126,7 @@ def _cat_rule(ctx):
 
 def _stack_rule(ctx):
     ndim = len(ctx.out_shape)
-    dim = ctx.arg(1, "dim", 0) % ndim
+    dim = ctx.arg("dim") % ndim
     n = len(ctx.in_shapes)
     found = [AxisStrategy((Shard(d),) * n, Shard(d if d < dim else d + 1)) for d in range(ndim - 1)]
     return found + [AxisStrategy((P,) * n, P)]
@@ -136,12 +136,12 @@ def _pad_rule(ctx):
     """constant_pad_nd(x, pad, value) / pad(x, pad, mode, value): padded dims stay whole; the others shard.
     Padding with zeros (or copying edges) is linear, so partial sums pass."""
     ndim = len(ctx.in_shapes[0])
-    pads = ctx.arg(1, "pad")
+    pads = ctx.arg("pad")
     padded = {ndim - 1 - i // 2 for i, amount in enumerate(pads) if amount}
     if ctx.node.target is aten.pad.default:
-        linear = ctx.arg(2, "mode", "constant") != "constant" or not ctx.arg(3, "value", None)
+        linear = ctx.arg("mode") != "constant" or not ctx.arg("value")
     else:
-        linear = not ctx.arg(2, "value", 0)
+        linear = not ctx.arg("value")
     found = [AxisStrategy((Shard(d),), Shard(d)) for d in range(ndim) if d not in padded]
     return found + ([AxisStrategy((P,), P)] if linear else [])
 
@@ -161,13 +161,12 @@ REGISTRY.register([aten.permute.default, aten.transpose.int, aten.t.default, ate
                   note="dims permuted")
 REGISTRY.register([aten.expand.default, aten.broadcast_to.default], _expand_rule, shape_arg=1,
                   note="broadcast dims shard for free")
-REGISTRY.register([aten.slice.Tensor, aten.narrow.default], _keep_dim_whole(1), note="the sliced dim stays whole")
-# split(x, size, dim) / chunk(x, chunks, dim): the dim comes after the sizes.
-REGISTRY.register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _keep_dim_whole(2),
+REGISTRY.register([aten.slice.Tensor, aten.narrow.default], _keep_dim_whole(), note="the sliced dim stays whole")
+REGISTRY.register([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], _keep_dim_whole(),
                   note="the split dim stays whole")
-REGISTRY.register([aten.select.int, aten.unbind.int], _keep_dim_whole(1, removes_dim=True),
+REGISTRY.register([aten.select.int, aten.unbind.int], _keep_dim_whole(removes_dim=True),
                   note="the selected dim stays whole")
-REGISTRY.register([aten.index_select.default], _keep_dim_whole(1), note="the indexed dim stays whole")
+REGISTRY.register([aten.index_select.default], _keep_dim_whole(), note="the indexed dim stays whole")
 REGISTRY.register([aten.cat.default], _cat_rule, note="the concatenated dim stays whole")
 REGISTRY.register([aten.stack.default], _stack_rule, note="shards move past the new dim")
 REGISTRY.register([aten.constant_pad_nd.default, aten.pad.default], _pad_rule, note="padded dims stay whole")

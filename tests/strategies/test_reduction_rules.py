@@ -3,6 +3,8 @@ import pytest
 import torch
 from rule_graphs import aten, candidate_set, candidates_of, hand_node
 
+from autoshard.strategies.base import RuleContext
+
 X = torch.randn(4, 6, 8)
 
 
@@ -83,3 +85,20 @@ def test_var_dim_reads_keepdim_after_unbiased(unbiased, keepdim, expected):
     out = (1, 6, 8) if keepdim else (6, 8)
     node = hand_node(aten.var.dim, [(4, 6, 8)], [out], lambda xs: ((xs[0], [0], unbiased, keepdim), {}))
     assert candidate_set(node) == {"(R) -> R", *expected}
+
+
+def test_arguments_passed_by_keyword_read_as_positional_ones():
+    """A pass may build a node with keywords: rules ask for arguments by their schema names, not positions."""
+    positional = hand_node(aten.sum.dim_IntList, [(4, 6, 8)], [(4, 1, 8)], lambda xs: ((xs[0], [1], True), {}))
+    keyword = hand_node(aten.sum.dim_IntList, [(4, 6, 8)], [(4, 1, 8)],
+                        lambda xs: ((xs[0],), {"dim": [1], "keepdim": True}))
+    assert candidate_set(keyword) == candidate_set(positional) == {
+        "(R) -> R", "(P) -> P", "(S(0)) -> S(0)", "(S(1)) -> P", "(S(2)) -> S(2)"}
+
+
+def test_asking_for_an_argument_the_op_has_not_names_its_arguments():
+    node = hand_node(aten.sum.dim_IntList, [(4, 6, 8)], [(4, 8)], lambda xs: ((xs[0], [1]), {}))
+    ctx = RuleContext(node, [(4, 6, 8)], [(4, 8)], axis_size=2)
+    assert ctx.arg("keepdim") is False  # the schema's default
+    with pytest.raises(TypeError, match=r"aten.sum.dim_IntList has no argument 'dims' \(its arguments: self, dim, "):
+        ctx.arg("dims")
