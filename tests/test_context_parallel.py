@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import autoshard
-from autoshard.cost.attention_cost import ring_cost
+from autoshard.cost.attention_cost import RingBlocks, ring_cost
 from autoshard.cost.model import Link
 from autoshard.frontend.hints import Hints
 from autoshard.ir.errors import HintError, UserInputError
@@ -87,8 +87,7 @@ def test_ring_refuses_attention_dropout_and_learned_masks():
 def test_ring_cost_counts_what_the_ring_sends():
     """Two ranks, causal: one shift of k and v forward, one backward with two gradient shifts, plus the zigzag
     reordering of q, k, v and the output each way; the same figures the verify cases compare with the ranks' logs."""
-    cost = ring_cost(2, True, q_bytes=100, kv_bytes=200, out_bytes=100, grad_scale=1, compute_s=0.0,
-                     link=Link(0.0, 1.0))
+    cost = ring_cost(2, True, RingBlocks(q=100, kv=200, out=100), compute_s=0.0, link=Link(0.0, 1.0))
     assert (cost.fwd_bytes, cost.bwd_bytes) == (200 + 400, 200 + 2 * 200 + 400)
 
 

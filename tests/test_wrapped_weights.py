@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 import autoshard
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify.report import TOLERANCE, rel_diff
+from autoshard.verify.training import VerifyOptions
 from autoshard.verify.verify import rank_run, reference_run
 from autoshard.weights import module_inits
 from autoshard.weights.training_checkpoint import CheckpointError
@@ -62,8 +63,8 @@ def test_the_inner_models_save_pretrained_loads_into_the_wrapper_and_trains(tmp_
     held = _assembled(wrapped_prog, str(tmp_path))
     expected = _everything(model)
     assert all(torch.equal(held[k], expected[k]) for k in held)
-    ranks = run_ranks(wrapped_prog, lambda module: rank_run(module, inputs, steps=2, lr=0.1), weights=str(tmp_path))
-    ref = reference_run(model, inputs, lambda out, *_: out, steps=2, lr=0.1)
+    ranks = run_ranks(wrapped_prog, lambda module: rank_run(module, inputs, VerifyOptions(steps=2, lr=0.1)), weights=str(tmp_path))
+    ref = reference_run(model, inputs, lambda out, *_: out, VerifyOptions(steps=2, lr=0.1))
     for step, loss in enumerate(ref["loss"]):  # transformers computes the loss in float32: verify's tolerance
         got = wrapped_prog.assemble({r: res["loss"][step] for r, res in ranks.items()}, wrapped_prog.output_specs[0])
         assert rel_diff(got, loss) <= TOLERANCE, (step, got, loss)

@@ -17,7 +17,7 @@ per rank, with kv = the rank's key + value block bytes and k the axis size:
 
 >>> from autoshard.cost.model import Link
 >>> link = Link(alpha=1e-5, bandwidth=1e9)
->>> ring_cost(k=4, causal=False, q_bytes=1e6, kv_bytes=2e6, out_bytes=1e6, grad_scale=1, compute_s=0.0, link=link)
+>>> ring_cost(k=4, causal=False, blocks=RingBlocks(q=1e6, kv=2e6, out=1e6), compute_s=0.0, link=link)
 RingCost(fwd_bytes=6000000, bwd_bytes=14000000, seconds=0.0201)
 """
 from __future__ import annotations
@@ -41,16 +41,32 @@ class RingCost:
     seconds: float
 
 
-def ring_cost(k: int, causal: bool, q_bytes: float, kv_bytes: float, out_bytes: float, grad_scale: float,
-              compute_s: float, link, with_backward: bool = True) -> RingCost:
+@dataclass(frozen=True)
+class RingBlocks:
+    """The bytes of one rank's blocks in a ring: its query rows, its key + value block (what travels) and its output
+    rows; `grad_scale`: how much bigger the travelling gradients are (`grad_scale()`).
+
+    >>> RingBlocks(q=1e6, kv=2e6, out=1e6).grad_scale
+    1.0
+    """
+
+    q: float
+    kv: float
+    out: float
+    grad_scale: float = 1.0
+
+
+def ring_cost(k: int, causal: bool, blocks: RingBlocks, compute_s: float, link, with_backward: bool = True) -> RingCost:
     """The ring on an axis of `k` ranks (module docstring); `compute_s`: the attention's forward + backward compute
     on a rank (one third forward), which hides the key/value shifts.
 
-    >>> ring_cost(2, True, 1e6, 2e6, 1e6, 1, 0.0, Link(0.0, 1e9), with_backward=False)  # 1 shift + the reordering
+    >>> ring_cost(2, True, RingBlocks(1e6, 2e6, 1e6), 0.0, Link(0.0, 1e9), with_backward=False)  # 1 shift + reordering
     RingCost(fwd_bytes=6000000, bwd_bytes=0, seconds=0.004)
     """
     def shift(nbytes):
         return link.alpha + nbytes / link.bandwidth
+
+    q_bytes, kv_bytes, out_bytes, grad_scale = blocks.q, blocks.kv, blocks.out, blocks.grad_scale
 
     fwd = (k - 1) * kv_bytes
     seconds = max(0.0, (k - 1) * shift(kv_bytes) - compute_s / 3)
@@ -152,7 +168,7 @@ def attention_terms(node, strategies: dict, mesh, profile, compute_s: float, in_
     axis, _ = ring[0]
     k = mesh.shape[axis]
     compute_s *= ring_compute_factor(k, causal)
-    cost = ring_cost(k, causal, in_bytes[0], in_bytes[1] + in_bytes[2], out_bytes, grad_scale(key.element_size()),
-                     compute_s, profile.link(mesh.shape, axis), with_backward)
+    blocks = RingBlocks(in_bytes[0], in_bytes[1] + in_bytes[2], out_bytes, grad_scale(key.element_size()))
+    cost = ring_cost(k, causal, blocks, compute_s, profile.link(mesh.shape, axis), with_backward)
     memory = score_bytes(out_bytes, q.shape[-1], key.shape[-2], "ring", k, causal, fused)
     return AttentionTerms(compute_s, cost.seconds, memory, axis, cost)

@@ -36,6 +36,7 @@ True
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -133,11 +134,10 @@ def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     k = comm.axis_size(axis)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
     if not is_causal:
-        owned = [[j] for j in range(k)]
-        return _RingAttention.apply(query, key, value, attn_mask, comm, axis, owned, False, scale)
+        return _RingAttention.apply(query, key, value, attn_mask, _Ring(comm, axis, [[j] for j in range(k)], False, scale))
     contiguous, zigzag = [[2 * j, 2 * j + 1] for j in range(k)], [[j, 2 * k - 1 - j] for j in range(k)]
     q, kk, v = (_Permute.apply(t, comm, axis, contiguous, zigzag) for t in (query, key, value))
-    out = _RingAttention.apply(q, kk, v, None, comm, axis, zigzag, True, scale)
+    out = _RingAttention.apply(q, kk, v, None, _Ring(comm, axis, zigzag, True, scale))
     return _Permute.apply(out, comm, axis, zigzag, contiguous)
 
 
@@ -198,29 +198,36 @@ def _fold_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
     return grad.unflatten(-3, (heads, grad.size(-3) // heads)).sum(-3)
 
 
-class _Blocks:
-    """The query chunks of this rank against one visiting key/value block: which chunk pairs to compute, with
-    what mask (causal: skip chunks after the query's, mask the diagonal; else the given mask's columns)."""
+@dataclass(frozen=True)
+class _Ring:
+    """One ring attention: the communicator and mesh `axis` its key/value blocks travel on, the sequence chunks
+    each rank of the axis holds (`owned[j]`; zigzag order when causal), whether it is causal, the softmax scale."""
 
-    def __init__(self, q_ids, kv_ids, causal, mask, q_len, kv_len, device):
-        self.q_ids, self.kv_ids, self.causal, self.mask, self.device = q_ids, kv_ids, causal, mask, device
-        self.qc, self.kc = q_len // len(q_ids), kv_len // len(kv_ids)
+    comm: object
+    axis: str
+    owned: list
+    causal: bool
+    scale: float
 
-    def pairs(self):
-        for a, x in enumerate(self.q_ids):
-            for b, y in enumerate(self.kv_ids):
+    def pairs(self, visitor: int, mask, q_len: int, kv_len: int):
+        """This rank's query chunks against the key/value block of rank `visitor`: (rows, cols, mask) of each chunk
+        pair to compute (causal: skip chunks after the query's, mask the diagonal; else the given mask's columns)."""
+        q_ids, kv_ids = self.owned[self.comm.axis_rank(self.axis)], self.owned[visitor]
+        qc, kc = q_len // len(q_ids), kv_len // len(kv_ids)
+        for a, x in enumerate(q_ids):
+            for b, y in enumerate(kv_ids):
                 if self.causal and y > x:
                     continue
-                rows, cols = slice(a * self.qc, (a + 1) * self.qc), slice(b * self.kc, (b + 1) * self.kc)
-                yield rows, cols, self._mask(rows, y, x)
+                rows, cols = slice(a * qc, (a + 1) * qc), slice(b * kc, (b + 1) * kc)
+                yield rows, cols, self._mask(mask, rows, y, x, kc)
 
-    def _mask(self, rows, y, x):
+    def _mask(self, mask, rows, y, x, kc):
         if self.causal:
             return _DIAGONAL if x == y else None
-        if self.mask is None:
+        if mask is None:
             return None
-        m = self.mask[..., rows, :] if self.mask.size(-2) > 1 else self.mask
-        return m.narrow(-1, y * self.kc, self.kc) if m.size(-1) > 1 else m
+        m = mask[..., rows, :] if mask.size(-2) > 1 else mask
+        return m.narrow(-1, y * kc, kc) if m.size(-1) > 1 else m
 
 
 def _scores(q, k, scale, mask):
@@ -232,7 +239,7 @@ def _scores(q, k, scale, mask):
     return s + mask.to(s.dtype)
 
 
-_DIAGONAL = "diagonal"  # a causal chunk pair on the diagonal: `_Blocks` marks it so the fused kernel can take it
+_DIAGONAL = "diagonal"  # a causal chunk pair on the diagonal: `_Ring.pairs` marks it so the fused kernel can take it
 
 
 def _fused(q, mask) -> bool:
@@ -283,11 +290,11 @@ def _dense(mask, q, k):
 
 
 class _RingAttention(torch.autograd.Function):
-    """The ring over `axis` (see the module docstring); `owned[j]` lists the sequence chunks rank j holds."""
+    """The ring (see the module docstring and `_Ring`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, comm, axis, owned, causal, scale):
-        n, r = comm.axis_size(axis), comm.axis_rank(axis)
+    def forward(ctx, q, k, v, mask, ring: _Ring):
+        n, r = ring.comm.axis_size(ring.axis), ring.comm.axis_rank(ring.axis)
         dtype = _compute_dtype(q)
         heads = q.size(-3)
         qc = q.to(dtype)
@@ -296,23 +303,23 @@ class _RingAttention(torch.autograd.Function):
         block = torch.stack([k, v])
         for step in range(n):
             j = (r - step) % n
-            pending = _shift(comm, axis, block, "fwd") if step < n - 1 else None
+            pending = _shift(ring.comm, ring.axis, block, "fwd") if step < n - 1 else None
             kb, vb = (_repeat_heads(t.to(dtype), heads) for t in block)
-            for rows, cols, m in _Blocks(owned[r], owned[j], causal, mask, q.size(-2), kb.size(-2), q.device).pairs():
-                o, block_lse = _pair_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], m, scale)
+            for rows, cols, m in ring.pairs(j, mask, q.size(-2), kb.size(-2)):
+                o, block_lse = _pair_forward(qc[..., rows, :], kb[..., cols, :], vb[..., cols, :], m, ring.scale)
                 out[..., rows, :], lse[..., rows, :] = _merge(out[..., rows, :], lse[..., rows, :], o, block_lse)
             if pending is not None:
                 block = pending.wait()
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
-        ctx.args = (comm, axis, owned, causal, scale)
+        ctx.ring = ring
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, *mask = ctx.saved_tensors
         mask = mask[0] if mask else None
-        comm, axis, owned, causal, scale = ctx.args
-        n, r = comm.axis_size(axis), comm.axis_rank(axis)
+        ring = ctx.ring
+        n, r = ring.comm.axis_size(ring.axis), ring.comm.axis_rank(ring.axis)
         dtype, heads = out.dtype, q.size(-3)
         qc, do = q.to(dtype), grad_out.to(dtype)
         delta = (do * out).sum(-1, keepdim=True)
@@ -321,21 +328,21 @@ class _RingAttention(torch.autograd.Function):
         grads = torch.zeros(block.shape, dtype=dtype, device=q.device)
         for step in range(n):
             j = (r - step) % n
-            pending = _shift(comm, axis, block, "bwd") if step < n - 1 else None
+            pending = _shift(ring.comm, ring.axis, block, "bwd") if step < n - 1 else None
             kb, vb = (_repeat_heads(t.to(dtype), heads) for t in block)
             dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-            for rows, cols, m in _Blocks(owned[r], owned[j], causal, mask, q.size(-2), kb.size(-2), q.device).pairs():
+            for rows, cols, m in ring.pairs(j, mask, q.size(-2), kb.size(-2)):
                 got = _pair_backward(do[..., rows, :], qc[..., rows, :], kb[..., cols, :], vb[..., cols, :],
-                                     out[..., rows, :], lse[..., rows, :], delta[..., rows, :], m, scale)
+                                     out[..., rows, :], lse[..., rows, :], delta[..., rows, :], m, ring.scale)
                 dq[..., rows, :] += got[0]
                 dk[..., cols, :] += got[1]
                 dv[..., cols, :] += got[2]
             grads = grads + torch.stack([_fold_heads(dk, k.size(-3)), _fold_heads(dv, v.size(-3))])
-            grads = _shift(comm, axis, grads, "bwd").wait()  # the gradients travel with their block, home at last
+            grads = _shift(ring.comm, ring.axis, grads, "bwd").wait()  # the gradients travel with their block, home at last
             if pending is not None:
                 block = pending.wait()
         dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _shift(comm, axis: str, block: torch.Tensor, phase: str):

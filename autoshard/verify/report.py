@@ -4,6 +4,7 @@ below it derived from the model's own noise, autoshard/verify/tolerance.py), and
 
 >>> import torch
 >>> from autoshard.verify.verify import rank_run, reference_run, simulate_ranks, to_double, verify_simulated
+>>> from autoshard.verify.training import VerifyOptions
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> hints = {"input:0": {"dp": "S(0)"}, "layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "R"},
@@ -24,7 +25,7 @@ from autoshard.verify.tolerance import (
     dtype_name,
     tolerance_for,
 )
-from autoshard.verify.training import PLAIN, Training
+from autoshard.verify.training import PLAIN, Training, VerifyOptions
 
 TOLERANCE = FLOAT64_TOLERANCE  # relative, in float64; below it tolerances are derived per tensor
 
@@ -124,20 +125,21 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if math.isnan(diff) else diff  # a NaN on either side is a mismatch, never hidden
 
 
-def compare(program, ref: dict, ranks: dict, steps: int, noise: dict | None = None,
-            dtype=torch.float64, training: Training = PLAIN) -> VerifyReport:
-    """The VerifyReport of the ranks' results (assembled into global tensors) against the reference run;
-    with `noise` (a second reference run from nudged weights, see reference_runs) each tensor's tolerance
-    is derived from its own noise, otherwise it is 1e-6.
+def compare(program, ref: dict, ranks: dict, options: VerifyOptions, noise: dict | None = None) -> VerifyReport:
+    """The VerifyReport of the ranks' results (assembled into global tensors) against the reference run, both
+    trained as `options` says; with `noise` (a second reference run from nudged weights, see reference_runs)
+    each tensor's tolerance is derived from its own noise, otherwise it is 1e-6.
 
     >>> double, double_inputs = to_double(model, inputs)
-    >>> ref = reference_run(double, double_inputs, loss_fn, steps=1, lr=0.1)
-    >>> ranks = simulate_ranks(program, lambda module: rank_run(module, double_inputs, steps=1, lr=0.1))
-    >>> compare(program, ref, ranks, steps=1).ok
+    >>> one_step = VerifyOptions(steps=1)
+    >>> ref = reference_run(double, double_inputs, loss_fn, one_step)
+    >>> ranks = simulate_ranks(program, lambda module: rank_run(module, double_inputs, one_step))
+    >>> compare(program, ref, ranks, one_step).ok
     True
     """
+    steps, dtype = options.steps, options.dtype
     report = VerifyReport(steps=steps, dtype=dtype_name(dtype), tolerance=None if noise is not None else TOLERANCE,
-                          training=training)
+                          training=options.training)
     specs = program.output_specs
     nearest: dict[str, float] = {}  # kind -> the largest difference / tolerance so far
 

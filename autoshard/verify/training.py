@@ -1,10 +1,13 @@
-"""How each verified training step trains beyond the optimizer: gradient accumulation over several passes,
+"""How verify trains both sides. `VerifyOptions`: the steps, learning rate, optimizer and dtype; within it `Training`:
+how each verified step trains beyond the optimizer: gradient accumulation over several passes,
 clipping by the global gradient norm (`verify --accumulate K --clip-grad-norm X`; the rank modules' side
 is `RankModule.clip_grad_norm_`, autoshard/runtime/grad_norm.py) and the random-number mode and seed of
 dropout (`verify --rng placement --seed S`; autoshard/runtime/rng.py).
 
 >>> Training(clip_grad_norm=0.5).to_json()
 {'accumulate': 1, 'clip_grad_norm': 0.5, 'rng': 'exact', 'seed': 0, 'mixed_precision': None}
+>>> VerifyOptions(steps=1, dtype="float32").dtype
+torch.float32
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mixed_precision import policy_call, resolve_policy
 from autoshard.runtime.rng import MODES
+from autoshard.verify.tolerance import resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -101,3 +105,29 @@ class Training:
 
 
 PLAIN = Training()  # one pass per step, no clipping: the default everywhere
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What the single device and the ranks of one verify run share, built once by `verify_simulated` or
+    `verify_factory` and passed down: `steps` optimizer steps of `optimizer` ("sgd" or "adam") at learning rate
+    `lr`, in `dtype` (float64, float32 or bfloat16: a name or the torch dtype), each step trained as `training`
+    says. `offload` keeps a ZeRO program's optimizer state on the host (the ranks' side; the single device has
+    no ZeRO).
+
+    >>> VerifyOptions(steps=1, dtype="bf16")  # doctest: +ELLIPSIS
+    VerifyOptions(steps=1, lr=0.1, optimizer='sgd', offload=False, dtype=torch.bfloat16, training=Training(...))
+    """
+
+    steps: int = 2
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    offload: bool = False
+    dtype: torch.dtype = torch.float64
+    training: Training = PLAIN
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))  # a name ("float32", "bf16") or a torch dtype
+
+
+DEFAULT_OPTIONS = VerifyOptions()  # verify's defaults: 2 SGD steps at lr 0.1 in float64, PLAIN training

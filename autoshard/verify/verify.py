@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,13 +50,12 @@ from autoshard.runtime.zero import ZeroOptimizer
 from autoshard.verify.report import compare
 from autoshard.verify.tolerance import (
     coarsest_dtype,
-    dtype_name,
     float64_unsupported,
     nudged,
     resolve_dtype,
     to_dtype,
 )
-from autoshard.verify.training import PLAIN, Training
+from autoshard.verify.training import DEFAULT_OPTIONS, Training, VerifyOptions
 from autoshard.weights import replay_init
 
 
@@ -86,29 +86,30 @@ def make_optimizer(params, lr: float, optimizer: str = "sgd", module=None, offlo
     return opt
 
 
-def reference_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
-                  training: Training = PLAIN) -> dict:
-    """The single-device training run: {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...},
-    'loss_scale': [...]} (outputs of the first pass of the first step; its gradients after clipping -- with
-    fp16 loss scaling, of the first step whose gradients were finite, the first the scaler did not skip).
+def reference_run(model, inputs, loss_fn, options: VerifyOptions = DEFAULT_OPTIONS) -> dict:
+    """The single-device training run of `options` (its steps, optimizer and training; the model is already in
+    its dtype): {'loss': [...], 'outputs': [...], 'grads': {...}, 'params': {...}, 'loss_scale': [...]}
+    (outputs of the first pass of the first step; its gradients after clipping -- with fp16 loss scaling, of
+    the first step whose gradients were finite, the first the scaler did not skip).
 
     >>> double, double_inputs = to_double(model, inputs)
-    >>> ref = reference_run(double, double_inputs, loss_fn, steps=2, lr=0.1)
+    >>> ref = reference_run(double, double_inputs, loss_fn, VerifyOptions(steps=2, lr=0.1))
     >>> len(ref["loss"]), bool(ref["loss"][1] < ref["loss"][0]), ref["grads"]["layers.0.weight"].shape
     (2, True, torch.Size([128, 32]))
     """
     with torch.random.fork_rng(devices=[]):  # dropout draws from the training's seed, as the ranks' streams do
-        torch.manual_seed(training.seed)
-        return _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training)
+        torch.manual_seed(options.training.seed)
+        return _reference_steps(model, inputs, loss_fn, options)
 
 
-def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> dict:
+def _reference_steps(model, inputs, loss_fn, options: VerifyOptions) -> dict:
+    training = options.training
     params = dict(model.named_parameters())
-    opt = make_optimizer(list(params.values()), lr, optimizer)
+    opt = make_optimizer(list(params.values()), options.lr, options.optimizer)
     scaler = torch.amp.GradScaler("cpu") if training.loss_scaling and opt is not None else None
     losses, outputs, grads, scales = [], None, None, []
     passes = training.passes(inputs)
-    for step in range(steps):
+    for step in range(options.steps):
         model.zero_grad()
         total = None
         for chunk in passes:
@@ -138,62 +139,63 @@ def _reference_steps(model, inputs, loss_fn, steps, lr, optimizer, training) -> 
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
 
-def reference_runs(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd",
-                   dtype=torch.float64, training: Training = PLAIN, unit=None) -> tuple[dict, dict | None]:
-    """(the reference run, the noise run or None) of a model already in `dtype`: below float64, the
+def reference_runs(model, inputs, loss_fn, options: VerifyOptions = DEFAULT_OPTIONS,
+                   unit=None) -> tuple[dict, dict | None]:
+    """(the reference run, the noise run or None) of a model already in `options.dtype`: below float64, the
     reference is trained again from nudged weights and inputs to measure the model's own rounding noise
     (autoshard/verify/tolerance.py). `model` itself is left untouched. A model that cannot run in float64 gets a
     UserInputError saying to pass a lower dtype. `unit`: the coarsest dtype the program computes in (its
-    eps sizes the nudges; tolerance.coarsest_dtype), default `dtype`.
+    eps sizes the nudges; tolerance.coarsest_dtype), default `options.dtype`.
 
     >>> low, low_inputs = to_dtype(model, inputs, torch.float32)
-    >>> ref, noise = reference_runs(low, low_inputs, loss_fn, steps=1, lr=0.1, dtype=torch.float32)
+    >>> ref, noise = reference_runs(low, low_inputs, loss_fn, VerifyOptions(steps=1, dtype=torch.float32))
     >>> 0 < rel_diff(noise["loss"][0], ref["loss"][0]) < 1e-5
     True
     """
     try:
-        ref = reference_run(copy.deepcopy(model), inputs, loss_fn, steps, lr, optimizer, training)
+        ref = reference_run(copy.deepcopy(model), inputs, loss_fn, options)
     except Exception as exc:
-        error = float64_unsupported(exc, type(model).__name__) if dtype == torch.float64 else None
+        error = float64_unsupported(exc, type(model).__name__) if options.dtype == torch.float64 else None
         if error is not None:
             raise error from exc
         raise
-    if (unit or dtype) == torch.float64:
+    if (unit or options.dtype) == torch.float64:
         return ref, None
-    return ref, noise_run(model, inputs, loss_fn, steps, lr, optimizer, training, unit)
+    return ref, noise_run(model, inputs, loss_fn, options, unit)
 
 
-def noise_run(model, inputs, loss_fn, steps: int, lr: float, optimizer: str = "sgd", training: Training = PLAIN,
-              unit=None) -> dict:
+def noise_run(model, inputs, loss_fn, options: VerifyOptions = DEFAULT_OPTIONS, unit=None) -> dict:
     """The reference trained again from weights and inputs nudged by one ulp of `unit` (default: their
     dtype): how far the model's own rounding moves each tensor (autoshard/verify/tolerance.py).
 
     >>> single, single_inputs = to_dtype(model, inputs, torch.float32)
-    >>> moved = noise_run(single, single_inputs, loss_fn, steps=1, lr=0.1)
-    >>> exact = reference_run(copy.deepcopy(single), single_inputs, loss_fn, steps=1, lr=0.1)
+    >>> one_step = VerifyOptions(steps=1, dtype=torch.float32)
+    >>> moved = noise_run(single, single_inputs, loss_fn, one_step)
+    >>> exact = reference_run(copy.deepcopy(single), single_inputs, loss_fn, one_step)
     >>> 0 < rel_diff(moved["loss"][0], exact["loss"][0]) < 1e-5
     True
     """
     moved, moved_inputs = nudged(model, inputs, unit=unit)
-    return reference_run(moved, moved_inputs, loss_fn, steps, lr, optimizer, training)
+    return reference_run(moved, moved_inputs, loss_fn, options)
 
 
-def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offload: bool = False,
-             training: Training = PLAIN) -> dict:
-    """One rank's training run on its module; returns its local results and collective counts (of the
-    first step, optimizer step included: ZeRO all-gathers parameters there).
+def rank_run(module, inputs, options: VerifyOptions = DEFAULT_OPTIONS) -> dict:
+    """One rank's training run of `options` on its module; returns its local results and collective counts (of
+    the first step, optimizer step included: ZeRO all-gathers parameters there).
 
     >>> from autoshard.runtime.simulator import run_ranks
-    >>> ranks = run_ranks(program, lambda module: rank_run(module, to_double(model, inputs)[1], steps=1, lr=0.1))
+    >>> one_step = VerifyOptions(steps=1)
+    >>> ranks = run_ranks(program, lambda module: rank_run(module, to_double(model, inputs)[1], one_step))
     >>> sorted(ranks[0])
     ['counts', 'grads', 'loss', 'loss_scale', 'outputs', 'params']
     >>> ranks[0]["counts"]["tp"]["all_to_all"]  # of the first step, on rank 0
     {'fwd': 1, 'bwd': 1, 'sync': 0, 'bytes': 4096}
     """
+    training, steps = options.training, options.steps
     params = dict(module.named_local_parameters())
-    opt = make_optimizer(list(params.values()), lr, optimizer, module, offload)
+    opt = make_optimizer(list(params.values()), options.lr, options.optimizer, module, options.offload)
     if getattr(module, "pipelined", False):
-        return pipeline_rank_run(module, inputs, steps, lr, training.clip_grad_norm, training.accumulate,
+        return pipeline_rank_run(module, inputs, steps, options.lr, training.clip_grad_norm, training.accumulate,
                                  training.loss_scaling, opt)
     passes = [module.local_inputs(*chunk) for chunk in training.passes(inputs)]
     scaler = LossScaler(module) if training.loss_scaling else None
@@ -232,10 +234,10 @@ def rank_run(module, inputs, steps: int, lr: float, optimizer: str = "sgd", offl
             "params": {k: p.detach().clone() for k, p in params.items()}}
 
 
-def _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training) -> dict | None:
+def _noise_for(program, model, inputs, loss_fn, options: VerifyOptions) -> dict | None:
     """The noise run where the program computes below float64 (its dtype, autocast regions, mixed precision)."""
-    unit = coarsest_dtype(program.state.gm.graph, dtype)
-    return None if unit == torch.float64 else noise_run(model, inputs, loss_fn, steps, lr, optimizer, training, unit)
+    unit = coarsest_dtype(program.state.gm.graph, options.dtype)
+    return None if unit == torch.float64 else noise_run(model, inputs, loss_fn, options, unit)
 
 
 def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr: float = 0.1,
@@ -252,16 +254,15 @@ def verify_simulated(model, inputs, loss_fn=None, mesh=(2,), steps: int = 2, lr:
     >>> low.ok, low.dtype, low.tolerances["grads"] >= 10 * torch.finfo(torch.float32).eps
     (True, 'float32', True)
     """
-    dtype = resolve_dtype(dtype)
-    model, inputs = to_dtype(model, inputs, dtype)
-    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed,
-                        mixed_precision=mixed_precision)
-    ref, _ = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training, unit=torch.float64)
-    program = parallelize(model, mesh, training.passes(inputs)[0], loss_fn=loss_fn, **training.program_options(),
-                          **kwargs)
-    noise = _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
-    ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload, training))
-    return compare(program, ref, ranks, steps, noise, dtype, training), program
+    options = VerifyOptions(steps, lr, optimizer, offload, resolve_dtype(dtype),
+                            Training(accumulate, clip_grad_norm, rng, seed, mixed_precision))
+    model, inputs = to_dtype(model, inputs, options.dtype)
+    ref, _ = reference_runs(model, inputs, loss_fn, options, unit=torch.float64)
+    program = parallelize(model, mesh, options.training.passes(inputs)[0], loss_fn=loss_fn,
+                          **options.training.program_options(), **kwargs)
+    noise = _noise_for(program, model, inputs, loss_fn, options)
+    ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, options))
+    return compare(program, ref, ranks, options, noise), program
 
 
 def simulate_ranks(program, fn) -> dict:
@@ -305,9 +306,30 @@ def case_digest(model, inputs) -> str:
     return digest.hexdigest()
 
 
-def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, options=None, optimizer="sgd",
-                     offload=False, shared_plan=None, dtype="float64", digest=None, weights=None, inputs=None,
-                     training=None):
+@dataclass(frozen=True)
+class VerifyTask:
+    """What the launcher of `verify` hands each real rank (pickled to it): the case to rebuild from `factory`
+    (`digest`: a hash of the launcher's weights and inputs, which the rank's must match), the mesh (its JSON),
+    the `hints` and `program_options` to plan with, or `plan`: the launcher's plan (its JSON with the
+    fingerprint) to apply instead; `weights`: what `prog.module(..., weights=)` loads (the model is then built on
+    the meta device and `inputs` are the launcher's example inputs); `options`: how to train.
+
+    >>> VerifyTask("autoshard.zoo:mlp", Mesh((2,), ("dp",)).to_json()).options.steps
+    2
+    """
+
+    factory: str
+    mesh: dict
+    hints: dict | None = None
+    options: VerifyOptions = DEFAULT_OPTIONS
+    program_options: dict = field(default_factory=dict)
+    plan: dict | None = None
+    digest: str | None = None
+    weights: str | None = None
+    inputs: tuple | None = None
+
+
+def verify_rank_task(rank, world, task: VerifyTask):
     """What each real rank runs for `verify`: plan (or apply the plan the launcher made, as every rank of
     a job can: `parallelize(plan=...)`), check fingerprints, train, return local results. Here on a
     one-rank gloo group in this process:
@@ -319,33 +341,35 @@ def verify_rank_task(rank, world, factory_spec, mesh_json, hints, steps, lr, opt
     >>> env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     >>> with mock.patch.dict(os.environ, env):
     ...     init_distributed("gloo")
-    >>> result = verify_rank_task(0, 1, "autoshard.zoo:mlp", Mesh((1,), ("dp",)).to_json(), None, 1, 0.1)
+    >>> task = VerifyTask("autoshard.zoo:mlp", Mesh((1,), ("dp",)).to_json(), options=VerifyOptions(steps=1))
+    >>> result = verify_rank_task(0, 1, task)
     >>> sorted(result)
     ['counts', 'fingerprint', 'grads', 'loss', 'loss_scale', 'outputs', 'params']
     >>> dist.destroy_process_group()
     """
-    if shared_plan is not None:
-        options = dict(options or {}, plan=Plan.from_json(shared_plan, "the launcher's plan"))
-    mesh = Mesh.from_json(mesh_json)
+    options, program_options = task.options, dict(task.program_options)
+    if task.plan is not None:
+        program_options["plan"] = Plan.from_json(task.plan, "the launcher's plan")
+    mesh = Mesh.from_json(task.mesh)
     comm = communicator_for(mesh, strict_world=False)
     if comm is None:
         return None
-    if weights is not None:  # the model built on the meta device, its weights from `weights`, the launcher's inputs
+    inputs = task.inputs
+    if task.weights is not None:  # the model built on the meta device, its weights from `weights`, the launcher's inputs
         with torch.device("meta"):
-            model, planned_inputs, loss_fn = build_case(factory_spec, dtype)
+            model, _, loss_fn = build_case(task.factory, options.dtype)
         planned_inputs = _on_model_device(model, inputs)
     else:
-        model, inputs, loss_fn = build_case(factory_spec, dtype)
+        model, inputs, loss_fn = build_case(task.factory, options.dtype)
         planned_inputs = inputs
-    if digest is not None and case_digest(torch.nn.Module() if weights else model, inputs) != digest:
-        raise UserInputError(f"factory {factory_spec} built other weights or example inputs on rank {rank} than in "
+    if task.digest is not None and case_digest(torch.nn.Module() if task.weights else model, inputs) != task.digest:
+        raise UserInputError(f"factory {task.factory} built other weights or example inputs on rank {rank} than in "
                              "the launcher: it is not deterministic, so the ranks cannot be compared with the single "
                              "device. Seed it: call torch.manual_seed(0) at the start of the factory")
-    training = Training(**(training or {}))
-    program = parallelize(model, mesh, training.passes(planned_inputs)[0], hints=hints, loss_fn=loss_fn,
-                          **(options or {}))
+    program = parallelize(model, mesh, options.training.passes(planned_inputs)[0], hints=task.hints, loss_fn=loss_fn,
+                          **program_options)
     check_fingerprint(comm, program.plan.fingerprint)
-    result = rank_run(program.module(rank, comm, weights=weights), inputs, steps, lr, optimizer, offload, training)
+    result = rank_run(program.module(rank, comm, weights=task.weights), inputs, options)
     result["fingerprint"] = program.plan.fingerprint
     return result
 
@@ -384,7 +408,7 @@ def _weights_for_ranks(model, weights, simulate: bool):
 def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: int = 2, lr: float = 0.1,
                    runner=None, simulate: bool = False, optimizer: str = "sgd", offload: bool = False,
                    dtype="float64", weights=None, accumulate: int = 1, clip_grad_norm: float | None = None,
-                   rng: str = "exact", seed: int = 0, mixed_precision=None, **options):
+                   rng: str = "exact", seed: int = 0, mixed_precision=None, **program_options):
     """`python -m autoshard verify`: real gloo ranks (or the simulator) against the single device, in `dtype`.
 
     `weights` ("safetensors" or "init", real ranks) verifies a model built on the meta device on every
@@ -392,7 +416,8 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     the model's initialisation (autoshard/weights/replay.py) on the ranks and on the launcher's model.
     `accumulate` (k passes over k slices of the batch per step, one gradient sync) and `clip_grad_norm`
     (clip by the global norm before each step) train both sides that way (`Training`); the program is
-    planned for one pass's slice of the example inputs.
+    planned for one pass's slice of the example inputs. `runner(verify_rank_task, world, task)` runs the real
+    ranks (default: `run_distributed`); other keywords go to `parallelize`.
 
     >>> checked, _ = verify_factory("autoshard.zoo:mlp", (2,), ("dp",), hints={"input:0": {"dp": "S(0)"}},
     ...                             simulate=True)
@@ -400,34 +425,31 @@ def verify_factory(factory_spec: str, mesh, axis_names=None, hints=None, steps: 
     (True, 1)
     """
     mesh = Mesh.of(mesh, axis_names)
-    dtype = resolve_dtype(dtype)
-    training = Training(accumulate=accumulate, clip_grad_norm=clip_grad_norm, rng=rng, seed=seed,
-                        mixed_precision=mixed_precision)
-    options = {**options, **training.program_options()}
+    options = VerifyOptions(steps, lr, optimizer, offload, resolve_dtype(dtype),
+                            Training(accumulate, clip_grad_norm, rng, seed, mixed_precision))
+    program_options = {**program_options, **options.training.program_options()}
     with remember_warnings():  # the ranks' copies of these are not shown again
-        model, inputs, loss_fn = build_case(factory_spec, dtype)
+        model, inputs, loss_fn = build_case(factory_spec, options.dtype)
         weights_arg = _weights_for_ranks(model, weights, simulate)
-        ref, _ = reference_runs(model, inputs, loss_fn, steps, lr, optimizer, dtype, training, unit=torch.float64)
-        one_pass = training.passes(inputs)[0]  # the program runs one pass of the step at a time
+        ref, _ = reference_runs(model, inputs, loss_fn, options, unit=torch.float64)
+        one_pass = options.training.passes(inputs)[0]  # the program runs one pass of the step at a time
         if weights is not None:  # planned as the ranks plan it: on the meta device (its trace can differ)
             with torch.device("meta"):
-                planned, _, _ = build_case(factory_spec, dtype)
+                planned, _, _ = build_case(factory_spec, options.dtype)
             program = parallelize(planned, mesh, _on_model_device(planned, one_pass), hints=hints, loss_fn=loss_fn,
-                                  **options)
+                                  **program_options)
         else:
-            program = parallelize(model, mesh, one_pass, hints=hints, loss_fn=loss_fn, **options)
-        noise = _noise_for(program, model, inputs, loss_fn, steps, lr, optimizer, dtype, training)
+            program = parallelize(model, mesh, one_pass, hints=hints, loss_fn=loss_fn, **program_options)
+        noise = _noise_for(program, model, inputs, loss_fn, options)
     if simulate:
-        ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, steps, lr, optimizer, offload,
-                                                                training))
+        ranks = simulate_ranks(program, lambda module: rank_run(module, inputs, options))
     else:
         # Ranks apply the launcher's plan instead of each solving the ILP again; the fingerprint check still
-        # compares every rank's program.
-        shared = {**program.plan.to_json(), "fingerprint": program.plan.fingerprint}
-        digest = case_digest(torch.nn.Module() if weights else model, inputs)  # a meta model has no weights to hash
-        args = (factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, steps, lr, options,
-                optimizer, offload, shared, dtype_name(dtype), digest, weights_arg, inputs if weights else None,
-                training.to_json())
-        results = (runner or (lambda task, n, *a: run_distributed(task, n, *a)))(verify_rank_task, mesh.size, *args)
+        # compares every rank's program. A meta model has no weights to hash.
+        task = VerifyTask(factory_spec, mesh.to_json(), program.state.hints.to_json() if hints else None, options,
+                          program_options, plan={**program.plan.to_json(), "fingerprint": program.plan.fingerprint},
+                          digest=case_digest(torch.nn.Module() if weights else model, inputs), weights=weights_arg,
+                          inputs=inputs if weights else None)
+        results = (runner or run_distributed)(verify_rank_task, mesh.size, task)
         ranks = {r: res for r, res in results.items() if res is not None}
-    return compare(program, ref, ranks, steps, noise, dtype, training), program
+    return compare(program, ref, ranks, options, noise), program

@@ -5,7 +5,8 @@ import torch
 from autoshard.api import parallelize
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.simulator import run_ranks
-from autoshard.verify.verify import build_case, rank_run, verify_rank_task
+from autoshard.verify.training import VerifyOptions
+from autoshard.verify.verify import VerifyTask, build_case, rank_run, verify_rank_task
 from autoshard.zoo.hints import plan_hints
 
 
@@ -17,10 +18,11 @@ from autoshard.zoo.hints import plan_hints
 def test_simulator_is_bitwise_equal_to_gloo(pool, model, mesh, names, batch, tp):
     hints = plan_hints(model, names, batch, tp)
     mesh = Mesh(mesh, names)
-    real = pool.run(verify_rank_task, f"autoshard.zoo:{model}", mesh.to_json(), hints, 2, 0.1)
+    options = VerifyOptions(steps=2, lr=0.1)
+    real = pool.run(verify_rank_task, VerifyTask(f"autoshard.zoo:{model}", mesh.to_json(), hints, options))
     m, inputs, loss_fn = build_case(f"autoshard.zoo:{model}")
     program = parallelize(m, mesh, inputs, hints=hints, loss_fn=loss_fn)
-    simulated = run_ranks(program, lambda module: rank_run(module, inputs, 2, 0.1))
+    simulated = run_ranks(program, lambda module: rank_run(module, inputs, options))
     for rank in range(mesh.size):
         a, b = real[rank], simulated[rank]
         for key in ("loss", "outputs"):

@@ -17,6 +17,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import Spec, shard_slices
 from autoshard.plan.plan import Plan
 from autoshard.verify.report import TOLERANCE, rel_diff
+from autoshard.verify.training import VerifyOptions
 from autoshard.verify.verify import build_case, rank_run, reference_run
 from autoshard.weights.layout import INDEX
 from autoshard.zoo.hints import plan_hints
@@ -64,7 +65,7 @@ def _train_and_save_task(rank, world, name, plan_json, source, out):
     check_fingerprint(comm, prog.plan.fingerprint)
     module = prog.module(rank, comm, weights=source)
     _, inputs, _ = build_case(CASES[name][0])  # the seeded example inputs, as in the test process
-    trained = rank_run(module, inputs, steps=2, lr=0.1)["params"]
+    trained = rank_run(module, inputs, VerifyOptions(steps=2, lr=0.1))["params"]
     autoshard.save_weights(out, module, max_shard_bytes=16 * 1024)  # several files: the index is exercised
     return {"coord": prog.mesh.coord(rank), "params": trained,
             "specs": {fqn: repr(prog.param_spec(fqn)) for fqn in trained}}
@@ -99,7 +100,7 @@ def test_trained_shards_saved_load_back_bit_for_bit(pool, tmp_path, name):
     ranks = {r: v for r, v in pool.run(_train_and_save_task, name, plan_json, str(source), str(out)).items()
              if v is not None}
     assert len(ranks) == 4
-    reference = reference_run(model, inputs, loss_fn, steps=2, lr=0.1)["params"]
+    reference = reference_run(model, inputs, loss_fn, VerifyOptions(steps=2, lr=0.1))["params"]
     fresh, _, _ = build_case(CASES[name][0])  # loaded into a model that never saw the training
     loaded = _load_written(name, fresh, str(out))
     assert sorted(loaded) == sorted(fresh.state_dict())

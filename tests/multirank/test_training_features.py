@@ -13,6 +13,7 @@ import torch
 import autoshard
 from autoshard.ir.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
+from autoshard.verify.training import VerifyOptions
 from autoshard.verify.verify import Training, build_case, reference_run, verify_factory
 from autoshard.zoo.hints import plan_hints
 from autoshard.zoo.transformers_families import DATA_PARALLEL, HINTS
@@ -41,7 +42,7 @@ FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
 def _clip_below_the_norm(factory) -> float:
     """A max_norm a tenth of the first step's gradient norm on one device: clipping is active."""
     model, inputs, loss_fn = build_case(factory)
-    grads = reference_run(model, Training(accumulate=2).passes(inputs)[0], loss_fn, steps=1, lr=0.1)["grads"]
+    grads = reference_run(model, Training(accumulate=2).passes(inputs)[0], loss_fn, VerifyOptions(steps=1, lr=0.1))["grads"]
     return float(torch.nn.utils.get_total_norm(list(grads.values()))) / 10
 
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from autoshard import UserInputError, parallelize
 from autoshard.verify.tolerance import to_dtype
+from autoshard.verify.training import VerifyOptions
 from autoshard.verify.verify import (
     compare,
     rank_run,
@@ -70,7 +71,8 @@ def test_noise_tolerance_catches_a_real_mismatch(dtype, wrong):
     dtype = getattr(torch, dtype)
     model, inputs, loss_fn = mlp(batch=8, in_dim=16, hidden=32, out_dim=16, n_layers=2)
     model, inputs = to_dtype(model, inputs, dtype)
-    ref, noise = reference_runs(model, inputs, loss_fn, 2, 0.1, dtype=dtype)
+    options = VerifyOptions(steps=2, lr=0.1, dtype=dtype)
+    ref, noise = reference_runs(model, inputs, loss_fn, options)
     hints = plan_hints("mlp", ("dp", "tp"), batch_axes=("dp",), tp_axis="tp")
     program = parallelize(model, example_inputs=inputs, loss_fn=loss_fn, hints=hints, **DP_TP)
 
@@ -78,9 +80,9 @@ def test_noise_tolerance_catches_a_real_mismatch(dtype, wrong):
         if module.rank == 3:
             with torch.no_grad():
                 wrong(dict(module.named_local_parameters())["layers.0.weight"])
-        return rank_run(module, inputs, 2, 0.1)
+        return rank_run(module, inputs, options)
 
-    report = compare(program, ref, simulate_ranks(program, run), 2, noise, dtype)
+    report = compare(program, ref, simulate_ranks(program, run), options, noise)
     assert not report.ok
     assert report.max_diff["outputs"] > report.tolerances["outputs"]
 
