@@ -29,7 +29,7 @@ from autoshard.cost.model import load_profile
 from autoshard.frontend.factory import make_case
 from autoshard.frontend.hints import Hints
 from autoshard.frontend.request import DEFAULT_HEADROOM
-from autoshard.ir.errors import AutoshardError
+from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.gc_tuning import fewer_collections
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.communicator import CollectiveTimeout
@@ -75,7 +75,12 @@ def _parser() -> argparse.ArgumentParser:
                            ("verify", "train on real gloo ranks and compare with the single device")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn])")
-        p.add_argument("--mesh", type=_mesh, required=True, help="mesh sizes, e.g. 2,2,2")
+        if name == "plan":
+            shape = p.add_mutually_exclusive_group(required=True)
+            shape.add_argument("--mesh", type=_mesh, help="mesh sizes, e.g. 2,2,2")
+            shape.add_argument("--devices", type=int, help="a number of devices: the planner chooses the mesh shape")
+        else:
+            p.add_argument("--mesh", type=_mesh, required=True, help="mesh sizes, e.g. 2,2,2")
         p.add_argument("--axis-names", type=_names, default=None, help="e.g. dp,sp,tp")
         p.add_argument("--hints", default=None, help="hint file (JSON)")
         p.add_argument("--json", action="store_true", help="print JSON")
@@ -172,19 +177,25 @@ def _run(args) -> int:
     if args.command == "calibrate":
         return calibrate_command(args)
     hints = Hints.load(args.hints).to_json() if args.hints else None
-    mesh = Mesh.of(args.mesh, args.axis_names)
+    devices = getattr(args, "devices", None)
+    if devices is not None and args.axis_names is not None:
+        raise UserInputError("--axis-names names the axes of --mesh; with --devices the planner chooses the mesh and "
+                             "each axis's role")
+    mesh = Mesh.of(args.mesh, args.axis_names) if devices is None else None
     options = {"profile": load_profile(args.profile), "memory_budget": args.memory_budget,
                "memory_headroom": args.memory_headroom, "pipeline": _pipeline(args), "fold_layers": not args.no_fold,
                "ilp_time_limit": args.ilp_time_limit}
     if args.command == "plan":
         model, inputs, loss_fn = make_case(args.factory)  # planned in the model's own dtype
         prog = parallelize(model, mesh, inputs, hints=hints, loss_fn=loss_fn, mixed_precision=args.mixed_precision,
-                           **options)
+                           devices=devices, **options)
         if args.json:
             extra = {"fingerprint": prog.plan.fingerprint, "ilp": prog.state.ilp_stats,
                      "ilp_stopped": [r.to_json() for r in prog.state.ilp_stopped], "axis_roles": prog.plan.axis_roles()}
             print(json.dumps(prog.plan.to_json() | extra, indent=1, sort_keys=True))
         else:
+            if devices is not None:
+                print(f"{devices} devices: {prog.plan.search['why_mesh']}\n")
             print(prog.plan)
             budget = prog.plan.memory_budget()
             if budget is not None:

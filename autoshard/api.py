@@ -30,16 +30,18 @@ from autoshard.ir.mesh import Mesh
 from autoshard.ir.warn_once import warn_once, warning_scope
 from autoshard.program.parallel_module import ParallelModule
 from autoshard.search.hand_plan_search import plan_with_hand_plans
+from autoshard.search.mesh_search import candidate_shapes, plan_on_devices
 from autoshard.search.pipeline_search import choose_pipeline
 from autoshard.solver.session import solver_session
 from autoshard.solver.time_limit import describe_stopped
 
 
-def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis_names=None, debug=False,
+def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None, axis_names=None, debug=False,
                 profile=None, memory_budget=None, optimizer_state_factor=2.0, plan=None, pipeline=None,
                 zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
                 mixed_precision=None, memory_headroom: float = DEFAULT_HEADROOM, fold_layers: bool = True,
-                compile: bool = False, weights=None, init_fn=None, ilp_time_limit: float | None = None):
+                compile: bool = False, weights=None, init_fn=None, ilp_time_limit: float | None = None,
+                devices: int | None = None):
     """Plan `model` on `mesh` and return the Program (no process group needed to plan); without
     `example_inputs`, return a ParallelModule: an nn.Module that plans on its first batch and trains as this
     rank's share under torchrun (autoshard/program/parallel_module.py; `weights` and `init_fn` are then where its
@@ -78,6 +80,9 @@ def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis
     forward and backward, the collectives inside the graph as opaque ops making the same calls; random ops
     run as they do eagerly (same masks), so results equal the eager program's within float rounding
     (autoshard/runtime/compiled.py). It changes no plan; on the CPU it needs a C++ compiler ($CXX or g++).
+    `devices` (instead of `mesh`) lets the planner choose the mesh too: it plans the model on each candidate mesh
+    shape for that many devices and keeps the fastest predicted step (autoshard/search/mesh_search.py;
+    `prog.plan.search["why_mesh"]` says what it compared).
     `ilp_time_limit` bounds the seconds each sharding ILP searches (default: scaled to its size,
     autoshard/solver/time_limit.py); a search it stops gives the best plan found, which the plan's summary and a warning
     say, with its optimality gap.
@@ -87,14 +92,14 @@ def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis
     """
     if parallel is not None:
         mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
-    mesh = Mesh.of(mesh, axis_names)
+    mesh = _mesh_or_devices(mesh, axis_names, devices, example_inputs, plan)
     if hints is not None and not isinstance(hints, (dict, Hints)):
         hints = Hints.load(hints)  # a path; anything else gets an error saying what hints may be
     options = CompileOptions.parse(profile=profile, memory_budget=memory_budget, checkpoint=checkpoint, rng=rng,
                                    seed=seed, mixed_precision=mixed_precision, zero=zero,
                                    optimizer_state_factor=optimizer_state_factor, memory_headroom=memory_headroom,
                                    fold_layers=fold_layers, compile=compile, ilp_time_limit=ilp_time_limit)
-    request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug)
+    request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug, devices=devices)
     if example_inputs is None:
         if plan is not None:
             raise UserInputError("plan= needs example_inputs (the plan is checked against the traced model); "
@@ -109,19 +114,43 @@ def parallelize(model, mesh, example_inputs=None, hints=None, loss_fn=None, axis
 
 
 def _compile(request: CompileRequest, pipeline):
-    """The Program of one request: a pipeline when asked for or when the search prefers one, else the flat
-    program the ILP and the hand plans give."""
+    """The Program of one request: on its mesh (`_compile_on_mesh`), or on the best of the candidate meshes for
+    `request.devices`."""
     request = request.replace(example_inputs=_traceable_inputs(request.model, request.example_inputs))
     # Candidates trace the same shapes and meet the same ILPs; each warning is told once per call.
     with fewer_collections(), reuse_exports(), warning_scope(), solver_session(request.options.ilp_time_limit):
-        prog = choose_pipeline(request, pipeline, unnamed=not request.mesh.named)
-        if prog is None:
-            prog = plan_with_hand_plans(request)
+        on_mesh = functools.partial(_compile_on_mesh, pipeline=pipeline)
+        prog = on_mesh(request) if request.devices is None else plan_on_devices(request, request.devices, on_mesh)
         if prog.state.ilp_stopped:
             warn_once(f"autoshard: {describe_stopped(prog.state.ilp_stopped)}. A process that plans on its own may "
                       "get another plan: plan once and give the plan to every rank (plan=; verify and parallelize "
                       "without example_inputs do)", stacklevel=4)
         return prog
+
+
+def _compile_on_mesh(request: CompileRequest, pipeline):
+    """The Program of `request` on its mesh: a pipeline when asked for or when the search prefers one, else the flat
+    program the ILP and the hand plans give."""
+    prog = choose_pipeline(request, pipeline, unnamed=not request.mesh.named)
+    return prog if prog is not None else plan_with_hand_plans(request)
+
+
+def _mesh_or_devices(mesh, axis_names, devices, example_inputs, plan) -> Mesh:
+    """The mesh to plan on: `mesh`, or with `devices` a stand-in the mesh search replaces by each candidate."""
+    if devices is None:
+        if mesh is None:
+            raise UserInputError("parallelize needs mesh= (e.g. mesh=(2, 2, 2)) or devices= (e.g. devices=8: the "
+                                 "planner then chooses the mesh shape)")
+        return Mesh.of(mesh, axis_names)
+    if mesh is not None or axis_names is not None:
+        raise UserInputError(f"give mesh= or devices=, not both (devices={devices!r} lets the planner choose the mesh "
+                             "shape and each axis's role; a mesh fixes them)")
+    if example_inputs is None or plan is not None:
+        raise UserInputError("devices= plans with example inputs and no saved plan (parallelize(model, devices=8, "
+                             "example_inputs=...)); to train under torchrun, plan once with devices=, save the plan "
+                             "(prog.plan.save) and pass its mesh and plan= to parallelize")
+    candidate_shapes(devices, 1)  # checks the number
+    return Mesh((devices,))
 
 
 def _plan_module(request: CompileRequest, pipeline, model, batch, plan=None, other_shapes: bool = False):

@@ -172,6 +172,7 @@ class CompileRequest:
     plan: object = None
     debug: bool = False
     plan_other_shapes: bool = False  # `plan` was made at other input shapes: re-specialise its decisions
+    devices: int | None = None  # parallelize(devices=N): the mesh search plans each candidate mesh shape
 
     def replace(self, **changes) -> CompileRequest:
         """A copy with `changes` (e.g. the micro-batch program's mesh, inputs and options).

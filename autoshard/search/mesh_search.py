@@ -1,0 +1,168 @@
+"""The mesh shape for a number of devices: `parallelize(model, devices=N)` plans the model on each candidate shape
+and keeps the plan with the fastest predicted step.
+
+Each candidate is an unnamed mesh, so everything else is the compiler's usual search on it: the ILP gives each axis
+its role (data, tensor, sequence, expert parallelism; a degree may span several axes, e.g. data parallelism over
+two), the pipeline search decides whether one axis pipelines and with how many micro-batches, the hand-plan
+catalogue (FSDP x TP, Megatron-SP, EP inside dp, ...) is compared with the automatic plan, and the memory ladder
+adds ZeRO and recomputation where the budget needs them. Every candidate's figures are kept
+(`plan.search["mesh_candidates"]`) and the choice is explained (`plan.search["why_mesh"]`).
+
+The candidates (`candidate_shapes`): axes run from the slowest links to the fastest (the profile's node rule,
+`HardwareProfile.link`). The innermost axis holds `d` devices of one node, `d` the node's size or half of it (tensor
+parallelism inside a node, Megatron's rule); the devices outside it form one axis or two (two: one of them may
+pipeline while the other carries data). Shapes whose axes have the same sizes and links in another order plan alike
+and are tried once; within a node the same rule applies to the whole mesh. At most `MAX_SHAPES` are planned, fewest
+axes first: a shape with more axes costs more planning and is kept for last.
+
+>>> candidate_shapes(64, 8)
+[(8, 8), (16, 4), (2, 4, 8), (2, 8, 4), (4, 4, 4), (8, 2, 4)]
+>>> candidate_shapes(8, 8)  # inside one node (2, 4) and (4, 2) plan alike
+[(8,), (2, 4), (2, 2, 2)]
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from autoshard.cost.model import HardwareProfile
+from autoshard.frontend.request import CompileRequest
+from autoshard.ir.errors import AutoshardError, UserInputError
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.placement import Shard
+from autoshard.solver.errors import MemoryBudgetError
+
+log = logging.getLogger(__name__)
+
+MAX_SHAPES = 6  # each shape is a full plan (the pipeline and hand-plan searches inside it)
+
+
+def candidate_shapes(devices: int, devices_per_node: int, max_shapes: int = MAX_SHAPES) -> list[tuple[int, ...]]:
+    """The mesh shapes `parallelize(devices=...)` plans (see the module docstring), fewest axes first.
+
+    >>> candidate_shapes(2, 8), candidate_shapes(16, 8)
+    ([(2,)], [(2, 8), (4, 4), (2, 2, 4)])
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UserInputError(f"devices={devices!r} must be a positive number of devices, e.g. devices=64")
+    if devices == 1:
+        return [(1,)]
+    profile = HardwareProfile(devices_per_node=devices_per_node)
+    inner_sizes = [d for d in (devices_per_node, devices_per_node // 2) if d >= 2 and devices % d == 0]
+    if devices <= devices_per_node:
+        inner_sizes = sorted({d for d in range(2, devices + 1) if devices % d == 0}, reverse=True)
+    shapes = []
+    for d in inner_sizes:
+        outer = devices // d
+        shapes.append((d,) if outer == 1 else (outer, d))
+        shapes += [(a, outer // a, d) for a in range(2, outer) if outer % a == 0 and outer // a >= 2]
+    kept, seen = [], set()
+    for shape in sorted(shapes, key=lambda s: (len(s), -s[-1], s)):
+        key = tuple(sorted((size, profile.link(shape, axis) == profile.intra_node) for axis, size in enumerate(shape)))
+        if key not in seen:
+            seen.add(key)
+            kept.append(shape)
+    return kept[:max_shapes]
+
+
+def predicted_step_s(prog) -> float:
+    """The step a Program is predicted to take: its pipeline's (1F1B-family formula over the stages) when it
+    pipelines, else its intra-op plan's.
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",))
+    >>> predicted_step_s(prog) == prog.plan.predicted["step_time_s"]
+    True
+    """
+    pipeline = prog.plan.pipeline
+    return pipeline["predicted_step_s"] if pipeline else prog.plan.predicted["step_time_s"]
+
+
+def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
+    """The Program with the fastest predicted step over `candidate_shapes(devices, ...)`: `compile_on_mesh(request)`
+    plans `request` on one candidate mesh (parallelize's own compile). A shape no plan fits is skipped; when none
+    fits, the refusal with the smallest footprint is raised.
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=4)
+    >>> prog.mesh, [row["mesh"] for row in prog.plan.search["mesh_candidates"]]
+    (Mesh(a0=4), [[4], [2, 2]])
+    """
+    profile = request.options.profile
+    rows, best, best_step, errors = [], None, math.inf, []
+    for shape in candidate_shapes(devices, profile.devices_per_node):
+        started = time.perf_counter()
+        try:
+            prog = compile_on_mesh(request.replace(mesh=Mesh(shape)))
+        except AutoshardError as exc:
+            errors.append(exc)
+            rows.append({"mesh": list(shape), "error": str(exc).splitlines()[0],
+                         "seconds": round(time.perf_counter() - started, 3)})
+            continue
+        step = predicted_step_s(prog)
+        rows.append({"mesh": list(shape), "predicted_step_s": step,
+                     "memory_bytes_per_rank": _memory(prog), "plan": describe_roles(prog),
+                     "seconds": round(time.perf_counter() - started, 3)})
+        if step < best_step:
+            best, best_step = prog, step
+    if best is None:
+        memory = [e for e in errors if isinstance(e, MemoryBudgetError)]
+        raise min(memory, key=lambda e: e.minimum) if len(memory) == len(errors) else errors[0]
+    why = _why(rows, list(best.mesh.shape))
+    best.plan.search = {**best.plan.search, "mesh_candidates": rows, "chosen_mesh": list(best.mesh.shape),
+                        "why_mesh": why}
+    log.info(why)
+    return best
+
+
+def _memory(prog) -> float:
+    pipeline = prog.plan.pipeline
+    if pipeline and pipeline.get("memory_bytes_per_pp_rank"):
+        return max(pipeline["memory_bytes_per_pp_rank"])
+    return prog.plan.predicted["memory_bytes_per_rank"]
+
+
+def describe_roles(prog) -> str:
+    """What each mesh axis does in `prog`'s plan, in a few words: the pipeline axis, the axes the batch is split
+    on (data parallelism), the axes parameters are split on (tensor parallelism, or ZeRO-3's), and ZeRO.
+
+    >>> import autoshard
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=2)
+    >>> describe_roles(autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+    ...                                      hints={"input:0": {"dp": "S(0)"}}))
+    "batch on ['dp']"
+    """
+    parts = []
+    pipeline = prog.plan.pipeline
+    if pipeline:
+        parts.append(f"pipeline over {pipeline['axis']!r} ({pipeline['stages']} stages, "
+                     f"{pipeline['microbatches']} micro-batches, {pipeline['schedule']})")
+    names = [n for n in prog.mesh.names if not pipeline or n != pipeline["axis"]]
+    batch = sorted({names[a] for spec in prog.input_specs for a, p in enumerate(spec) if p == Shard(0)})
+    specs = prog.rank_program.param_specs
+    params = sorted({names[a] for fqn in prog.rank_program.params for a, p in enumerate(specs[fqn])
+                     if isinstance(p, Shard)})
+    if batch:
+        parts.append(f"batch on {batch}")
+    if params:
+        parts.append(f"parameters split on {params}")
+    if prog.zero is not None:
+        parts.append(repr(prog.zero))
+    return ", ".join(parts) or "replicated"
+
+
+def _why(rows: list, chosen: list) -> str:
+    parts = []
+    for row in rows:
+        if "error" in row:
+            parts.append(f"{tuple(row['mesh'])}: no plan ({row['error']})")
+        else:
+            parts.append(f"{tuple(row['mesh'])}: step {row['predicted_step_s']:.3g} s, "
+                         f"{row['memory_bytes_per_rank'] / 2**30:.3g} GiB per device ({row['plan']})")
+    return f"mesh {tuple(chosen)} (fastest predicted step): " + "; ".join(parts)

@@ -1,0 +1,78 @@
+"""parallelize(model, devices=N): the mesh shape chosen by predicted step among the candidate shapes, each planned by
+the compiler; the chosen plan runs and equals the single device."""
+import math
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.cost.model import HardwareProfile
+from autoshard.ir.errors import UserInputError
+from autoshard.search.mesh_search import candidate_shapes, predicted_step_s
+from autoshard.verify.verify import verify_simulated
+from autoshard.zoo import gpt2, mlp
+
+
+@pytest.mark.parametrize("devices", [1, 2, 6, 8, 12, 16, 64, 256, 512])
+@pytest.mark.parametrize("node", [4, 8])
+def test_candidate_shapes_cover_the_devices_once_each_with_the_inner_axis_inside_a_node(devices, node):
+    shapes = candidate_shapes(devices, node)
+    assert shapes and all(math.prod(s) == devices for s in shapes)
+    assert len(shapes) <= 6
+    profile = HardwareProfile(devices_per_node=node)
+    classes = [tuple(sorted((size, profile.link(s, a) == profile.intra_node) for a, size in enumerate(s)))
+               for s in shapes]
+    assert len(set(classes)) == len(classes)  # no two shapes plan alike
+    if devices > node and devices % node == 0:
+        assert shapes[0] == (devices // node, node)  # tensor parallelism across a whole node first
+        assert all(profile.link(s, len(s) - 1) == profile.intra_node for s in shapes)
+
+
+def test_the_chosen_mesh_is_the_fastest_candidate_and_every_candidate_is_explained():
+    model, inputs, loss_fn = gpt2(n_layers=2)
+    prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=4, profile="cpu")
+    rows = prog.plan.search["mesh_candidates"]
+    assert [tuple(r["mesh"]) for r in rows] == candidate_shapes(4, HardwareProfile().devices_per_node)
+    steps = [r["predicted_step_s"] for r in rows if "predicted_step_s" in r]
+    assert predicted_step_s(prog) == min(steps)
+    assert tuple(prog.mesh.shape) == tuple(prog.plan.search["chosen_mesh"])
+    assert all(str(tuple(r["mesh"])) in prog.plan.search["why_mesh"] for r in rows)
+
+
+def test_the_plan_chosen_for_a_number_of_devices_trains_like_the_single_device():
+    model, inputs, loss_fn = gpt2(n_layers=2)
+    report, prog = verify_simulated(model, inputs, loss_fn, mesh=None, devices=4, profile="cpu")
+    assert report.ok, report
+    assert prog.plan.search["chosen_mesh"] == list(prog.mesh.shape)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mesh": (2, 2), "devices": 4}, "not both"),
+    ({"devices": 0}, "positive number of devices"),
+    ({"devices": True}, "positive number of devices"),
+    ({}, "needs mesh= .* or devices="),
+])
+def test_bad_devices_are_told_what_to_do(kwargs, message):
+    model, inputs, loss_fn = mlp(n_layers=2)
+    with pytest.raises(UserInputError, match=message):
+        autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, **kwargs)
+
+
+def test_devices_without_example_inputs_says_how_to_train_the_chosen_plan():
+    model, _, loss_fn = mlp(n_layers=2)
+    with pytest.raises(UserInputError, match="plan once with devices="):
+        autoshard.parallelize(model, loss_fn=loss_fn, devices=4)
+
+
+def test_the_cli_prints_the_chosen_mesh_and_why(capsys):
+    from autoshard.__main__ import main
+    assert main(["plan", "autoshard.zoo:mlp", "--devices", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("4 devices: mesh (") and "fastest predicted step" in out
+    assert main(["plan", "autoshard.zoo:mlp", "--devices", "4", "--axis-names", "dp,tp"]) == 2
+
+
+def test_devices_accepts_a_torch_size_free_int_only():
+    model, inputs, loss_fn = mlp(n_layers=2)
+    with pytest.raises(UserInputError, match="positive number"):
+        autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=torch.tensor(4))
