@@ -13,8 +13,9 @@ COMM_COST and the regions' `autoshard.recompute` marks.
 from __future__ import annotations
 
 from autoshard.cost.model import collective_time
+from autoshard.cost.prediction import node_cost
 from autoshard.ir import meta
-from autoshard.ir.meta import COMM_COST, NODE_COST, RECOMPUTE
+from autoshard.ir.meta import COMM_COST, RECOMPUTE
 
 
 def recompute_seconds(state, node) -> tuple[float, dict]:
@@ -26,11 +27,11 @@ def recompute_seconds(state, node) -> tuple[float, dict]:
     """
     if node.meta.get(meta.KIND) != "comm":
         # NODE_COST counts forward + backward (x3); ops without a tensor output (checks) have none
-        return node.meta.get(NODE_COST, {}).get("seconds", 0.0) / 3, {}
+        return node_cost(node).seconds / 3, {}
     info, mesh = node.meta[meta.COMM], state.mesh
     axis = mesh.axis(info["axis"])
     link = state.options.profile.link(mesh.shape, axis)
-    fwd = node.meta[COMM_COST]["fwd_bytes"]
+    fwd = node.meta[COMM_COST].fwd_bytes
     return collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
 
 
@@ -53,7 +54,7 @@ def region_savings(state, nodes) -> tuple[float, float]:
     >>> saved > 0 and seconds > 0
     True
     """
-    saved = sum(n.meta.get(NODE_COST, {}).get("memory_bytes", 0) for n in dropped_activations(nodes))
+    saved = sum(node_cost(n).memory_bytes for n in dropped_activations(nodes))
     return saved, sum(recompute_seconds(state, n)[0] for n in nodes)
 
 
@@ -62,7 +63,7 @@ def account_recompute(state) -> None:
     forward collectives run twice; a region keeps only its outputs, and while one region is recomputed
     its activations are live again (the largest region counts once).
 
-    >>> prog.plan.predicted["recompute_s"] > 0  # predict called it
+    >>> prog.plan.predicted.recompute_s > 0  # predict called it
     True
     """
     regions = state.recompute_regions
@@ -76,14 +77,15 @@ def account_recompute(state) -> None:
     largest = 0.0
     for nodes in by_region.values():
         saved, _ = region_savings(state, nodes)
-        predicted["memory_bytes_per_rank"] -= int(saved)
+        predicted.memory_bytes_per_rank -= int(saved)
         largest = max(largest, saved)
         for node in nodes:
             seconds, resent = recompute_seconds(state, node)
-            key = "comm_s" if resent else "compute_s"
-            predicted[key] += seconds
-            predicted["step_time_s"] += seconds
+            if resent:
+                predicted.add_comm(seconds)
+            else:
+                predicted.add_compute(seconds)
             for axis, nbytes in resent.items():
-                predicted["comm_bytes_per_step"][axis]["fwd"] += nbytes
-    predicted["memory_bytes_per_rank"] += int(largest)
-    predicted["recompute_s"] = sum(recompute_seconds(state, n)[0] for nodes in by_region.values() for n in nodes)
+                predicted.comm_bytes_per_step[axis].fwd += nbytes
+    predicted.memory_bytes_per_rank += int(largest)
+    predicted.recompute_s = sum(recompute_seconds(state, n)[0] for nodes in by_region.values() for n in nodes)

@@ -21,6 +21,7 @@ The examples use a ZeRO-3 data-parallel MLP (2 ranks):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -153,7 +154,7 @@ def apply_zero(state) -> None:
 
     >>> plain = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
     ...                               hints={"input:0": {"dp": "S(0)"}})
-    >>> prog.plan.predicted["memory_bytes_per_rank"] < plain.plan.predicted["memory_bytes_per_rank"]
+    >>> prog.plan.predicted.memory_bytes_per_rank < plain.plan.predicted.memory_bytes_per_rank
     True
     """
     zero = state.zero
@@ -164,7 +165,7 @@ def apply_zero(state) -> None:
     axis = mesh.axis(zero.axis)
     k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
     f = state.options.optimizer_state_factor
-    sync = predicted["comm_bytes_per_step"][zero.axis]
+    sent = predicted.comm_bytes_per_step[zero.axis]
     seconds = 0.0
     memory = 0
     pipelined = state.options.pipeline is not None
@@ -176,17 +177,15 @@ def apply_zero(state) -> None:
         padded = math.ceil(numel / k) * k * itemsize
         held = int(sum(param_memory(kept, numel, itemsize, zero.stage, k, f, False).values()))
         memory += held
-        sync["sync"] += padded  # the all-gather of the updated chunks
+        sent.sync += padded  # the all-gather of the updated chunks
         extra = all_gather_time(padded, k, link)
         if zero.stage >= 2 and zero.axis in state.grad_reduce.get(node.meta[meta.PATH], ()):
-            sync["sync"] += padded - kept  # a reduce-scatter of the padded gradient, not an all-reduce
+            sent.sync += padded - kept  # a reduce-scatter of the padded gradient, not an all-reduce
             extra += reduce_scatter_time(padded, k, link) - all_reduce_time(kept, k, link)
         seconds += extra
         cost = node.meta.get(NODE_COST)
         if cost is not None:
-            cost["memory_bytes"] = held
-            cost["sync_s"] += extra if pipelined else 0.0
+            node.meta[NODE_COST] = replace(cost, memory_bytes=held, sync_s=cost.sync_s + (extra if pipelined else 0.0))
     memory += memory_breakdown(state)["gathered"]
-    predicted["memory_bytes_per_rank"] = max(0, predicted["memory_bytes_per_rank"] + memory)
-    predicted["comm_s"] += seconds
-    predicted["step_time_s"] += seconds
+    predicted.memory_bytes_per_rank = max(0, predicted.memory_bytes_per_rank + memory)
+    predicted.add_comm(seconds)

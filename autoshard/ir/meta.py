@@ -14,8 +14,8 @@
   input_hint   {axis: {position: Placement}} wanted of an op's inputs by a hint on a module output (annotate)
   attention_hint {axis: "allgather" | "ring" | "alltoall"} an attention's context-parallel strategy (annotate)
   recompute    the recompute region (module path) a node belongs to (recompute)
-  comm_cost    {"fwd_bytes", "bwd_bytes", "seconds"} on a collective (predict)
-  node_cost    {"seconds", "memory_bytes", "sync_s"}: what one node adds (predict)
+  comm_cost    CommCost(fwd_bytes, bwd_bytes, seconds) on a collective (predict; cost/prediction.py)
+  node_cost    NodeCost(seconds, memory_bytes, sync_s): what one node adds (predict; cost/prediction.py)
   stage        the pipeline stage of a node (cut_stages)
   grad         whether the value carries a gradient (normalize, for every node; `needs_grad` derives it by the
                same rule for nodes added later)

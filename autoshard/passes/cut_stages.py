@@ -33,10 +33,10 @@ from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.model import collective_latency
 from autoshard.cost.pipeline_schedule import rank_memory, stage_activations, stage_nodes
+from autoshard.cost.prediction import MemoryParts, node_cost
 from autoshard.frontend.cut_points import find_layers
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
-from autoshard.ir.meta import NODE_COST
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.predict import collective_bytes
 from autoshard.solver.balanced_cut import min_max_cut
@@ -62,9 +62,9 @@ def cut_stages(state) -> None:
     state.pipeline_stages = stage_summary(state, config)
     # Memory per device, not the whole micro-batch program's: the pp rank holding the most (its stages'
     # parameters and its micro-batches in flight under the schedule).
-    worst = max(rank_memory(state, config), key=lambda parts: sum(parts.values()))
-    state.predicted["memory"] = worst
-    state.predicted["memory_bytes_per_rank"] = sum(worst.values())
+    worst = MemoryParts(**max(rank_memory(state, config), key=lambda parts: sum(parts.values())))
+    state.predicted.memory = worst
+    state.predicted.memory_bytes_per_rank = worst.total()
 
 
 
@@ -302,10 +302,10 @@ class CutCosts:
     def __init__(self, state, nodes, config):
         self.n = len(nodes)
         self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
-        seconds = [node.meta.get(NODE_COST, {}).get("seconds", 0.0) for node in nodes] + [0.0]
+        seconds = [node_cost(node).seconds for node in nodes] + [0.0]
         for node, k in op_positions(state.gm.graph, nodes).items():  # ops left out run with their first user
             if k >= self.n or nodes[k] is not node:
-                seconds[min(k, self.n - 1)] += node.meta.get(NODE_COST, {}).get("seconds", 0.0)
+                seconds[min(k, self.n - 1)] += node_cost(node).seconds
         self.prefix = [0.0]
         for t in seconds[:-1]:
             self.prefix.append(self.prefix[-1] + t)
@@ -380,18 +380,18 @@ def stage_summary(state, config) -> list[dict]:
             "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0}
            for s in range(config.num_stages)]
     for node in state.gm.graph.nodes:
-        cost = node.meta.get(NODE_COST, {})
+        cost = node_cost(node)
         if node.op == "placeholder":
             if node.meta.get(meta.KIND) in ("param", "buffer"):
                 for s in sorted({u.meta[meta.STAGE] for u in node.users if meta.STAGE in u.meta}):
-                    out[s]["param_bytes"] += cost.get("memory_bytes", 0)
-                    out[s]["sync_s"] += cost.get("sync_s", 0.0)
+                    out[s]["param_bytes"] += cost.memory_bytes
+                    out[s]["sync_s"] += cost.sync_s
             continue
         if node.op != "call_function":
             continue
         row = out[node.meta[meta.STAGE]]
         row["ops"] += 1
-        row["seconds"] += cost.get("seconds", 0.0)
+        row["seconds"] += cost.seconds
         comm = node.meta.get(meta.COMM)
         if comm:  # the part of a collective's time that does not shrink with the micro-batch
             axis = state.mesh.axis(comm["axis"])

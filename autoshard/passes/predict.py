@@ -1,14 +1,14 @@
 """predict: the plan's predicted step time, communication per mesh axis and memory per rank.
 
-Reads the graph after insert_comm (collective nodes, specs, `autoshard.choice`) and
-`state.grad_reduce`. Writes `autoshard.comm_cost` = {"fwd_bytes", "bwd_bytes", "seconds"} on each
-collective node and `state.predicted` = {"step_time_s", "compute_s", "comm_s", "comm_bytes_per_step":
-{axis: {"fwd", "bwd", "sync"}}, "memory_bytes_per_rank", "memory" (its parts, `memory_parts`),
-"overlapped_step_s"}. Bytes use the runtime's counting convention (all_gather: gathered output; others: the
-rank's input), so `verify --json` can compare them. `step_time_s` assumes communication does not overlap
-compute (an upper bound; the searches compare it); `overlapped_step_s` is the step as the runtime overlaps it
-by default (gradient buckets during backward, ZeRO-3's gathers prefetched and reduce-scatters started in
-backward): autoshard/cost/overlap.py.
+Reads the graph after insert_comm (collective nodes, specs, `autoshard.choice`) and `state.grad_reduce`.
+Writes a CommCost (fwd_bytes, bwd_bytes, seconds) on each collective node, a NodeCost on every node with a
+spec, and `state.predicted`, a Prediction (autoshard/cost/prediction.py): step_time_s, compute_s, comm_s,
+comm_bytes_per_step {axis: AxisBytes(fwd, bwd, sync)}, memory_bytes_per_rank, memory (its parts,
+`memory_parts`), overlapped_step_s, and recompute_s under recomputation. Bytes use the runtime's counting
+convention (all_gather: gathered output; others: the rank's input), so `verify --json` can compare them.
+`step_time_s` assumes communication does not overlap compute (an upper bound; the searches compare it);
+`overlapped_step_s` is the step as the runtime overlaps it by default (gradient buckets during backward,
+ZeRO-3's gathers prefetched and reduce-scatters started in backward): autoshard/cost/overlap.py.
 
 The examples use Megatron's MLP on a 2-way tensor-parallel axis:
 
@@ -31,6 +31,13 @@ from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.model import all_reduce_time, collective_time
 from autoshard.cost.overlap import hidden_seconds
+from autoshard.cost.prediction import (
+    AxisBytes,
+    CommCost,
+    MemoryParts,
+    NodeCost,
+    Prediction,
+)
 from autoshard.cost.recompute_cost import account_recompute
 from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.cost.zero_cost import apply_zero, gather_bytes, memory_breakdown
@@ -68,15 +75,15 @@ def predict(state) -> None:
 
     >>> state = state_before("predict", model, (2,), inputs, loss_fn=loss_fn, axis_names=("tp",), hints=hints)
     >>> predict(state)
-    >>> sorted(state.predicted), state.predicted["comm_bytes_per_step"]["tp"]
-    (['comm_bytes_per_step', 'comm_s', 'compute_s', 'memory', 'memory_bytes_per_rank', 'overlapped_step_s', 'step_time_s'], {'fwd': 1024, 'bwd': 0, 'sync': 0})
+    >>> list(state.predicted), state.predicted.comm_bytes_per_step["tp"]
+    (['step_time_s', 'compute_s', 'comm_s', 'comm_bytes_per_step', 'memory_bytes_per_rank', 'memory', 'overlapped_step_s'], AxisBytes(fwd=1024, bwd=0, sync=0))
     """
     mesh = state.mesh
     profile = state.options.profile
     opt_factor = state.options.optimizer_state_factor
     grad = needs_grad(state.gm.graph)
     saved_per_byte = kept_for_backward(state.gm.graph, grad)  # the ILP's memory row's formula
-    per_axis = {name: {"fwd": 0, "bwd": 0, "sync": 0} for name in mesh.names}
+    per_axis = {name: AxisBytes() for name in mesh.names}
     compute = comm = memory = 0.0
     for node in state.gm.graph.nodes:
         spec = node.meta.get(meta.SPEC)
@@ -87,13 +94,13 @@ def predict(state) -> None:
             axis = mesh.axis(info["axis"])
             fwd, bwd = collective_bytes(node, mesh, grad.get(node, False))
             seconds = collective_time(info["op"], fwd, bwd, mesh.shape[axis], profile.link(mesh.shape, axis))
-            node.meta[COMM_COST] = {"fwd_bytes": fwd, "bwd_bytes": bwd, "seconds": seconds}
-            per_axis[info["axis"]]["fwd"] += fwd
-            per_axis[info["axis"]]["bwd"] += bwd
+            node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
+            per_axis[info["axis"]].fwd += fwd
+            per_axis[info["axis"]].bwd += bwd
             comm += seconds
             saved = int(local_bytes(node, node.meta[meta.SPEC], mesh) * saved_per_byte.get(node, 0.0))
             memory += saved  # a copy an op saves for backward (a gathered parameter or activation)
-            node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": saved, "sync_s": 0.0}
+            node.meta[NODE_COST] = NodeCost(seconds, saved)
             continue
         kept = local_bytes(node, spec, mesh)
         if node.op == "placeholder":
@@ -102,10 +109,10 @@ def predict(state) -> None:
             sync = 0.0
             for axis_name in state.grad_reduce.get(node.meta.get(meta.PATH), ()):
                 axis = mesh.axis(axis_name)
-                per_axis[axis_name]["sync"] += kept
+                per_axis[axis_name].sync += kept
                 sync += all_reduce_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis))
             comm += sync
-            node.meta[NODE_COST] = {"seconds": 0.0, "memory_bytes": held, "sync_s": sync}
+            node.meta[NODE_COST] = NodeCost(0.0, held, sync)
             continue
         choice = node.meta.get(meta.CHOICE, [])
         split = math.prod(mesh.shape[a] for a, c in enumerate(choice) if c.divides_compute)
@@ -118,44 +125,41 @@ def predict(state) -> None:
             seconds, saved = terms.compute_s, saved + int(terms.memory_bytes)
             if terms.ring is not None:  # the ring's messages: its axis's bytes, exposed time in the node's
                 name = mesh.names[terms.ring_axis]
-                per_axis[name]["fwd"] += terms.ring.fwd_bytes
-                per_axis[name]["bwd"] += terms.ring.bwd_bytes
+                per_axis[name].fwd += terms.ring.fwd_bytes
+                per_axis[name].bwd += terms.ring.bwd_bytes
                 comm += terms.comm_s
             compute += terms.compute_s
             seconds += terms.comm_s
         else:
             compute += seconds
         memory += saved
-        node.meta[NODE_COST] = {"seconds": seconds, "memory_bytes": saved, "sync_s": 0.0}
-    state.predicted = {"step_time_s": compute + comm, "compute_s": compute, "comm_s": comm,
-                       "comm_bytes_per_step": per_axis, "memory_bytes_per_rank": int(memory)}
+        node.meta[NODE_COST] = NodeCost(seconds, saved)
+    state.predicted = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
+                                 comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
     account_recompute(state)  # activation checkpointing: recompute time, activations not kept
-    state.predicted["memory"] = memory_parts(state)
-    state.predicted["overlapped_step_s"] = state.predicted["step_time_s"] - hidden_seconds(state)
+    state.predicted.memory = memory_parts(state)
+    state.predicted.overlapped_step_s = state.predicted.step_time_s - hidden_seconds(state)
 
 
-def memory_parts(state) -> dict:
-    """What `state.predicted["memory_bytes_per_rank"]` is made of: {"params", "grads", "optimizer", "gathered"
-    (ZeRO-3's gathered copies), "inputs", "activations" (saved for backward, after recomputation)}; they sum
-    to the total. (The budget is an option, not part of the plan: the same plan serves any budget it fits.)
+def memory_parts(state) -> MemoryParts:
+    """What `state.predicted.memory_bytes_per_rank` is made of: parameters, gradients, optimizer state,
+    ZeRO-3's gathered copies, inputs, activations (saved for backward, after recomputation); they sum to
+    the total. (The budget is an option, not part of the plan: the same plan serves any budget it fits.)
 
-    >>> parts = prog.plan.predicted["memory"]
-    >>> sum(parts.values()) == prog.plan.predicted["memory_bytes_per_rank"]
-    True
+    >>> parts = prog.plan.predicted.memory
+    >>> parts.total() == prog.plan.predicted.memory_bytes_per_rank, sum(parts.values()) == parts.total()
+    (True, True)
     """
-    parts = memory_breakdown(state)  # the trained parameters, ZeRO or not
+    parts = MemoryParts(**memory_breakdown(state))  # the trained parameters, ZeRO or not
     grad = needs_grad(state.gm.graph)
-    parts["inputs"] = 0
     for node in state.gm.graph.nodes:
         if node.op != "placeholder" or meta.SPEC not in node.meta:
             continue
         kept = local_bytes(node, node.meta[meta.SPEC], state.mesh)
         if node.meta.get(meta.KIND) == "input":
-            parts["inputs"] += kept
+            parts.inputs += kept
         elif not grad.get(node):
-            parts["params"] += kept  # frozen parameters and buffers: no gradient, no optimizer state
-    total = state.predicted["memory_bytes_per_rank"]
-    parts["activations"] = max(0, total - sum(parts.values()))
+            parts.params += kept  # frozen parameters and buffers: no gradient, no optimizer state
+    parts.activations = max(0, state.predicted.memory_bytes_per_rank - parts.total())
     return parts
-

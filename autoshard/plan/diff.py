@@ -88,7 +88,7 @@ class PlanDiff:
     `only_after`: node names present in one plan only (a different model or inputs).
 
     >>> before, after = d.totals["step_time_s"]  # d: see the module docstring
-    >>> (before, after) == (dp.plan.predicted["step_time_s"], tp.plan.predicted["step_time_s"])
+    >>> (before, after) == (dp.plan.predicted.step_time_s, tp.plan.predicted.step_time_s)
     True
     """
 
@@ -180,8 +180,7 @@ def diff_plans(before, after) -> PlanDiff:
     collectives += [CollectiveChange(True, *key) for key in sorted((added - removed).elements())]
     grad = {fqn: (tuple(before.grad_reduce.get(fqn, ())), tuple(after.grad_reduce.get(fqn, ())))
             for fqn in sorted(set(before.grad_reduce) | set(after.grad_reduce))}
-    totals = {key: (before.predicted.get(key, 0), after.predicted.get(key, 0))
-              for key, _, _ in _TOTALS if key in before.predicted or key in after.predicted}
+    totals = {key: (getattr(before.predicted, key), getattr(after.predicted, key)) for key, _, _ in _TOTALS}
     return PlanDiff(before, after, placements, collectives, {k: v for k, v in grad.items() if v[0] != v[1]}, totals,
                     _axis_bytes(before, after), [n for n in old if n not in new], [n for n in new if n not in old])
 
@@ -192,7 +191,7 @@ def _collective_counts(plan) -> Counter:
 
 def _axis_bytes(before, after) -> dict:
     def per_axis(plan):
-        return {axis: sum(b.values()) for axis, b in plan.predicted.get("comm_bytes_per_step", {}).items()}
+        return {axis: sent.fwd + sent.bwd + sent.sync for axis, sent in plan.predicted.comm_bytes_per_step.items()}
     old, new = per_axis(before), per_axis(after)
     return {axis: (old.get(axis, 0), new.get(axis, 0)) for axis in dict.fromkeys([*old, *new])}
 

@@ -37,8 +37,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import fields
 from pathlib import Path
 
+from autoshard.cost.prediction import MemoryParts, Prediction
 from autoshard.frontend.hints import Hints
 from autoshard.ir.errors import HintError, PlanError, UserInputError
 from autoshard.ir.json_files import SHORT, read_json_file, short
@@ -56,7 +58,7 @@ _OPTIONAL_TOP_KEYS = ("pipeline", "search")  # pipelined plans / unnamed-mesh se
 _PREDICTED_SECONDS = ("step_time_s", "compute_s", "comm_s")
 _OPTIONAL_PREDICTED_SECONDS = ("recompute_s",  # activation checkpointing's recompute time
                                "overlapped_step_s")  # the step with the runtime's overlap (cost/overlap.py)
-_MEMORY_PARTS = ("params", "grads", "optimizer", "gathered", "inputs", "activations")  # predict.memory_parts
+_MEMORY_PARTS = tuple(f.name for f in fields(MemoryParts))  # what predict.memory_parts splits
 
 
 class PlanFileError(PlanError):
@@ -318,7 +320,7 @@ class _Checker:
             out[fqn] = tuple(axes)
         return out
 
-    def predicted(self, value, mesh: Mesh) -> dict:
+    def predicted(self, value, mesh: Mesh) -> Prediction:
         optional = tuple(k for k in _OPTIONAL_PREDICTED_SECONDS if isinstance(value, dict) and k in value)
         parts = ("memory",) if isinstance(value, dict) and "memory" in value else ()
         keys = (*_PREDICTED_SECONDS, "comm_bytes_per_step", "memory_bytes_per_rank", *optional, *parts)
@@ -335,4 +337,4 @@ class _Checker:
             where = f"predicted.comm_bytes_per_step.{axis}"
             for key in self.obj(per_axis[axis], where, ("fwd", "bwd", "sync"), "bytes per step"):
                 self.count(per_axis[axis][key], f"{where}.{key}")
-        return value
+        return Prediction.from_dict(value)

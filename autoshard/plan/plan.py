@@ -32,6 +32,7 @@ from html import escape
 
 import torch
 
+from autoshard.cost.prediction import NodeCost, Prediction
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
 from autoshard.ir.mesh import Mesh
@@ -97,7 +98,7 @@ class Plan:
     rows: list[PlanRow]
     grad_reduce: dict = field(default_factory=dict)
     hints: dict = field(default_factory=dict)
-    predicted: dict = field(default_factory=dict)
+    predicted: Prediction | None = None  # None only for a Plan built by hand without costs
     _state: object = field(default=None, repr=False, compare=False)
     pipeline: dict = field(default_factory=dict)  # a pipelined program: axis, stages, schedule, cut, stage table
     search: dict = field(default_factory=dict)  # an unnamed mesh: the axis-role candidates and why one won
@@ -128,11 +129,11 @@ class Plan:
             comm = node.meta.get(meta.COMM)
             if comm:
                 row.collective, row.axis = comm["op"], comm["axis"]
-                row.bytes_fwd = node.meta[COMM_COST]["fwd_bytes"]
-                row.bytes_bwd = node.meta[COMM_COST]["bwd_bytes"]
+                row.bytes_fwd = node.meta[COMM_COST].fwd_bytes
+                row.bytes_bwd = node.meta[COMM_COST].bwd_bytes
             rows.append(row)
         hints = state.hints.to_json() if hasattr(state.hints, "to_json") else {}
-        return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, dict(state.predicted), state)
+        return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, state.predicted.copy(), state)
 
     def save(self, path) -> None:
         """Write the plan as JSON (with its fingerprint) for `Plan.load` / `parallelize(..., plan=path)`.
@@ -205,7 +206,7 @@ class Plan:
         return {"version": PLAN_VERSION, "mesh": self.mesh.to_json(), "hints": self.hints,
                 "nodes": [r.to_json() for r in self.rows],
                 "grad_reduce": {k: list(v) for k, v in self.grad_reduce.items()},
-                "predicted": self.predicted,
+                "predicted": {} if self.predicted is None else self.predicted.to_dict(),
                 **({"pipeline": self.pipeline} if self.pipeline else {}),
                 **({"search": self.search} if self.search else {})}
 
@@ -264,8 +265,8 @@ class Plan:
             body.append([r.name, r.op, r.path, r.type, *[repr(p) for p in Spec.parse(r.spec)],
                          "" if stage is None else str(stage), f"{r.collective}@{r.axis}" if r.collective else "",
                          str(r.bytes_fwd or ""), str(r.bytes_bwd or ""),
-                         f"{cost['seconds'] + cost['sync_s']:.3g}" if cost else "",
-                         str(int(cost["memory_bytes"])) if cost else ""])
+                         f"{cost.seconds + cost.sync_s:.3g}" if cost else "",
+                         str(int(cost.memory_bytes)) if cost else ""])
         return head, body
 
     def totals_cells(self, rows=None) -> tuple[list[str], list[list[str]]]:
@@ -275,7 +276,7 @@ class Plan:
         >>> head, body = plan.totals_cells()
         >>> [dict(zip(head, line))["collectives"] for line in body]
         ['0', '1', '1']
-        >>> body[-1][0], float(body[-1][-2]) == float(f"{plan.predicted['step_time_s']:.3g}")
+        >>> body[-1][0], float(body[-1][-2]) == float(f"{plan.predicted.step_time_s:.3g}")
         ('all axes', True)
         """
         rows = self._rows(rows)
@@ -286,7 +287,7 @@ class Plan:
         for name in self.mesh.names:
             comms = [r for r in rows if r.collective and r.axis == name]
             reduced = [r for r in rows if r.kind == "param" and name in self.grad_reduce.get(r.path, ())]
-            seconds = sum(costs[r.name]["seconds"] for r in comms if r.name in costs)
+            seconds = sum(costs[r.name].seconds for r in comms if r.name in costs)
             body.append([name, str(len(comms)), str(sum(r.bytes_fwd for r in comms)),
                          str(sum(r.bytes_bwd for r in comms)), str(len(reduced)),
                          f"{seconds:.3g}" if costs else "", ""])
@@ -294,8 +295,8 @@ class Plan:
         body.append(["all axes", str(sum(1 for r in rows if r.collective)), str(sum(r.bytes_fwd for r in rows)),
                      str(sum(r.bytes_bwd for r in rows)),
                      str(sum(1 for r in rows if r.kind == "param" and self.grad_reduce.get(r.path))),
-                     f"{sum(c['seconds'] + c['sync_s'] for c in shown):.3g}" if costs else "",
-                     str(int(sum(c["memory_bytes"] for c in shown))) if costs else ""])
+                     f"{sum(c.seconds + c.sync_s for c in shown):.3g}" if costs else "",
+                     str(int(sum(c.memory_bytes for c in shown))) if costs else ""])
         return head, body
 
     def table(self, rows=None) -> str:
@@ -361,17 +362,17 @@ class Plan:
         lines = [(f"Plan on {self.mesh!r}: {len(self.rows)} nodes, {len(self.collectives())} collectives, "
                   f"fingerprint {self.fingerprint}"),
                  # A pipeline's rows are one micro-batch's program; its step is the pipeline line's.
-                 (f"  {'one micro-batch' if self.pipeline else 'predicted step'} {p['step_time_s']:.3g} s (compute "
-                  f"{p['compute_s']:.3g} s, communication {p['comm_s']:.3g} s"
-                  + ("" if self.pipeline or "overlapped_step_s" not in p else
-                     f"; {p['overlapped_step_s']:.3g} s overlapped") +
-                  f"), memory per rank {p['memory_bytes_per_rank'] / 2**20:.1f} MiB")]
-        lines += memory_lines(self.predicted, self.hints)
+                 (f"  {'one micro-batch' if self.pipeline else 'predicted step'} {p.step_time_s:.3g} s (compute "
+                  f"{p.compute_s:.3g} s, communication {p.comm_s:.3g} s"
+                  + ("" if self.pipeline or p.overlapped_step_s is None else
+                     f"; {p.overlapped_step_s:.3g} s overlapped") +
+                  f"), memory per rank {p.memory_bytes_per_rank / 2**20:.1f} MiB")]
+        lines += memory_lines(p, self.hints)
         for axis in self.mesh.names:
-            b = self.predicted["comm_bytes_per_step"][axis]
+            b = p.comm_bytes_per_step[axis]
             ops = ", ".join(f"{n} {k}" for k, n in sorted(counts.get(axis, {}).items())) or "none"
-            lines.append(f"  axis {axis} ({roles[axis]}): {ops}; bytes/step fwd {b['fwd']}, bwd {b['bwd']}, "
-                         f"grad sync {b['sync']}")
+            lines.append(f"  axis {axis} ({roles[axis]}): {ops}; bytes/step fwd {b.fwd}, bwd {b.bwd}, "
+                         f"grad sync {b.sync}")
         if self.grad_reduce:
             lines.append(f"  gradients reduced after backward: {len(self.grad_reduce)} parameters "
                          f"(on {sorted({a for v in self.grad_reduce.values() for a in v})})")
@@ -416,11 +417,11 @@ class Plan:
     def __repr__(self) -> str:
         return self.summary() + "\n\n" + self.table()
 
-    def row_costs(self) -> dict:
-        """{node name: predicted {"seconds", "memory_bytes", "sync_s"} per step and rank} from the predict
-        pass; empty for a plan loaded from JSON (which keeps only decisions and totals).
+    def row_costs(self) -> dict[str, NodeCost]:
+        """{node name: its predicted NodeCost (seconds, memory_bytes, sync_s) per step and rank} from the
+        predict pass; empty for a plan loaded from JSON (which keeps only decisions and totals).
 
-        >>> plan.row_costs()["linear_default"]["seconds"] > 0  # forward + backward compute seconds
+        >>> plan.row_costs()["linear_default"].seconds > 0  # forward + backward compute seconds
         True
         """
         if self._state is None:

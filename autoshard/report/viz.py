@@ -472,13 +472,13 @@ def planned_events(plan, label: str = "rank 0"):
             continue
         if row.collective:  # its seconds cover both directions; split them by bytes
             total = (row.bytes_fwd + row.bytes_bwd) or 1
-            steps.append((cost["seconds"] * row.bytes_fwd / total, cost["seconds"] * row.bytes_bwd / total, True))
+            steps.append((cost.seconds * row.bytes_fwd / total, cost.seconds * row.bytes_bwd / total, True))
         else:  # predict charges 3x the forward for forward + backward
-            steps.append((cost["seconds"] / 3, cost["seconds"] * 2 / 3, False))
+            steps.append((cost.seconds / 3, cost.seconds * 2 / 3, False))
     events, t = [], 0.0
     for seconds, kind in [(f, "idle" if c else "F") for f, _, c in steps] + \
             [(b, "idle" if c else "B") for _, b, c in reversed(steps)] + \
-            [(sum(c["sync_s"] for c in costs.values()), "idle")]:
+            [(sum(c.sync_s for c in costs.values()), "idle")]:
         if seconds > 0:
             events.append((label, t, t + seconds, kind, None))
             t += seconds

@@ -15,7 +15,7 @@ recorded in `plan.search["hand_plans"]` with its predicted step and memory or wh
 >>> model, inputs, loss_fn = llama(n_layers=2)
 >>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
 ...                              memory_budget=1.5e6)  # the plan takes 1.05 MB: the budget may bind
->>> [(c["name"], c["predicted_step_s"] >= prog.plan.predicted["step_time_s"]) for c in prog.plan.search["hand_plans"]]
+>>> [(c["name"], c["predicted_step_s"] >= prog.plan.predicted.step_time_s) for c in prog.plan.search["hand_plans"]]
 [('automatic', True), ('ddp', True), ('fsdp', True), ('fsdp_tp', True), ('tp_sp', True)]
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def plan_with_hand_plans(request: CompileRequest) -> Program:
         prog = _plan_quietly(hand, name, plan.description, record, planned)
         if prog is not None:
             _add_recompute_variant(hand, name, plan.description, prog, record, planned)
-    best, caught, chosen = min(planned, key=lambda entry: entry[0].state.predicted["step_time_s"])  # first on a tie
+    best, caught, chosen = min(planned, key=lambda entry: entry[0].state.predicted.step_time_s)  # first on a tie
     for warning in caught:  # a hand plan's warnings are told only when it is the plan returned
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     best.plan.search = dict(best.plan.search, hand_plans=record, chosen_plan=chosen,
@@ -91,7 +91,7 @@ def _add_recompute_variant(request: CompileRequest, name: str, description: str,
     recomputed as far as the budget needs, and the faster of the two counts."""
     if request.options.checkpoint is not None or prog.state.recompute_regions:
         return
-    if prog.state.predicted["memory_bytes_per_rank"] < NEAR_BUDGET * _budget(request):
+    if prog.state.predicted.memory_bytes_per_rank < NEAR_BUDGET * _budget(request):
         return
     _plan_quietly(request.replace(options=request.options.recomputing_as_needed()), f"{name} + recomputation",
                   f"{description}, repeated layers recomputed as the budget needs", record, planned, hand_plan)
@@ -99,9 +99,10 @@ def _add_recompute_variant(request: CompileRequest, name: str, description: str,
 
 def _row(name: str, description: str, prog: Program) -> dict:
     predicted = prog.state.predicted  # not prog.plan: building a losing candidate's Plan costs seconds at scale
-    return {"name": name, "description": description, "predicted_step_s": predicted["step_time_s"],
-            "overlapped_step_s": predicted.get("overlapped_step_s", predicted["step_time_s"]),
-            "memory_bytes_per_rank": predicted["memory_bytes_per_rank"],
+    overlapped = predicted.overlapped_step_s
+    return {"name": name, "description": description, "predicted_step_s": predicted.step_time_s,
+            "overlapped_step_s": predicted.step_time_s if overlapped is None else overlapped,
+            "memory_bytes_per_rank": predicted.memory_bytes_per_rank,
             "savers": repr(prog.zero) if prog.zero is not None else ""}
 
 
@@ -126,7 +127,7 @@ def _hand_plans_may_win(request: CompileRequest, auto: Program) -> bool:
     joint = any(len(stats["axes"]) == mesh.ndim for stats in state.ilp_stats)
     budget = _budget(request)
     binding = state.zero is not None or bool(state.recompute_regions) or \
-        auto.state.predicted["memory_bytes_per_rank"] > BINDING_SHARE * budget
+        auto.state.predicted.memory_bytes_per_rank > BINDING_SHARE * budget
     return not joint or binding
 
 

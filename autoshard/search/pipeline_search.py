@@ -166,8 +166,8 @@ def _search_axes(request: CompileRequest, opts: dict):
     mesh = request.mesh
     try:
         flat = plan_with_hand_plans(request)
-        candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted["step_time_s"]}]
-        best_step = flat.plan.predicted["step_time_s"]
+        candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted.step_time_s}]
+        best_step = flat.plan.predicted.step_time_s
     except AutoshardError as exc:  # e.g. no intra-op plan fits the memory budget: a pipeline may
         flat, flat_error, best_step = None, exc, float("inf")
         candidates = [{"axis": None, "error": str(exc).splitlines()[0]}]

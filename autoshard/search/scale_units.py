@@ -24,6 +24,7 @@ import torch
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import is_matmul_like, local_bytes, node_flops
 from autoshard.cost.model import collective_latency
+from autoshard.cost.prediction import node_cost
 from autoshard.cost.recompute_cost import recompute_seconds, region_savings
 from autoshard.frontend.cut_points import LayerSequence, find_layers
 from autoshard.ir import meta
@@ -105,7 +106,7 @@ def selective_savings(state, nodes) -> tuple[float, float, float]:
         seconds += recompute_seconds(state, node)[0]
         flops += node_flops(node) if is_matmul_like(node) else 0.0
         if all(u in members for u in node.users):
-            saved += node.meta.get(NODE_COST, {}).get("memory_bytes", 0)
+            saved += node_cost(node).memory_bytes
     return saved, seconds, flops
 
 
@@ -137,12 +138,12 @@ def units_of(state, profile) -> tuple[list[Unit], list]:
         unit = units[of[node]]
         if k == 0 or of[ops[k - 1]] != of[node]:
             unit.in_bytes = fwd[k] + bwd[k]
-        cost = node.meta.get(NODE_COST, {})
-        unit.seconds += cost.get("seconds", 0.0)
-        unit.activation_bytes += cost.get("memory_bytes", 0)
+        cost = node_cost(node)
+        unit.seconds += cost.seconds
+        unit.activation_bytes += cost.memory_bytes
         comm = node.meta.get(meta.COMM)
         if comm and node.args[0].op == "placeholder":  # a weight's collective: as long whatever the micro-batch
-            unit.fixed_s += cost.get("seconds", 0.0)
+            unit.fixed_s += cost.seconds
         elif comm:
             axis = mesh.axis(comm["axis"])
             unit.fixed_s += collective_latency(comm["op"], *collective_bytes(node, mesh), mesh.shape[axis],
@@ -162,11 +163,11 @@ def units_of(state, profile) -> tuple[list[Unit], list]:
         cost = node.meta[NODE_COST]
         grads = [local_bytes(node, node.meta[meta.SPEC], mesh)] if grad.get(node) else []
         if len(used) == 1:
-            units[used[0]].param_bytes += cost["memory_bytes"]
+            units[used[0]].param_bytes += cost.memory_bytes
             units[used[0]].grad_bytes += grads
-            units[used[0]].sync_s += cost["sync_s"]
+            units[used[0]].sync_s += cost.sync_s
         elif used:
-            shared.append((cost["memory_bytes"], cost["sync_s"], grads, tuple(used)))
+            shared.append((cost.memory_bytes, cost.sync_s, grads, tuple(used)))
     return units, shared
 
 

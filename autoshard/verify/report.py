@@ -176,6 +176,6 @@ def compare(program, ref: dict, ranks: dict, options: VerifyOptions, noise: dict
             got = program.assemble(blocks, program.param_spec(name))
             track(kind, fqn, got, expected, fqn)
     report.collectives = ranks[0]["counts"]
-    report.predicted = program.plan.predicted
+    report.predicted = program.plan.predicted.to_dict()  # the dict form: verify --json prints it
     report.random_ops = len(program.random_ops)
     return report
