@@ -90,21 +90,21 @@ def step_works(state) -> list[Work]:
             continue
         if node.op == "placeholder":
             axes = state.grad_reduce.get(node.meta.get(meta.PATH), ())
-            if cost["sync_s"] > 0 and axes and node.users:
+            if cost.sync_s > 0 and axes and node.users:
                 first = min(position[u] for u in node.users)
-                released.setdefault(first, []).append(Work("async", cost["sync_s"], axes[0], "S"))
+                released.setdefault(first, []).append(Work("async", cost.sync_s, axes[0], "S"))
             continue
         if node.meta.get(meta.KIND) == "comm":
             info, comm = node.meta[meta.COMM], node.meta[COMM_COST]
             axis = mesh.axis(info["axis"])
-            fwd = collective_time(info["op"], comm["fwd_bytes"], 0, mesh.shape[axis],
+            fwd = collective_time(info["op"], comm.fwd_bytes, 0, mesh.shape[axis],
                                   state.options.profile.link(mesh.shape, axis))
             kind = "async" if info["op"] in _ASYNC_COLLECTIVES else "blocking"
             forward.append(Work(kind, fwd, info["axis"], "C"))
-            backward.append([Work(kind, comm["seconds"] - fwd, info["axis"], "C")])
+            backward.append([Work(kind, comm.seconds - fwd, info["axis"], "C")])
         else:
-            forward.append(Work("compute", cost["seconds"] / 3, label="F"))  # NODE_COST: forward + 2x backward
-            backward.append([Work("compute", cost["seconds"] * 2 / 3, label="B")])
+            forward.append(Work("compute", cost.seconds / 3, label="F"))  # NODE_COST: forward + 2x backward
+            backward.append([Work("compute", cost.seconds * 2 / 3, label="B")])
         backward[-1] += released.pop(position[node], [])
     return forward + [w for works in reversed(backward) for w in works]
 

@@ -24,11 +24,12 @@ import torch
 
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import local_bytes
+from autoshard.cost.prediction import node_cost
 from autoshard.cost.recompute_cost import region_savings
 from autoshard.cost.zero_cost import memory_breakdown
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
-from autoshard.ir.meta import NODE_COST, RECOMPUTE
+from autoshard.ir.meta import RECOMPUTE
 
 
 def schedule_order(config) -> dict[int, list[tuple]]:
@@ -168,6 +169,6 @@ def stage_activations(state, per_stage) -> tuple[dict, dict]:
             if node.meta.get(RECOMPUTE):
                 regions.setdefault(node.meta[RECOMPUTE], []).append(node)
         savings = [region_savings(state, members)[0] for members in regions.values()]
-        kept[stage] = sum(n.meta.get(NODE_COST, {}).get("memory_bytes", 0) for n in ops) - sum(savings)
+        kept[stage] = sum(node_cost(n).memory_bytes for n in ops) - sum(savings)
         largest[stage] = max(savings, default=0)
     return kept, largest

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autoshard.cost.prediction import Prediction
 from autoshard.frontend.request import CompileOptions
 from autoshard.ir import meta
 from autoshard.ir.mesh import Mesh
@@ -59,7 +60,7 @@ class CompileState:
     memory_savers: object = None  # solve: the MemorySavers its memory row assumed; zero and recompute apply them
     zero: object = None  # zero: ZeroConfig or None
     recompute_regions: list = field(default_factory=list)  # recompute: module paths, graph order
-    predicted: dict | None = None  # predict: step time, communication, memory
+    predicted: Prediction | None = None  # predict: step time, communication, memory (cost/prediction.py)
     pipeline_stages: list | None = None  # cut_stages: one summary dict per stage
     fold: object = None  # compile_state: the Fold when three repeated layers stand for all (frontend/fold.py)
 

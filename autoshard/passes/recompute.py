@@ -119,7 +119,7 @@ def _auto_regions(state, ops, layers) -> list[str]:
     if budget is None or not layers:
         return []
     predict(state)
-    memory = state.predicted["memory_bytes_per_rank"]
+    memory = state.predicted.memory_bytes_per_rank
     members: dict = {layer: [] for layer in layers}  # each layer's ops, in one walk over their paths' prefixes
     for node in ops:
         parts = node.meta.get(meta.PATH, "").split(".")

@@ -74,11 +74,11 @@ def predicted_step_s(prog) -> float:
     >>> from autoshard.zoo import mlp
     >>> model, inputs, loss_fn = mlp(n_layers=2)
     >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",))
-    >>> predicted_step_s(prog) == prog.plan.predicted["step_time_s"]
+    >>> predicted_step_s(prog) == prog.plan.predicted.step_time_s
     True
     """
     pipeline = prog.plan.pipeline
-    return pipeline["predicted_step_s"] if pipeline else prog.plan.predicted["step_time_s"]
+    return pipeline["predicted_step_s"] if pipeline else prog.plan.predicted.step_time_s
 
 
 def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
@@ -124,7 +124,7 @@ def _memory(prog) -> float:
     pipeline = prog.plan.pipeline
     if pipeline and pipeline.get("memory_bytes_per_pp_rank"):
         return max(pipeline["memory_bytes_per_pp_rank"])
-    return prog.plan.predicted["memory_bytes_per_rank"]
+    return prog.plan.predicted.memory_bytes_per_rank
 
 
 def describe_roles(prog) -> str:
