@@ -25,7 +25,7 @@ import traceback
 
 from autoshard.api import parallelize
 from autoshard.cost.calibrate import calibrate_command
-from autoshard.cost.model import load_profile
+from autoshard.cost.profiles import load_profile
 from autoshard.frontend.factory import make_case
 from autoshard.frontend.hints import Hints
 from autoshard.frontend.request import DEFAULT_HEADROOM

@@ -1,6 +1,6 @@
 """`parallelize`: plan a model on a mesh and return its Program (or PipelineProgram) -- the entry point.
 It resolves the mesh, hints and options once, lets the pipeline search decide whether to pipeline, and
-otherwise compiles the intra-op program (autoshard/passes/pipelines.py).
+otherwise compiles the intra-op program (autoshard/passes/pass_lists.py).
 
 Megatron's tensor parallelism of a two-layer MLP, every parameter's placement given:
 

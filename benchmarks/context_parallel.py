@@ -53,7 +53,7 @@ def _quiet():
 
 def predicted_at_scale(seq: int = SCALE_SEQ) -> list:
     import autoshard
-    from autoshard.cost.model import load_profile
+    from autoshard.cost.profiles import load_profile
     from autoshard.zoo.transformers_families import HINTS, llama3
     _quiet()
     tp = {k: v for k, v in HINTS["llama"].items() if "tp" in v}
@@ -156,7 +156,7 @@ def measured_on_gloo(seq: int, dim: int = 256, heads: int = 4, batch: int = 1) -
 
 def planner_choice(seqs=(8192, 32768, 131072)) -> list:
     import autoshard
-    from autoshard.cost.model import load_profile
+    from autoshard.cost.profiles import load_profile
     from autoshard.strategies.attention import method_of
     from autoshard.zoo.transformers_families import llama3
     _quiet()

@@ -19,7 +19,7 @@ from autoshard.catalogue import hand_plans as catalogue
 from autoshard.catalogue.roles import model_roles
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.trace import reuse_exports
-from autoshard.passes.pipelines import trace_for_plan
+from autoshard.passes.pass_lists import trace_for_plan
 from autoshard.zoo import moe_llama
 from autoshard.zoo.transformers_families import llama3
 

@@ -121,7 +121,7 @@ def plan_choices(quick: bool, shapes=None, mesh=MESH, batch=BATCH, seq=SEQ, grou
     import torch
 
     import autoshard
-    from autoshard.cost.model import load_profile
+    from autoshard.cost.profiles import load_profile
     from autoshard.zoo.moe import moe_llama
     rows = []
     profile = load_profile("h100")
@@ -169,7 +169,7 @@ def report(byte_rows, choice_rows) -> tuple[str, list]:
         "bytes per element / (ranks the groups are split over), C = ceil(capacity factor x S x k / E); of "
         "each block (ep-1)/ep leaves the rank. The 4: dispatch and combine, forward and backward. The cost "
         "model prices each with `all_to_all_time` ((k-1)/k of the block over the link plus (k-1) latencies; "
-        "autoshard/cost/model.py, the one formula every all-to-all uses). With fixed capacity the routing "
+        "autoshard/cost/profiles.py, the one formula every all-to-all uses). With fixed capacity the routing "
         "(balanced, skewed or dropping) changes neither the bytes nor the compute: load imbalance shows as "
         "dropped tokens, not as time.\n\n"
         f"Zoo MoE LLaMA, {LAYERS} layers, width {DIM}, group size {GROUP}, batch {BYTES_BATCH} x 16 tokens, "

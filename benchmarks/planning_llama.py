@@ -1,7 +1,7 @@
 """Benchmark 8, planning at scale on paper against torchtitan's published Llama 3.1 runs on H100 clusters:
 autoshard's choice of (data, tensor, pipeline) degrees, ZeRO stage over dp, micro-batches and recomputation
 next to torchtitan's configuration, both predicted by autoshard's cost model on the calibrated H100-80GB
-profile (autoshard/cost/model.py), and the predicted tokens/s/GPU next to the measured one.
+profile (autoshard/cost/profiles.py), and the predicted tokens/s/GPU next to the measured one.
 
 Sources (pytorch/torchtitan at b5bcd76c66d0acb1a08b176d9639425bc55e0b2a):
 - benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, torch 1963fc8, December 2024), Tables 1, 3
@@ -62,7 +62,7 @@ def searches(quick: bool):
     """One ScaleSearch (one export) per model, re-used for each of its runs."""
     import torch
 
-    from autoshard.cost.model import H100_80GB
+    from autoshard.cost.profiles import H100_80GB
     from autoshard.search.scale_search import ScaleSearch
     from autoshard.zoo import llama
     for name, (layers, dim, heads, kv, ffn) in MODELS.items():
@@ -130,7 +130,7 @@ def report(results, peak: float, nominal: float) -> tuple[str, list, list]:
         + table(headers, rows) + "\n\n"
         "Predicted against measured throughput (tokens/s/GPU = global batch x 8192 / (step x GPUs)):\n\n"
         + table(detail_headers, detail) + "\n\n"
-        f"The H100-80GB profile (autoshard/cost/model.py) is calibrated: matmuls at {peak / 1e12:.0f} TFLOP/s "
+        f"The H100-80GB profile (autoshard/cost/profiles.py) is calibrated: matmuls at {peak / 1e12:.0f} TFLOP/s "
         f"(0.75 of the {nominal / 1e12:.0f} TFLOP/s dense bf16 peak: large cuBLAS GEMMs sustain 70-80% of it), "
         "other ops at 0.9 x 3.35 TB/s of HBM3, NVLink at 360 GB/s bus bandwidth (0.8 x 450 GB/s per direction: "
         "nccl-tests' ring figure without NVLink SHARP), InfiniBand at 40 GB/s per GPU (0.8 x 400 Gb/s), 5 and 10 "
@@ -178,7 +178,7 @@ def report(results, peak: float, nominal: float) -> tuple[str, list, list]:
 
 
 def main(quick: bool = False) -> None:
-    from autoshard.cost.model import H100_80GB, H100_BF16_PEAK
+    from autoshard.cost.profiles import H100_80GB, H100_BF16_PEAK
     start = time.perf_counter()
     results = []
     for name, search, export_s in searches(quick):

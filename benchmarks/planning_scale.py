@@ -40,7 +40,7 @@ def plan_model(row, seq: int = SEQ, vocab: int = VOCAB, profile=None) -> dict:
     L/pp layers per stage, every layer recomputed)."""
     import torch
 
-    from autoshard.cost.model import A100_80GB
+    from autoshard.cost.profiles import A100_80GB
     from autoshard.search.scale_search import ScaleSearch
     from autoshard.zoo import gpt2
     name, heads, hidden, layers, tp, pp, gpus, batch, achieved = row

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.cost.model import HardwareProfile, Link, all_reduce_time
+from autoshard.cost.collective_time import all_reduce_time
+from autoshard.cost.profiles import HardwareProfile, Link
 
 
 class MLP(nn.Module):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.cost.model import CPU_PROFILE, HardwareProfile, load_profile
+from autoshard.cost.profiles import CPU_PROFILE, HardwareProfile, load_profile
 from autoshard.solver.errors import MemoryBudgetError
 from autoshard.zoo import gpt2, llama
 

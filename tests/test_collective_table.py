@@ -9,9 +9,9 @@ import torch
 from autoshard.ir.collective_table import TABLE, collective_for, direction_bytes
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import P, R, S, Spec
+from autoshard.ir.redistribute import plan_redistribute
 from autoshard.runtime.collectives import COLLECTIVES
 from autoshard.runtime.simulator import run_on_mesh
-from autoshard.ir.redistribute import plan_redistribute
 
 ARGS = {"all_reduce": (), "grad_all_reduce": (), "all_gather": (0,), "chunk": (0,), "reduce_scatter": (0,),
         "all_gather_sum_grad": (0,), "all_to_all": (0, 1)}

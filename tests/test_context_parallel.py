@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard.cost.attention_cost import RingBlocks, ring_cost
-from autoshard.cost.model import Link
+from autoshard.cost.profiles import Link
 from autoshard.frontend.hints import Hints
 from autoshard.ir.errors import HintError, UserInputError
 from autoshard.ir.mesh import Mesh

@@ -254,7 +254,7 @@ def test_constrain_partial_activation():
 def test_pipeline_search_exports_each_shape_once(monkeypatch):
     """Unnamed (2,2) mesh, 2 devices per node: the search plans no pipeline and a pipeline over each axis
     (inter- and intra-node differ). Both pipelines trace the same micro-batch shapes: one export each."""
-    from autoshard.cost.model import HardwareProfile
+    from autoshard.cost.profiles import HardwareProfile
     exports = []
     export = torch.export.export
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(a[1][0].shape) or export(*a, **k))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.cost.model import HardwareProfile
+from autoshard.cost.profiles import HardwareProfile
 from autoshard.ir.errors import UserInputError
 from autoshard.search.mesh_search import candidate_shapes, predicted_step_s
 from autoshard.verify.verify import verify_simulated

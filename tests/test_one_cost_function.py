@@ -1,4 +1,4 @@
-"""The ILP's objective and predict's step come from one cost model (autoshard/cost/model.py's collective table,
+"""The ILP's objective and predict's step come from one cost model (autoshard/cost/profiles.py's collective table,
 axis_cost's compute and memory): the chosen plan's objective (`state.objective_s`, the joint ILP
 evaluated at the choice) equals the step `predict` reports for the emitted program.
 
@@ -14,7 +14,7 @@ import pytest
 
 import autoshard
 from autoshard import zoo
-from autoshard.cost.model import HardwareProfile, Link
+from autoshard.cost.profiles import HardwareProfile, Link
 from autoshard.ir import meta
 from autoshard.ir.meta import NODE_COST
 from autoshard.ir.placement import Shard

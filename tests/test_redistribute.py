@@ -26,9 +26,9 @@ from autoshard.ir.placement import (
     shard_tensor,
     unshard_tensors,
 )
+from autoshard.ir.redistribute import Step, plan_redistribute
 from autoshard.runtime import collectives
 from autoshard.runtime.thread_communicator import ThreadCommunicator, ThreadHub
-from autoshard.ir.redistribute import Step, plan_redistribute
 
 # --- helpers -------------------------------------------------------------------------------------
 

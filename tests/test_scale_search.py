@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.cost.model import H100_80GB, HardwareProfile, Link, load_profile
+from autoshard.cost.profiles import H100_80GB, HardwareProfile, Link, load_profile
 from autoshard.search import scale_search
 from autoshard.search.pipeline_search import predicted_step
 from autoshard.search.scale_search import ScaleSearch

@@ -20,7 +20,7 @@ import os
 import pytest
 
 from autoshard.api import parallelize
-from autoshard.cost.model import HardwareProfile
+from autoshard.cost.profiles import HardwareProfile
 from autoshard.ir.errors import ExportError
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import transformers_families as families

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from autoshard.cost.model import HardwareProfile
+from autoshard.cost.profiles import HardwareProfile
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import transformers_moe
 

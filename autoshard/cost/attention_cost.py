@@ -15,7 +15,7 @@ per rank, with kv = the rank's key + value block bytes and k the axis size:
   keeps the attention weights for backward: rows x keys per head; a ring holds one chunk pair at a time and
   keeps only the output and each row's log-sum-exp.
 
->>> from autoshard.cost.model import Link
+>>> from autoshard.cost.profiles import Link
 >>> link = Link(alpha=1e-5, bandwidth=1e9)
 >>> ring_cost(k=4, causal=False, blocks=RingBlocks(q=1e6, kv=2e6, out=1e6), compute_s=0.0, link=link)
 RingCost(fwd_bytes=6000000, bwd_bytes=14000000, seconds=0.0201)
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.cost.model import all_to_all_time
+from autoshard.cost.collective_time import all_to_all_time
 from autoshard.strategies.base import argument
 
 
@@ -144,7 +144,7 @@ def attention_terms(node, strategies: dict, mesh, profile, compute_s: float, in_
 
     >>> import torch
     >>> from autoshard.ir.mesh import Mesh
-    >>> from autoshard.cost.model import CPU_PROFILE
+    >>> from autoshard.cost.profiles import CPU_PROFILE
     >>> from autoshard.strategies.attention import _attention
     >>> from autoshard.strategies.base import RuleContext
     >>> graph = torch.fx.Graph()

@@ -10,8 +10,8 @@ op that splits its work gets a partial gradient, all-reduced in backward (`comm_
 parameter with its gradient and optimizer state, an input, or what autograd saves for backward of its
 output's storage (autoshard/cost/saved_tensors.py, the formula predict shares).
 
->>> from autoshard.cost.model import HardwareProfile
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.cost.profiles import HardwareProfile
+>>> from autoshard.passes.pass_lists import state_before
 >>> from autoshard.ir.placement import R, S
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("dp",))
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.cost.attention_cost import attention_terms
+from autoshard.cost.collective_time import INF, all_reduce_time, conversion_time
 from autoshard.cost.flops import is_matmul_like, node_bytes, node_flops
-from autoshard.cost.model import INF, all_reduce_time, conversion_time
 from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard

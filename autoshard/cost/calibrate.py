@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autoshard.cost.model import CPU_PROFILE, HardwareProfile, Link
+from autoshard.cost.profiles import CPU_PROFILE, HardwareProfile, Link
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.launch import communicator_for, run_distributed
 

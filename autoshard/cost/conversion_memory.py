@@ -90,7 +90,7 @@ def conversion_memory(problem_nodes, axes, combos, choices, class_of, split, gra
     parameter is gathered on per use (None otherwise); `dropped` the ops whose activations are recomputed.
 
     >>> import torch
-    >>> from autoshard.passes.pipelines import state_before
+    >>> from autoshard.passes.pass_lists import state_before
     >>> from autoshard.cost.axis_cost import needs_grad
     >>> from autoshard.cost.saved_tensors import kept_split
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

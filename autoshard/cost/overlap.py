@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.cost.model import collective_time
+from autoshard.cost.collective_time import collective_time
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST, NODE_COST
 

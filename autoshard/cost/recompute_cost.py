@@ -12,7 +12,7 @@ COMM_COST and the regions' `autoshard.recompute` marks.
 """
 from __future__ import annotations
 
-from autoshard.cost.model import collective_time
+from autoshard.cost.collective_time import collective_time
 from autoshard.cost.prediction import node_cost
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST, RECOMPUTE

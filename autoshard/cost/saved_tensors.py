@@ -13,7 +13,7 @@ parameters are saved as shards (autoshard/runtime/zero_gather.py): not kept here
 are zero_cost's `gathered`. Ops the probe cannot run are assumed to keep their output (conservative).
 
 >>> import torch
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> from autoshard.cost.axis_cost import needs_grad
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("dp",))

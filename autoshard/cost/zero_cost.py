@@ -1,5 +1,5 @@
 """What ZeRO costs and saves per rank: memory of parameters, gradients and optimizer state, and the
-collectives the ZeroOptimizer and `param_all_gather` run (runtime byte convention, autoshard/cost/model.py).
+collectives the ZeroOptimizer and `param_all_gather` run (runtime byte convention, autoshard/cost/profiles.py).
 
 Per parameter (bytes `kept` on this rank under its spec, optimizer state `f` x parameter):
   no ZeRO                         params kept, grads kept, optimizer f * kept
@@ -26,12 +26,12 @@ from dataclasses import replace
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
-from autoshard.cost.model import (
-    DEFAULT_PROFILE,
+from autoshard.cost.collective_time import (
     all_gather_time,
     all_reduce_time,
     reduce_scatter_time,
 )
+from autoshard.cost.profiles import DEFAULT_PROFILE
 from autoshard.ir import meta
 from autoshard.ir.meta import NODE_COST
 from autoshard.ir.placement import Shard

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from autoshard.cost.model import DEFAULT_PROFILE, HardwareProfile, load_profile
+from autoshard.cost.profiles import DEFAULT_PROFILE, HardwareProfile, load_profile
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.mixed_precision import Policy, resolve_policy

@@ -8,7 +8,7 @@ hints disagree about one tensor on one axis (errors name both keys).
 
 The examples annotate a two-layer MLP:
 
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> state = state_before("annotate", model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),

@@ -123,7 +123,7 @@ class CheckPlan:
 class ApplyPlan:
     """The pass, in solve's place: `ApplyPlan(plan)(state)`.
 
-    >>> from autoshard.passes.pipelines import state_before
+    >>> from autoshard.passes.pass_lists import state_before
     >>> state = state_before("solve", model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=hints)
     >>> ApplyPlan(prog.plan)(state)
     >>> next(n for n in state.gm.graph.nodes if n.name == "inputs_0").meta["autoshard.spec"]

@@ -15,7 +15,7 @@ between the matmuls. The fused op computes the same values (torch's math kernel:
 split between q and k, so float rounding differs).
 
 >>> import torch
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> class Eager(torch.nn.Module):
 ...     def forward(self, q, k, v):
 ...         scores = q @ k.transpose(-2, -1) / 2.0

@@ -30,8 +30,8 @@ import operator
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.collective_time import collective_latency
 from autoshard.cost.flops import local_bytes
-from autoshard.cost.model import collective_latency
 from autoshard.cost.pipeline_schedule import rank_memory, stage_activations, stage_nodes
 from autoshard.cost.prediction import MemoryParts, node_cost
 from autoshard.frontend.cut_points import find_layers

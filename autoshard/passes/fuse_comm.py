@@ -14,7 +14,7 @@ before the reduce-scatter): FSDP2's param_dtype / reduce_dtype, half the gather 
 Invariant: the values and gradients every rank computes are unchanged; specs are unchanged.
 
 >>> import torch
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 8))
 >>> hints = {"1:output": {"tp": "S(0)"}, "2.weight": {"tp": "S(0)"}}  # tokens split, then column parallel
 >>> state = state_before("fuse_comm", net, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=hints)

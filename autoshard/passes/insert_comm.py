@@ -15,7 +15,7 @@ its gradient. Invariant: every edge's producer spec equals its consumer's requir
 gradient arrives in its dual placement.
 
 >>> import torch
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
 >>> state = state_before("insert_comm", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
@@ -28,9 +28,9 @@ from torch import fx
 from autoshard.ir import meta
 from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Shard, Spec
+from autoshard.ir.redistribute import plan_redistribute
 from autoshard.passes.contract import compiler_pass
 from autoshard.runtime.collectives import COLLECTIVES
-from autoshard.ir.redistribute import plan_redistribute
 from autoshard.strategies import tensor_inputs
 from autoshard.strategies.base import is_tensor_value
 

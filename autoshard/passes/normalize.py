@@ -43,7 +43,7 @@ def normalize(state) -> None:
     and the default loss's mean a sum divided by the global count:
 
     >>> import torch
-    >>> from autoshard.passes.pipelines import state_before
+    >>> from autoshard.passes.pass_lists import state_before
     >>> state = state_before("normalize", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
     >>> normalize(state)
     >>> [str(n.target) for n in state.gm.graph.nodes if n.op == "call_function"]

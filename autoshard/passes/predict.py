@@ -13,7 +13,7 @@ ZeRO-3's gathers prefetched and reduce-scatters started in backward): autoshard/
 The examples use Megatron's MLP on a 2-way tensor-parallel axis:
 
 >>> import autoshard
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> hints = {"layers.0.weight": {"tp": "S(0)"}, "layers.0.bias": {"tp": "S(0)"}, "layers.1.weight": {"tp": "S(1)"},
@@ -28,8 +28,8 @@ import torch
 
 from autoshard.cost.attention_cost import attention_terms
 from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
+from autoshard.cost.collective_time import all_reduce_time, collective_time
 from autoshard.cost.flops import local_bytes
-from autoshard.cost.model import all_reduce_time, collective_time
 from autoshard.cost.overlap import hidden_seconds
 from autoshard.cost.prediction import (
     AxisBytes,

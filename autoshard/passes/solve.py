@@ -29,7 +29,7 @@ reduction of replicated parameters is not charged (sharding the batch *is* the u
 parallelism).
 
 >>> import torch
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> megatron = {"0.weight": {"tp": "S(0)"}, "2.weight": {"tp": "S(1)"}}
 >>> state = state_before("solve", mlp, (2,), (torch.randn(8, 4),), axis_names=("tp",), hints=megatron)
@@ -44,15 +44,15 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard.cost.axis_cost import AxisCostModel, needs_grad
-from autoshard.cost.conversion_memory import conversion_memory
-from autoshard.cost.flops import node_bytes
-from autoshard.cost.model import (
+from autoshard.cost.collective_time import (
     INF,
     all_gather_time,
     all_reduce_time,
     fused_gather_saving,
     redistribution_time,
 )
+from autoshard.cost.conversion_memory import conversion_memory
+from autoshard.cost.flops import node_bytes
 from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.frontend.request import headroom_budget

@@ -1,7 +1,7 @@
 """Invariant checks run between passes in tests and debug mode; errors name node, placement and axis.
 
 >>> import torch
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> from autoshard.ir.placement import Spec, S
 >>> state = state_before("codegen", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
 >>> verify_state(state, after="predict", invariants=("edges_match",))  # as the passes left it: fine

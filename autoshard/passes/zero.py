@@ -15,7 +15,7 @@ treated as in stage 2.
 The examples ask for ZeRO-3 on the data-parallel axis of a two-layer MLP:
 
 >>> import autoshard
->>> from autoshard.passes.pipelines import state_before
+>>> from autoshard.passes.pass_lists import state_before
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> hints = {"input:0": {"dp": "S(0)"}}

@@ -8,7 +8,7 @@ the step's loss is the mean over micro-batches and the gradients are summed then
 number: equal to one full-batch step for batch-mean losses (the default loss and cross-entropy).
 
 >>> import autoshard
->>> from autoshard.cost.model import DEFAULT_PROFILE
+>>> from autoshard.cost.profiles import DEFAULT_PROFILE
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=3)
 >>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from autoshard.cost.model import Link
+from autoshard.cost.profiles import Link
 from autoshard.frontend.request import CompileRequest
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.passes.pipelines import compile_state
+from autoshard.passes.pass_lists import compile_state
 from autoshard.program.pipeline_program import PipelineProgram
 
 # Our names -> torch.distributed.pipelining schedule class names (get_schedule_class).

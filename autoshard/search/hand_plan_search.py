@@ -31,7 +31,7 @@ from autoshard.frontend.request import CompileRequest, headroom_budget
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError
 from autoshard.ir.warn_once import warning_scope
-from autoshard.passes.pipelines import compile_state, trace_for_plan
+from autoshard.passes.pass_lists import compile_state, trace_for_plan
 from autoshard.program.program import Program
 
 log = logging.getLogger(__name__)

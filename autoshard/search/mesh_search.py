@@ -26,7 +26,7 @@ import logging
 import math
 import time
 
-from autoshard.cost.model import HardwareProfile
+from autoshard.cost.profiles import HardwareProfile
 from autoshard.frontend.request import CompileRequest
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh

@@ -117,7 +117,7 @@ def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> fl
     """The predicted step with `m` micro-batches from stage times measured at `m0`: the bandwidth and
     compute parts scale with the micro-batch size, the latencies (collectives, stage sends) do not.
 
-    >>> from autoshard.cost.model import Link
+    >>> from autoshard.cost.profiles import Link
     >>> stages = [{"seconds": 1.0, "sync_s": 0.0}, {"seconds": 1.0, "sync_s": 0.0}]
     >>> estimate_step(stages, m0=2, m=4, virtual=1, link=Link(0.0, 1e9))  # half the time per micro-batch, 4 + 1
     2.5

@@ -33,7 +33,7 @@ the full (pp, dp, tp) mesh (slow -> fast). That plan serves every (dp, tp, pp) w
 
 >>> candidate_degrees(32, 8, n_layers=24)[:4]
 [(32, 1, 1), (16, 1, 2), (8, 1, 4), (4, 1, 8)]
->>> from autoshard.cost.model import H100_80GB
+>>> from autoshard.cost.profiles import H100_80GB
 >>> H100_80GB.link((4, 8), 1) == H100_80GB.intra_node, H100_80GB.link((4, 8), 0) == H100_80GB.inter_node
 (True, True)
 """
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.cost.model import A100_80GB, HardwareProfile, Link
+from autoshard.cost.profiles import A100_80GB, HardwareProfile, Link
 from autoshard.frontend.cut_points import find_layers
 from autoshard.frontend.request import DEFAULT_HEADROOM, CompileOptions, headroom_budget
 from autoshard.frontend.trace import Traced, trace
@@ -56,7 +56,7 @@ from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.passes.manager import CompileState, run_passes
 from autoshard.passes.normalize import normalize
-from autoshard.passes.pipelines import declared_pipeline
+from autoshard.passes.pass_lists import declared_pass_list
 from autoshard.search.pipeline_search import estimate_step
 from autoshard.search.scale_stages import ZERO_STAGES, Replica, stage_rows
 from autoshard.search.scale_units import Unit, layer_instance, scaled, units_of
@@ -252,7 +252,7 @@ class ScaleSearch:
             state = CompileState(gm, Mesh((tp,), ("tp",)), traced, None,
                                  CompileOptions(profile=profile, memory_budget=float("inf"),
                                                 optimizer_state_factor=self.factor))
-            passes, provided = declared_pipeline("scale")
+            passes, provided = declared_pass_list("scale")
             run_passes(state, passes, provided=provided)
             self._plans[tp] = scaled(*units_of(state, profile), self.n_layers)
         return self._plans[tp]

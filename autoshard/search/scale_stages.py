@@ -17,7 +17,7 @@ Recomputation, per layer: none, selective (`scale_units.selective_savings`) or f
 none -> selective -> full that save the most bytes per second of recompute first, only while the stage does not
 fit; a layer whose selective step saves fewer bytes per second than its full step skips it.
 
->>> from autoshard.cost.model import Link
+>>> from autoshard.cost.profiles import Link
 >>> replica = Replica(dp=4, zero=3, link=Link(0.0, 1e9), factor=6.0)
 >>> replica.static_bytes(param_bytes=8e9, grads=[1e9]) / 1e9   # 16 bytes per 2-byte parameter over 4 ranks
 2.0
@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.cost.model import (
-    Link,
+from autoshard.cost.collective_time import (
     all_gather_time,
     all_reduce_time,
     reduce_scatter_time,
 )
+from autoshard.cost.profiles import Link
 from autoshard.cost.zero_cost import memory_scale
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.collective_time import collective_latency
 from autoshard.cost.flops import is_matmul_like, local_bytes, node_flops
-from autoshard.cost.model import collective_latency
 from autoshard.cost.prediction import node_cost
 from autoshard.cost.recompute_cost import recompute_seconds, region_savings
 from autoshard.frontend.cut_points import LayerSequence, find_layers

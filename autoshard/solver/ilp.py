@@ -8,7 +8,7 @@ all within its time limit (time_limit.py: a stopped search returns the best plan
 Two classes with two candidates each; the edge forbids mixing candidate 0 of one with candidate 1 of
 the other. The cheapest consistent choice is candidate 1 for both:
 
->>> from autoshard.cost.model import INF
+>>> from autoshard.cost.collective_time import INF
 >>> problem = IlpProblem(sizes=[2, 2], costs=[[1.0, 2.0], [5.0, 1.0]], edges={(0, 1): [[0.0, INF], [INF, 0.0]]})
 >>> solve_ilp(problem).choice
 [1, 1]

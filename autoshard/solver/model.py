@@ -18,7 +18,7 @@ it costs, y <= sum(e over every term's pairs) when it pays back (a negative cost
 Two classes with two candidates each and an edge between them: 4 x and 4 e columns, 2 one-hot rows and 4 marginal
 rows.
 
->>> from autoshard.cost.model import INF
+>>> from autoshard.cost.collective_time import INF
 >>> problem = IlpProblem(sizes=[2, 2], costs=[[1.0, 2.0], [5.0, 1.0]], edges={(0, 1): [[0.0, INF], [INF, 0.0]]})
 >>> model = build_model(problem, {})
 >>> model.n_var, model.n_rows
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from autoshard.cost.model import INF
+from autoshard.cost.collective_time import INF
 from autoshard.ir.errors import PlanError
 from autoshard.solver.highs import quiet_highs
 from autoshard.solver.problem import IlpProblem

@@ -3,7 +3,7 @@ row and its charges) and IlpResult (the choice, its objective, the ILP's size, w
 
 Two classes with two candidates each; the edge forbids mixing candidate 0 of one with candidate 1 of the other:
 
->>> from autoshard.cost.model import INF
+>>> from autoshard.cost.collective_time import INF
 >>> problem = IlpProblem(sizes=[2, 2], costs=[[1.0, 2.0], [5.0, 1.0]], edges={(0, 1): [[0.0, INF], [INF, 0.0]]})
 >>> problem.evaluate([1, 1])
 3.0

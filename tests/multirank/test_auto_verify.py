@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from autoshard.cost.model import HardwareProfile, Link
+from autoshard.cost.profiles import HardwareProfile, Link
 from autoshard.verify.verify import verify_factory
 from autoshard.zoo import FACTORIES
 from autoshard.zoo.hints import megatron

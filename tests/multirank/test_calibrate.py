@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import autoshard
-from autoshard.cost.model import load_profile
+from autoshard.cost.profiles import load_profile
 from autoshard.zoo import mlp
 
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from autoshard.cost.model import HardwareProfile
+from autoshard.cost.profiles import HardwareProfile
 from autoshard.ir.placement import Shard
 from autoshard.verify.verify import verify_factory, verify_simulated
 from autoshard.zoo.hints import megatron

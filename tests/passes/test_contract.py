@@ -8,18 +8,18 @@ from autoshard.frontend.request import CompileOptions
 from autoshard.ir.errors import UserInputError
 from autoshard.passes.contract import PassOrderError, check_order, contract_of
 from autoshard.passes.manager import CompileState, run_passes
-from autoshard.passes.pipelines import (
+from autoshard.passes.pass_lists import (
+    PASS_LISTS,
     PASSES,
-    PIPELINES,
-    declared_pipeline,
+    declared_pass_list,
     state_before,
 )
 from autoshard.zoo import mlp
 
 
 def test_every_pass_of_every_declared_pipeline_has_a_contract_and_runs_in_order():
-    for name in PIPELINES:
-        passes, provided = declared_pipeline(name, plan=object())
+    for name in PASS_LISTS:
+        passes, provided = declared_pass_list(name, plan=object())
         assert all(contract_of(p) is not None for p in passes), name
         check_order(passes, provided)
 

@@ -14,12 +14,12 @@ import warnings
 import pytest
 
 import autoshard
+from autoshard.cost.collective_time import INF
 from autoshard.frontend.request import CompileOptions, CompileRequest
-from autoshard.cost.model import INF
 from autoshard.ir.errors import PlanError
 from autoshard.ir.mesh import Mesh
 from autoshard.passes.memory_fit import Rung, fit_memory
-from autoshard.passes.pipelines import compile_state, state_before
+from autoshard.passes.pass_lists import compile_state, state_before
 from autoshard.program.program import Program
 from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.ilp import solve_ilp

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_random_models import NAMES, cases
 
 import autoshard
-from autoshard.cost.model import INF
+from autoshard.cost.collective_time import INF
 from autoshard.frontend.trace import reuse_exports
 from autoshard.ir.errors import HintError, PlanError
 from autoshard.solver.ilp import solve_ilp

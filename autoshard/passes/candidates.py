@@ -1,9 +1,9 @@
-"""strategies: list every node's feasible sharding candidates on each mesh axis.
+"""strategies, the pass: list every node's feasible sharding candidates on each mesh axis.
 
 Reads: node vals, `autoshard.kind`, the compile mode (auto / semi-auto). Writes
 `autoshard.candidates` = [per axis: [AxisStrategy]] on every placeholder and op node.
 Invariant: every list holds at least the all-replicated candidate (always correct). An op without a rule
-is replicated, with one warning per op and process.
+is replicated, with one warning per op and parallelize call.
 Placeholders choose an output placement only: R or S(d) (never P). In semi-auto mode (any hint
 given) a parameter or buffer without a hint on an axis stays replicated there, as in MindSpore.
 """
@@ -27,7 +27,7 @@ def strategies(state) -> None:
     (S(1)), or the contracted features (partial output P):
 
     >>> import torch
-    >>> from autoshard.passes.pipelines import state_before
+    >>> from autoshard.passes.pass_lists import state_before
     >>> state = state_before("strategies", torch.nn.Linear(4, 2), (2,), (torch.randn(8, 4),), axis_names=("dp",))
     >>> strategies(state)
     >>> linear = next(n for n in state.gm.graph.nodes if n.target is torch.ops.aten.linear.default)

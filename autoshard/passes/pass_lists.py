@@ -1,7 +1,7 @@
-"""The compiler's pass pipelines, declared by name as data (PIPELINES: each a PassList of its passes in order;
+"""The compiler's pass lists, declared by name as data (PASS_LISTS: each a PassList of its passes in order;
 PASSES is "plan"'s): the variants apply a saved plan, plan a pipeline's micro-batch program, price a catalogue
 plan, or plan the scale search's already normalized graph;
-`compile_state` (trace, then run a pipeline) and `state_before` (the state a pass sees, for watching one
+`compile_state` (trace, then run a pass list: the one compile driver) and `state_before` (the state a pass sees, for watching one
 pass at work).
 
 >>> import autoshard
@@ -29,6 +29,7 @@ from autoshard.ir.placement import (
 )
 from autoshard.passes.annotate import annotate
 from autoshard.passes.apply_plan import ApplyPlan, CheckPlan, resolve_plan
+from autoshard.passes.candidates import strategies
 from autoshard.passes.codegen import codegen
 from autoshard.passes.contract import TRACED
 from autoshard.passes.contract import pass_name as pass_name_of
@@ -41,7 +42,6 @@ from autoshard.passes.normalize import normalize
 from autoshard.passes.predict import predict
 from autoshard.passes.recompute import recompute
 from autoshard.passes.solve import solve
-from autoshard.passes.strategies import strategies
 from autoshard.passes.unfold import unfold
 from autoshard.passes.zero import AllowPlannedZeroShards
 from autoshard.passes.zero import zero as zero_pass
@@ -51,10 +51,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PassList:
-    """One declared pipeline: what it is for, its passes in order (CheckPlan, AllowPlannedZeroShards and ApplyPlan
+    """One declared pass list: what it is for, its passes in order (CheckPlan, AllowPlannedZeroShards and ApplyPlan
     stand for the passes made from the saved plan it applies), and what the state holds before the first.
 
-    >>> [p.name for p in PIPELINES["hand_plan"].passes][-3:]  # no check_hints: its hints are the planner's
+    >>> [p.name for p in PASS_LISTS["hand_plan"].passes][-3:]  # no check_hints: its hints are the planner's
     ['recompute', 'predict', 'codegen']
     """
 
@@ -68,7 +68,7 @@ _SOLVED = (normalize, annotate, strategies, solve, zero_pass, unfold, insert_com
 _APPLIED = (normalize, unfold, CheckPlan, annotate, strategies, AllowPlannedZeroShards, ApplyPlan, zero_pass,
             insert_comm, fuse_comm, recompute, predict)
 
-PIPELINES = {
+PASS_LISTS = {
     "plan": PassList("solve every node's strategy by the ILP", (*_SOLVED, check_hints, codegen)),
     "apply_plan": PassList("a saved plan's decisions in solve's place, checked against the graph first",
                            (*_APPLIED, check_hints, codegen)),
@@ -80,28 +80,28 @@ PIPELINES = {
     "hand_plan": PassList("a catalogue plan the search compares: no hint check (its hints are the planner's)",
                           (*_SOLVED, codegen)),
 }
-PASSES = list(PIPELINES["plan"].passes)
+PASSES = list(PASS_LISTS["plan"].passes)
 
 
-def declared_pipeline(name: str, plan=None, same_shapes: bool = True) -> tuple[list, tuple]:
-    """(passes, what the state holds before the first) of pipeline `name` (one of PIPELINES); the
+def declared_pass_list(name: str, plan=None, same_shapes: bool = True) -> tuple[list, tuple]:
+    """(passes, what the state holds before the first) of pass list `name` (one of PASS_LISTS); the
     apply_plan variants need the `plan` (made for these input shapes, or with `same_shapes=False` for others
     of the same ranks: its decisions re-specialised, not re-solved).
 
-    >>> passes, provided = declared_pipeline("microbatch")
+    >>> passes, provided = declared_pass_list("microbatch")
     >>> [p.name for p in passes][-4:]
     ['predict', 'cut_stages', 'check_hints', 'codegen']
     """
-    if name not in PIPELINES:
-        raise UserInputError(f"no pass pipeline named {name!r}; the pipelines are {sorted(PIPELINES)}")
+    if name not in PASS_LISTS:
+        raise UserInputError(f"no pass list named {name!r}; the pass lists are {sorted(PASS_LISTS)}")
     made = {CheckPlan: lambda: CheckPlan(plan, same_shapes), ApplyPlan: lambda: ApplyPlan(plan, same_shapes),
             AllowPlannedZeroShards: lambda: AllowPlannedZeroShards(plan)}
-    declared = PIPELINES[name]
+    declared = PASS_LISTS[name]
     return [made[p]() if p in made else p for p in declared.passes], declared.provided
 
 
 def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bool = False):
-    """Trace and run the declared pipeline (with cut_stages for a pipeline's micro-batch program; applying
+    """Trace and run the declared pass list (with cut_stages for a pipeline's micro-batch program; applying
     `request.plan` when given; without the hint check for a catalogue plan the search compares):
     (state, history). Its ILPs share a solver session (autoshard/solver/session.py); `state.ilp_stopped` lists those
     the time limit stopped.
@@ -119,7 +119,7 @@ def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bo
             (True, True): "microbatch_apply_plan"}[(bool(pipeline), applied)]
     if hand_plan and name == "plan":
         name = "hand_plan"
-    passes, _ = declared_pipeline(name, plan, same_shapes=not request.plan_other_shapes)
+    passes, _ = declared_pass_list(name, plan, same_shapes=not request.plan_other_shapes)
     debug = request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     options = CompileOptions.of(request.options)
     traced, fold = trace_for_plan(request, hints, options)
