@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.cost.collective_time import all_to_all_time
-from autoshard.strategies.base import argument
+from autoshard.ir.op_schema import argument
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,13 @@ import torch
 from torch import fx
 
 from autoshard.ir import meta
+from autoshard.ir.op_schema import argument, arguments
 from autoshard.ir.placement import shard_index
 from autoshard.runtime.context_parallel import (
     causal_rows_attention,
     causal_rows_mask,
     ring_attention,
 )
-from autoshard.strategies.base import argument, arguments
 
 aten = torch.ops.aten
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard.ir.errors import UserInputError
+from autoshard.ir.op_schema import call_argument
 from autoshard.ir.placement import R, Shard, Spec, shard_tensor
 
 aten = torch.ops.aten
@@ -96,8 +97,8 @@ def is_random(node_target, args=(), kwargs=None) -> bool:
     if node_target is aten.scaled_dot_product_attention.default:
         return bool(_attention_dropout(args, kwargs or {}))
     if node_target in _DROPOUTS:  # dropout(x, p, train) with p = 0 or in eval draws nothing
-        p = args[1] if len(args) > 1 else (kwargs or {}).get("p", 0.5)
-        train = args[2] if len(args) > 2 else (kwargs or {}).get("train", True)
+        p = call_argument(node_target, args, kwargs, "p")
+        train = call_argument(node_target, args, kwargs, "train")
         return not (isinstance(p, (int, float)) and p == 0) and train is not False
     return True
 
@@ -107,7 +108,7 @@ _DROPOUTS = (aten.dropout.default, aten.native_dropout.default, aten.feature_dro
 
 
 def _attention_dropout(args, kwargs) -> float:
-    return args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    return call_argument(aten.scaled_dot_product_attention.default, args, kwargs, "dropout_p")
 
 
 @dataclass(frozen=True)

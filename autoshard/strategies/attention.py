@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoshard.ir.op_schema import argument, arguments
 from autoshard.ir.placement import R, Shard
-from autoshard.strategies.base import REGISTRY, AxisStrategy, argument, arguments
+from autoshard.strategies.base import REGISTRY, AxisStrategy
 
 aten = torch.ops.aten
 SEQUENCE_METHODS = ("allgather", "ring", "alltoall")

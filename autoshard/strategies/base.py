@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autoshard.ir.op_schema import argument
 from autoshard.ir.placement import Partial, Placement, R, Replicate, Shard
 
 
@@ -105,80 +106,6 @@ def is_tensor_value(node: fx.Node) -> bool:
     if isinstance(val, (tuple, list)):
         return any(isinstance(v, torch.Tensor) for v in val)
     return isinstance(val, torch.Tensor)
-
-
-_REQUIRED = object()  # the default of an argument the schema gives none
-
-
-@dataclass(frozen=True)
-class OpSignature:
-    """An op's arguments as its schema declares them (torch's `FunctionSchema`, as DTensor's `OpSchema` reads it):
-    per name, its position among the positional arguments (None: keyword-only) and its default. Nodes pass an
-    argument positionally or by keyword (a pass that builds a node may use either), so rules ask by name.
-
-    >>> sdpa = op_signature(torch.ops.aten.scaled_dot_product_attention.default)
-    >>> sdpa.names[:4], sdpa.slots["dropout_p"], sdpa.slots["scale"]
-    (('query', 'key', 'value', 'attn_mask'), (4, 0.0), (None, None))
-    """
-
-    op: str
-    names: tuple[str, ...]
-    slots: dict  # name -> (position or None, default or _REQUIRED)
-
-    def slot(self, name: str) -> tuple:
-        """(position, default) of argument `name`; an error naming the op's arguments when it has none so named.
-
-        >>> op_signature(torch.ops.aten.linear.default).slot("bias")
-        (2, None)
-        >>> op_signature(torch.ops.aten.linear.default).slot("dim")
-        Traceback (most recent call last):
-        ...
-        TypeError: aten.linear.default has no argument 'dim' (its arguments: input, weight, bias)
-        """
-        found = self.slots.get(name)
-        if found is None:
-            raise TypeError(f"{self.op} has no argument {name!r} (its arguments: {', '.join(self.names)})")
-        return found
-
-
-@functools.cache  # one schema read per op: rules ask for arguments on every node of every plan
-def op_signature(target) -> OpSignature:
-    """The OpSignature of an ATen op (an OpOverload, or a custom op's); a target without a schema is an error.
-
-    >>> op_signature(torch.ops.aten.sum.dim_IntList).slots["keepdim"]
-    (2, False)
-    """
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        raise TypeError(f"{target} has no schema: its arguments have no names to ask for")
-    slots = {a.name: (None if a.kwarg_only else i, a.default_value if a.has_default_value() else _REQUIRED)
-             for i, a in enumerate(schema.arguments)}
-    return OpSignature(str(target), tuple(slots), slots)
-
-
-def argument(node: fx.Node, name: str):
-    """The argument `name` of the node's op, passed positionally or by keyword, else the schema's default.
-
-    >>> argument(linear, "bias").name, argument(linear, "weight").name
-    ('p_model_bias', 'p_model_weight')
-    """
-    op = op_signature(node.target)
-    position, default = op.slot(name)
-    if position is not None and position < len(node.args):
-        return node.args[position]
-    value = node.kwargs.get(name, default)
-    if value is _REQUIRED:
-        raise TypeError(f"node {node.name!r} calls {op.op} without its required argument {name!r}")
-    return value
-
-
-def arguments(node: fx.Node) -> dict:
-    """Every argument of the node's op by name, in the schema's order, defaults filled in.
-
-    >>> {name: getattr(value, "name", value) for name, value in arguments(linear).items()}
-    {'input': 'inputs_0', 'weight': 'p_model_weight', 'bias': 'p_model_bias'}
-    """
-    return {name: argument(node, name) for name in op_signature(node.target).names}
 
 
 def output_shapes(node: fx.Node) -> list[tuple[int, ...]]:
@@ -378,17 +305,13 @@ def candidates_for(node: fx.Node, in_shapes, out_shapes, axis_size: int, warn=Tr
 __all__ = [
     "REGISTRY",
     "AxisStrategy",
-    "OpSignature",
     "Partial",
     "Replicate",
     "Rule",
     "RuleContext",
     "Shard",
-    "argument",
-    "arguments",
     "candidates_for",
     "is_tensor_value",
-    "op_signature",
     "output_shapes",
     "register",
     "tensor_inputs",
