@@ -15,7 +15,7 @@ def test_api_page_has_a_section_per_module_and_every_public_name():
     text = apidoc.API_PAGE.read_text(encoding="utf-8")
     for name in apidoc.documented_modules():
         assert f"\n## {name}\n" in text
-    assert "### `parallelize(model, mesh, example_inputs=None," in text
+    assert "### `parallelize(model, mesh=None, example_inputs=None," in text
     assert "#### `Plan.table(self, rows=None) -> str`" in text
     assert "#### property `Plan.fingerprint`" in text
 

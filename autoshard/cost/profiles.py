@@ -18,8 +18,8 @@ class Link:
     """One collective link: per-message latency (s) and bandwidth (bytes/s).
 
     >>> link = Link(alpha=1e-5, bandwidth=1e9)   # 10 us per message, 1 GB/s
-    >>> round(all_reduce_time(1e6, 4, link), 6)
-    0.00156
+    >>> link.alpha + 1e6 / link.bandwidth  # one message of 1 MB (cost/collective_time.py has the ring formulas)
+    0.00101
     """
 
     alpha: float
