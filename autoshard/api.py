@@ -28,6 +28,7 @@ from autoshard.ir.errors import UserInputError
 from autoshard.ir.gc_tuning import fewer_collections
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.warn_once import warn_once, warning_scope
+from autoshard.passes.pass_lists import reuse_normalized
 from autoshard.program.parallel_module import ParallelModule
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.mesh_search import candidate_shapes, plan_on_devices
@@ -118,7 +119,8 @@ def _compile(request: CompileRequest, pipeline):
     `request.devices`."""
     request = request.replace(example_inputs=_traceable_inputs(request.model, request.example_inputs))
     # Candidates trace the same shapes and meet the same ILPs; each warning is told once per call.
-    with fewer_collections(), reuse_exports(), warning_scope(), solver_session(request.options.ilp_time_limit):
+    with fewer_collections(), reuse_exports(), reuse_normalized(), warning_scope(), \
+            solver_session(request.options.ilp_time_limit):
         on_mesh = functools.partial(_compile_on_mesh, pipeline=pipeline)
         prog = on_mesh(request) if request.devices is None else plan_on_devices(request, request.devices, on_mesh)
         if prog.state.ilp_stopped:

@@ -12,6 +12,10 @@ pass at work).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -37,7 +41,7 @@ from autoshard.passes.cut_stages import cut_stages
 from autoshard.passes.fuse_comm import fuse_comm
 from autoshard.passes.hint_check import check_hints
 from autoshard.passes.insert_comm import insert_comm
-from autoshard.passes.manager import CompileState, run_passes
+from autoshard.passes.manager import CompileState, History, run_passes
 from autoshard.passes.normalize import normalize
 from autoshard.passes.predict import predict
 from autoshard.passes.recompute import recompute
@@ -122,13 +126,58 @@ def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bo
     passes, _ = declared_pass_list(name, plan, same_shapes=not request.plan_other_shapes)
     debug = request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1"  # the test suite verifies every compile
     options = CompileOptions.of(request.options)
-    traced, fold = trace_for_plan(request, hints, options)
+    traced, fold, history = _normalized_trace(request, hints, options, debug)
     state = CompileState(traced.gm, request.mesh, traced, hints, options, model=request.model, fold=fold)
+    assert passes[0] is normalize, "every declared pass list that traces starts with normalize"
     with solver_session(options.ilp_time_limit) as session:  # the caller's, when it opened one (parallelize does)
         first = len(session.stopped)
-        history = run_passes(state, passes, verify=debug, describe=describe_graph)
+        history += run_passes(state, passes[1:], verify=debug, describe=describe_graph,
+                              provided=TRACED + normalize.contract.writes)
         state.ilp_stopped = session.stopped[first:]
     return state, history
+
+
+# Inside `reuse_normalized()` (one planning call): the traced graph after normalize, per model, loss, input shapes,
+# dtype policy, random-op mode and fold, kept unmodified. normalize reads neither the mesh nor the hints, so the
+# programs a search compiles (candidate meshes, hand plans, pipeline axes) start from copies of one.
+_NORMALIZED: contextvars.ContextVar = contextvars.ContextVar("autoshard_normalized", default=None)
+
+
+@contextlib.contextmanager
+def reuse_normalized():
+    """Within the block, compiles of one model at the same input shapes trace and normalize it once; each gets its
+    own copy of the normalized graph (the passes rewrite it in place).
+
+    >>> request = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, loss_fn=loss_fn)
+    >>> with reuse_normalized():
+    ...     first, second = compile_state(request)[0], compile_state(request.replace(mesh=Mesh.of((2,), ("tp",))))[0]
+    >>> first.gm is not second.gm and first.traced.params is second.traced.params
+    True
+    """
+    token = _NORMALIZED.set(_NORMALIZED.get() if _NORMALIZED.get() is not None else {})
+    try:
+        yield
+    finally:
+        _NORMALIZED.reset(token)
+
+
+def _normalized_trace(request: CompileRequest, hints, options: CompileOptions, debug: bool):
+    """(Traced after normalize, Fold or None, normalize's History): from the call's cache when it holds this trace."""
+    cache = _NORMALIZED.get()
+    fold = fold_model(request.model, hints) if options.fold_layers else None
+    inputs = request.example_inputs if isinstance(request.example_inputs, (tuple, list)) else (request.example_inputs,)
+    key = (id(request.model), id(request.loss_fn), options.mixed_precision, options.rng,
+           id(fold.model) if fold is not None else None,
+           tuple((tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else repr(v) for v in inputs))
+    if cache is not None and key in cache:
+        traced, used_fold, entries = cache[key]
+        return dataclasses.replace(traced, gm=copy.deepcopy(traced.gm)), used_fold, History(entries)
+    traced, used_fold = trace_for_plan(request, hints, options)
+    state = CompileState(traced.gm, request.mesh, traced, hints, options, model=request.model, fold=used_fold)
+    history = run_passes(state, [normalize], verify=debug, describe=describe_graph)
+    if cache is not None:
+        cache[key] = (dataclasses.replace(traced, gm=copy.deepcopy(state.gm)), used_fold, list(history))
+    return traced, used_fold, history
 
 
 def trace_for_plan(request: CompileRequest, hints, options: CompileOptions):
