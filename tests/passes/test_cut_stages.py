@@ -150,7 +150,7 @@ def _auto(stages):
     model = Unequal()
     ids = torch.randint(0, 512, (12, 64))
     return autoshard.parallelize(model, (stages,), (ids,), axis_names=("pp",),
-                                 pipeline={"microbatches": stages}, profile="cpu")
+                                 pipeline={"microbatches": stages, "schedule": "1F1B"}, profile="cpu")
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -26,7 +26,7 @@ def _plan(model, stage, microbatches=2, **options):
     module, inputs, loss_fn = FACTORIES[model]()
     return autoshard.parallelize(module, (2, 2, 2), inputs, loss_fn=loss_fn, axis_names=NAMES,
                                  hints=plan_hints(model, ("dp", "tp"), ("dp",), "tp"), zero=stage,
-                                 pipeline={"microbatches": microbatches}, **options), inputs
+                                 pipeline={"microbatches": microbatches, "schedule": "1F1B"}, **options), inputs
 
 
 @pytest.mark.parametrize("model,stage,optimizer,microbatches,accumulate", CASES,
@@ -36,7 +36,9 @@ def test_pipeline_with_zero_equals_single_device(model, stage, optimizer, microb
                                        hints=plan_hints(model, ("dp", "tp"), ("dp",), "tp"), zero=stage,
                                        accumulate=accumulate, pipeline={"microbatches": microbatches})
     assert report.ok, f"{model} ZeRO-{stage}:\n{report}"
-    assert (program.zero.axis, program.zero.stage) == ("dp", stage) and program.config.num_stages == 2
+    # The schedule is searched (zero bubble wins on these small models): ZeRO holds under its stage layout too.
+    config = program.config
+    assert (program.zero.axis, program.zero.stage) == ("dp", stage) and config.num_stages == 2 * config.virtual
     dp = report.collectives["dp"]
     if stage < 3:  # each stage's updated chunks all-gathered after the step
         assert dp["all_gather"]["sync"] >= 1 and dp["all_gather"]["fwd"] == 0
