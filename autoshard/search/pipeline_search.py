@@ -86,6 +86,8 @@ def choose_pipeline(request: CompileRequest, pipeline, unnamed: bool):
 # number of stages per rank (Narayanan et al. 2021; torchtitan measured interleaved 1F1B 28% faster than 1F1B on
 # Llama 3 405B), zero bubble fills it with weight gradients (Qi et al. 2023).
 SEARCHED_SCHEDULES = (("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+# What a pipelined plan's record keeps of its searches (part of its fingerprint; a saved plan carries them).
+SEARCH_RECORDS = ("microbatch_search", "not_replanned", "schedule_search")
 
 
 def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = float("inf")):
@@ -122,7 +124,7 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
         rows.append({"schedule": schedule, "virtual_stages": virtual, "predicted_step_s": step})
         if step < best.plan.pipeline["predicted_step_s"]:
             best = other
-    for key in ("microbatch_search", "not_replanned"):  # the micro-batch count was searched under 1F1B
+    for key in SEARCH_RECORDS[:2]:  # the micro-batch count was searched under 1F1B
         if key in prog.plan.pipeline:
             best.plan.pipeline[key] = prog.plan.pipeline[key]
     best.plan.pipeline["schedule_search"] = rows
@@ -141,9 +143,10 @@ def _from_saved(request: CompileRequest, pipeline):
     opts = dict(check_options(pipeline), axis=record["axis"], schedule=record["schedule"],
                 microbatches=record["microbatches"], virtual_stages=record["virtual_stages"])
     prog = parallelize_pipeline(request, record["axis"], opts)
-    prog.plan.search = dict(saved.search)  # the records of why this axis and micro-batch count (made where
-    if "microbatch_search" in record:       # the plan was made)
-        prog.plan.pipeline["microbatch_search"] = record["microbatch_search"]
+    prog.plan.search = dict(saved.search)  # the records of why this axis, micro-batch count and schedule (made
+    for key in SEARCH_RECORDS:             # where the plan was made)
+        if key in record:
+            prog.plan.pipeline[key] = record[key]
     if request.plan_other_shapes:  # other shapes: another fingerprint, but every node in its stage
         moved = [r.name for r, s in zip(prog.plan.rows, saved.rows) if r.kind != "comm" and r.stage != s.stage]
         if moved or len(prog.plan.rows) != len(saved.rows):
