@@ -42,7 +42,7 @@ def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None,
                 zero=None, checkpoint=None, parallel=None, rng: str = "placement", seed: int | None = None,
                 mixed_precision=None, memory_headroom: float = DEFAULT_HEADROOM, fold_layers: bool = True,
                 compile: bool = False, weights=None, init_fn=None, ilp_time_limit: float | None = None,
-                devices: int | None = None):
+                devices: int | None = None, plan_other_shapes: bool = False):
     """Plan `model` on `mesh` and return the Program (no process group needed to plan); without
     `example_inputs`, return a ParallelModule: an nn.Module that plans on its first batch and trains as this
     rank's share under torchrun (autoshard/program/parallel_module.py; `weights` and `init_fn` are then where its
@@ -58,6 +58,10 @@ def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None,
     (autoshard/passes/memory_fit.py); `prog.plan.predicted["memory"]` breaks the memory down.
     `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
     applied after checking they were made for this mesh, these hints, this model and these input shapes.
+    `plan_other_shapes=True` applies a `plan` made at other sizes (another batch, sequence length or width):
+    the model must trace to the same graph op for op (same depth, modules and dtypes), each decision must
+    still divide its dims and a pipeline's cut must fall on the same ops, else PlanMismatchError; e.g. a plan
+    made for a model at its real size on the meta device, trained on a narrow copy (see the example below).
     `zero` (1, 2, 3, or {axis name: stage}) applies ZeRO on the data-parallel axis: stage 1 shards the
     optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
     autoshard.runtime.zero.ZeroOptimizer). Without it, ZeRO is chosen when only it fits `memory_budget`.
@@ -90,6 +94,16 @@ def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None,
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]
+
+    The same decisions applied to the model at a quarter of the width and twice the batch:
+
+    >>> narrow, narrow_inputs, _ = mlp(batch=16, in_dim=8, hidden=32, out_dim=8, n_layers=2)
+    >>> same = parallelize(narrow, (2,), narrow_inputs, loss_fn=loss_fn, axis_names=("tp",), plan=tp.plan,
+    ...                    plan_other_shapes=True)
+    >>> [r.choice for r in same.plan.rows] == [r.choice for r in tp.plan.rows]
+    True
+    >>> torch.allclose(same.simulate(*narrow_inputs)[0], loss_fn(narrow(*narrow_inputs), *narrow_inputs))
+    True
     """
     if parallel is not None:
         mesh, axis_names, hints = apply_parallel_config(model, parallel, mesh, axis_names, hints)
@@ -100,7 +114,10 @@ def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None,
                                    seed=seed, mixed_precision=mixed_precision, zero=zero,
                                    optimizer_state_factor=optimizer_state_factor, memory_headroom=memory_headroom,
                                    fold_layers=fold_layers, compile=compile, ilp_time_limit=ilp_time_limit)
-    request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug, devices=devices)
+    if plan_other_shapes and plan is None:
+        raise UserInputError("plan_other_shapes=True applies a plan= made at other shapes; pass the plan")
+    request = CompileRequest(model, mesh, example_inputs, hints, loss_fn, options, plan, debug, devices=devices,
+                             plan_other_shapes=plan_other_shapes)
     if example_inputs is None:
         if plan is not None:
             raise UserInputError("plan= needs example_inputs (the plan is checked against the traced model); "
