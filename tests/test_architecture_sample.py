@@ -16,7 +16,7 @@ import pytest
 from autoshard.zoo import architectures
 from benchmarks import architectures as sweep
 
-SAMPLE = 3
+SAMPLE = 2
 CELLS = ("build", "export", "dp2", "plan222")
 
 

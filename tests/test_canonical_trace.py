@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from autoshard.frontend.canonical import canonical_order
@@ -48,6 +49,9 @@ def _run(script, seed: int, *args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(os.environ.get("AUTOSHARD_FULL_MATRIX") != "1",
+                    reason="two planning processes (28 s); tests/properties/test_solver_reproducible.py plans the zoo "
+                           "under two hash seeds by default; AUTOSHARD_FULL_MATRIX=1 runs it")
 def test_beam_plans_alike_under_every_hash_seed(tmp_path):
     script = tmp_path / "plan_beam.py"
     script.write_text(SCRIPT)

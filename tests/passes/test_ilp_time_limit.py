@@ -7,6 +7,7 @@ The case from the issue: a WavLM in float64 (as verify plans it) under a budget 
 ILPs HiGHS takes 15-25 s each to solve to optimality (minutes for larger configurations), is planned here with a
 limit of 3 s per solve.
 """
+import os
 import random
 import time
 import warnings
@@ -103,6 +104,9 @@ def test_the_ladder_skips_the_rungs_a_refused_one_rules_out(fitting, chosen, sol
     assert calls == solved
 
 
+@pytest.mark.skipif(os.environ.get("AUTOSHARD_FULL_MATRIX") != "1",
+                    reason="20 s; the LP floor and the time limit's behaviour are tested on small problems above; "
+                           "AUTOSHARD_FULL_MATRIX=1 runs it")
 def test_wavlm_under_a_tight_budget_plans_within_the_time_limit():
     model, inputs, loss_fn = build_case("autoshard.zoo.transformers_families:wavlm")  # float64, as verify plans
     options = CompileOptions.parse(memory_budget=WAVLM_BUDGET, ilp_time_limit=3.0)
