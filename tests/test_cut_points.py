@@ -12,7 +12,6 @@ from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
 from autoshard.passes import cut_stages as cut_mod
 from autoshard.passes.cut_stages import module_stack
-from autoshard.search.scale_search import ScaleSearch
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import llama
 from autoshard.zoo import transformers_families as families
@@ -187,15 +186,11 @@ def test_unnamed_mesh_prices_a_pipeline_over_each_axis():
     assert "not possible" not in prog.plan.search["why"]
 
 
-def test_scale_search_finds_the_layers_under_wrappers():
-    """The scale search's units (embedding, each layer, head) under an nn.Sequential and a wrapper, whose module
-    paths start with an index ('0.inner.layers.1'): the same units and the same best plan as the bare model."""
+def test_repeated_layers_are_found_under_wrappers():
+    """Under an nn.Sequential and a wrapper, whose module paths start with an index ('0.inner.layers.1'), the
+    repeated layers are the bare model's, prefixed."""
     model, inputs, loss_fn = llama(n_layers=3)
-    results = []
-    for candidate in (model, nn.Sequential(Wrapped(model))):
-        search = ScaleSearch(candidate, inputs, loss_fn, n_layers=8, devices=8, global_batch=16)
-        results.append((search.search().best, [u.name for u in search.plan(2)[0]]))
-    (bare, bare_units), (wrapped, wrapped_units) = results
-    assert wrapped_units == ["embedding", "0.inner.layers.0", *["0.inner.layers.1"] * 6, "0.inner.layers.2", "head"]
-    assert [u.removeprefix("0.inner.") for u in wrapped_units] == bare_units
-    assert wrapped.degrees == bare.degrees and wrapped.step_s == pytest.approx(bare.step_s)
+    found = [find_layers(trace(candidate, inputs, loss_fn).gm.graph.nodes).layers
+             for candidate in (model, nn.Sequential(Wrapped(model)))]
+    assert found[0] == ("layers.0", "layers.1", "layers.2")
+    assert found[1] == tuple(f"0.inner.{layer}" for layer in found[0])

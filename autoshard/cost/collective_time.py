@@ -49,7 +49,7 @@ def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
 
 
 # Each emitted collective (autoshard.comm's "op") as the ring collectives its forward and backward run
-# (ir/collective_table.py); the ILP, predict, the stage table and the scale search all price
+# (ir/collective_table.py); the ILP, predict and the stage table all price
 # communication through `collective_time`.
 COLLECTIVES = {name: (row.forward, row.backward) for name, row in TABLE.items()}
 _RING = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,

@@ -2,7 +2,7 @@
 on its mesh axis, the ring collective it runs forward and the one its gradient runs backward (the dual,
 see DESIGN.md's placement duality), and whose local block each direction moves (the runtime's bytes
 convention). The redistribution planner picks collectives by placement change from it, the cost model
-prices them from it (the ILP's edges, predict, the scale search), and the runtime's autograd functions
+prices them from it (the ILP's edges, predict, the stage table), and the runtime's autograd functions
 implement it (tests/test_collective_table.py checks each one's backward against the table).
 
 >>> from autoshard.ir.placement import P, R, S

@@ -1,6 +1,6 @@
 """The compiler's pass lists, declared by name as data (PASS_LISTS: each a PassList of its passes in order;
-PASSES is "plan"'s): the variants apply a saved plan, plan a pipeline's micro-batch program, price a catalogue
-plan, or plan the scale search's already normalized graph;
+PASSES is "plan"'s): the variants apply a saved plan, plan a pipeline's micro-batch program, or price a
+catalogue plan;
 `compile_state` (trace, then run a pass list: the one compile driver) and `state_before` (the state a pass sees, for watching one
 pass at work).
 
@@ -79,8 +79,6 @@ PASS_LISTS = {
     "microbatch": PassList("a pipeline's micro-batch program and its stage cut",
                            (*_SOLVED, cut_stages, check_hints, codegen)),
     "microbatch_apply_plan": PassList("a saved pipeline plan", (*_APPLIED, cut_stages, check_hints, codegen)),
-    "scale": PassList("the scale search's programs, on a graph normalized once (no per-rank modules)",
-                      (*_SOLVED[1:], check_hints), TRACED + normalize.contract.writes),
     "hand_plan": PassList("a catalogue plan the search compares: no hint check (its hints are the planner's)",
                           (*_SOLVED, codegen)),
 }
