@@ -143,15 +143,18 @@ class ApplyPlan:
         pairs = match_rows(self.plan, state.gm.graph, self.same_shapes)
         nodes = [node for node, _ in pairs]
         choices: dict = {n: [] for n in nodes}
+        zero3 = {mesh.axis(a) for a, stage in (self.plan.hints or {}).get("zero", {}).items() if stage == 3}
         for node, row in pairs:
             for axis in range(mesh.ndim):
                 feasible = axis_candidates(node, axis, mesh, choices)
-                wanted = row.choice[axis]
+                wanted = row.choice[axis] if row is not None else _cast_choice(node, axis, choices, zero3)
                 chosen = next((c for c in feasible if c.to_json() == wanted), None)
                 if chosen is None:
                     text = f"({', '.join(wanted['inputs'])}) -> {wanted['output']} {wanted.get('method', '')}".rstrip()
+                    where = f"{row.name!r} ({row.op} at {row.path or 'the top level'})" if row is not None else \
+                        f"{node.name!r} (the cast of a ZeRO-3 parameter)"
                     raise PlanMismatchError(
-                        f"the plan chooses {text} for node {row.name!r} ({row.op} at {row.path or 'the top level'}) "
+                        f"the plan chooses {text} for node {where} "
                         f"on mesh axis {mesh.names[axis]!r}, which is not a strategy autoshard can use there "
                         f"(it can use {', '.join(map(repr, feasible[:6]))}{' ...' if len(feasible) > 6 else ''}): "
                         "the plan was made for other shapes or hints, by another autoshard version, or edited; "
@@ -163,6 +166,14 @@ class ApplyPlan:
         state.ilp_stats = []
         state.memory_savers = MemorySavers()  # a saved plan's ZeRO and recomputation come from its hints
         state.objective_s, state.memory_row_bytes = plan_figures(state)
+
+
+def _cast_choice(node, axis: int, choices: dict, zero3: set) -> dict:
+    """What solve chose for a parameter cast that fuse_comm folded away: it follows the parameter, which ZeRO-3 shards
+    only after solve (on its axis the cast read the replicated parameter)."""
+    source = choices[node.args[0]][axis].output
+    placement = "R" if axis in zero3 else repr(source)
+    return {"inputs": [placement], "output": placement}
 
 
 def match_rows(plan: Plan, graph, same_shapes: bool = True) -> list:
@@ -177,6 +188,19 @@ def match_rows(plan: Plan, graph, same_shapes: bool = True) -> list:
     """
     rows = [r for r in plan.rows if r.kind != "comm"]
     nodes = [n for n in graph.nodes if n.op == "placeholder" or (n.op == "call_function" and is_tensor_value(n))]
+    by_name = {r.name: r for r in rows}
+    fused = [n for n in nodes if n.name not in by_name and fused_parameter_cast(n)]
+    if fused and len(by_name) == len(rows) == len(nodes) - len(fused) and \
+            all(n.name in by_name for n in nodes if n not in fused):
+        # fuse_comm folds the cast of a ZeRO-3 parameter into its all-gather (bf16 on the wire), so the plan has no
+        # row for it: it gets row None, and ApplyPlan gives it the placements solve gave it (see there).
+        pairs = [(node, by_name.get(node.name)) for node in nodes]
+        for node, row in pairs:
+            problem = _difference(row, node, same_shapes) if row is not None else None
+            if problem:
+                raise PlanMismatchError(f"the plan was made for another model or other example inputs: {problem}; "
+                                        f"{_REPLAN}")
+        return pairs
     for index in range(max(len(rows), len(nodes))):
         row = rows[index] if index < len(rows) else None
         node = nodes[index] if index < len(nodes) else None
@@ -185,6 +209,22 @@ def match_rows(plan: Plan, graph, same_shapes: bool = True) -> list:
             raise PlanMismatchError(f"the plan was made for another model or other example inputs: {problem}; "
                                     f"{_REPLAN}")
     return list(zip(nodes, rows))
+
+
+def fused_parameter_cast(node) -> bool:
+    """Whether `node` casts a parameter (mixed precision's compute copy), which fuse_comm folds into the parameter's
+    ZeRO-3 all-gather.
+
+    >>> [n.name for n in prog.state.gm.graph.nodes if fused_parameter_cast(n)]  # float32: no casts
+    []
+    """
+    if node.op != "call_function" or node.target not in _CASTS or not node.args:
+        return False
+    source = node.args[0]
+    return getattr(source, "op", None) == "placeholder" and source.meta.get(meta.KIND) == "param"
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default)
 
 
 def _describe_row(row) -> str:
