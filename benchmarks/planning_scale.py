@@ -321,6 +321,8 @@ APPLIES = {  # why a plan did not apply at the narrow width, as the tables and t
     "cut": ("refused, the pipeline is cut elsewhere at this width",
             ("a pipelined plan is refused: its cut is made again from predicted costs at the narrow width and "
              "falls elsewhere")),
+    "divide": ("refused, a decision does not divide the narrow copy's dims",
+               "a decision that splits a dim of the narrow copy over an axis whose size does not divide it is refused"),
 }
 
 
@@ -331,6 +333,8 @@ def applies_cause(check) -> str:
         return "yes"
     if re.search(r"(the plan has|traced graph has) node 'to(_\d+)?' \(to\.dtype", error):
         return "casts"
+    if "not a strategy autoshard can use there" in error:
+        return "divide"
     return "cut" if "cuts the model elsewhere" in error else "other"
 
 
@@ -347,10 +351,25 @@ def applies_summary(results, name) -> str:
     checked = [r for r in results if r["verify"]["mesh"]]
     causes = [applies_cause(r["verify"]) for r in checked]
     applied = [name(r) for r, c in zip(checked, causes) if c == "yes"]
-    why = [APPLIES[c][1] for c in APPLIES if c in causes]
+    why = []
+    for cause, (_, sentence) in APPLIES.items():
+        rows = [r for r, c in zip(checked, causes) if c == cause]
+        if rows and cause == "divide":
+            sentence += " (" + "; ".join(_undivided(r, name) for r in rows) + ")"
+        if rows:
+            why.append(sentence)
     text = f"The plan itself applied for {len(applied)} of {len(checked)}" + (f" ({', '.join(applied)})" if applied
                                                                              else "")
     return text + (": " + "; ".join(why) if why else "") + "."
+
+
+def _undivided(r, name) -> str:
+    """Where a plan's decision does not divide the narrow copy: the parameter and the axis, from the refusal."""
+    found = re.search(r"at ([\w.]+)\) on mesh axis '(\w+)'", r["verify"]["applies_error"])
+    if not found:
+        return name(r)
+    size = dict(zip(r["auto"]["names"], r["auto"]["mesh"]))[found[2]]
+    return f"{name(r)}: {found[1]} over {found[2]} of {size}"
 
 
 def report(results):
@@ -468,8 +487,7 @@ def notes(results) -> str:
         "of a 24-layer model takes about 2 minutes a step here, 3072 ranks would take hours), at the smallest batch "
         "they divide, and one training step in the simulator against the single device (within 1e-6). "
         f"The decisions trained correctly for {sum(r['verify']['ok'] for r in checked)} of {len(checked)} plans. "
-        + applies_summary(results, lambda r: r["name"]) + " Transformers' Llama's ZeRO-3 plans in bf16 do apply "
-        "(section 8).\n\n"
+        + applies_summary(results, lambda r: r["name"]) + "\n\n"
         "Reading the figures. ")
     if ahead:
         text += (f"{', '.join(ahead)}: autoshard is ahead ({min(ratios[n] for n in ahead):.2f} to "
