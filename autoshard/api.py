@@ -31,7 +31,7 @@ from autoshard.ir.warn_once import warn_once, warning_scope
 from autoshard.passes.pass_lists import reuse_normalized
 from autoshard.program.parallel_module import ParallelModule
 from autoshard.search.hand_plan_search import plan_with_hand_plans
-from autoshard.search.mesh_search import candidate_shapes, plan_on_devices
+from autoshard.search.mesh_search import check_devices, plan_on_devices
 from autoshard.search.pipeline_search import choose_pipeline
 from autoshard.solver.session import solver_session
 from autoshard.solver.time_limit import describe_stopped
@@ -168,7 +168,7 @@ def _mesh_or_devices(mesh, axis_names, devices, example_inputs, plan) -> Mesh:
         raise UserInputError("devices= plans with example inputs and no saved plan (parallelize(model, devices=8, "
                              "example_inputs=...)); to train under torchrun, plan once with devices=, save the plan "
                              "(prog.plan.save) and pass its mesh and plan= to parallelize")
-    candidate_shapes(devices, 1)  # checks the number
+    check_devices(devices)
     return Mesh((devices,))
 
 

@@ -44,8 +44,7 @@ def candidate_shapes(devices: int, devices_per_node: int, max_shapes: int = MAX_
     >>> candidate_shapes(2, 8), candidate_shapes(16, 8)
     ([(2,)], [(2, 8), (4, 4), (2, 2, 4)])
     """
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise UserInputError(f"devices={devices!r} must be a positive number of devices, e.g. devices=64")
+    check_devices(devices)
     if devices == 1:
         return [(1,)]
     profile = HardwareProfile(devices_per_node=devices_per_node)
@@ -64,6 +63,18 @@ def candidate_shapes(devices: int, devices_per_node: int, max_shapes: int = MAX_
             seen.add(key)
             kept.append(shape)
     return kept[:max_shapes]
+
+
+def check_devices(devices) -> None:
+    """`devices=` must be a positive int.
+
+    >>> check_devices(0)
+    Traceback (most recent call last):
+    ...
+    autoshard.ir.errors.UserInputError: devices=0 must be a positive number of devices, e.g. devices=64
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UserInputError(f"devices={devices!r} must be a positive number of devices, e.g. devices=64")
 
 
 def predicted_step_s(prog) -> float:
