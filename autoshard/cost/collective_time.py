@@ -106,32 +106,35 @@ def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link:
 
 
 @functools.lru_cache(maxsize=65536)
-def fused_gather_saving(src, dst, partial_axes, global_bytes: float, mesh_shape, profile: HardwareProfile) -> float:
-    """Seconds fuse_comm saves on the chain `plan_redistribute(src, dst)` followed by a gradient
-    all-reduce on each of `partial_axes`: where the last step on such an axis is an all-gather, the
-    two become one all_gather_sum_grad (its backward a reduce-scatter of the gathered block), so the
-    all-reduce of the `dst` block and the gather's free backward give way to that reduce-scatter.
+def fused_gather_saving(src, dst, partial_axes, global_bytes: float, mesh_shape,
+                        profile: HardwareProfile) -> dict[int, tuple[float, float]]:
+    """What fuse_comm changes on the chain `plan_redistribute(src, dst)` followed by a gradient all-reduce on each
+    of `partial_axes`: where the last step on such an axis is an all-gather, the two become one
+    all_gather_sum_grad (its backward a reduce-scatter of the gathered block). Per such axis: (the all-reduce of
+    the `dst` block it saves, which is the value's one gradient sync on that axis however many chains it has;
+    the gather's seconds less the fused op's, which each chain pays).
 
     >>> from autoshard.ir.placement import R, S, Spec
     >>> link = HardwareProfile().link((2, 2), 1)
-    >>> saving = fused_gather_saving(Spec([S(0), S(0)]), Spec([S(0), R]), (1,), 1e6, (2, 2), HardwareProfile())
-    >>> math.isclose(saving, all_reduce_time(5e5, 2, link) - reduce_scatter_time(5e5, 2, link))
+    >>> (all_reduce, gather), = fused_gather_saving(Spec([S(0), S(0)]), Spec([S(0), R]), (1,), 1e6, (2, 2),
+    ...                                               HardwareProfile()).values()
+    >>> math.isclose(all_reduce + gather, all_reduce_time(5e5, 2, link) - reduce_scatter_time(5e5, 2, link))
     True
     """
     steps, spec, blocks = plan_redistribute(src, dst), src, []
     for step in steps:
         spec = step.apply(spec)
         blocks.append(global_bytes / math.prod(mesh_shape[a] for a, p in enumerate(spec) if isinstance(p, Shard)))
-    saving = 0.0
+    saving = {}
     for axis in partial_axes:
         last = next((i for i in reversed(range(len(steps))) if steps[i].axis == axis), None)
         if last is None or steps[last].op != "all_gather":
             continue
         k, link = mesh_shape[axis], profile.link(mesh_shape, axis)
         gathered = blocks[last]
-        saving += (collective_time("grad_all_reduce", 0, blocks[-1], k, link)
-                   + collective_time("all_gather", gathered, 0, k, link)
-                   - collective_time("all_gather_sum_grad", gathered, gathered, k, link))
+        saving[axis] = (collective_time("grad_all_reduce", 0, blocks[-1], k, link),
+                        collective_time("all_gather", gathered, 0, k, link)
+                        - collective_time("all_gather_sum_grad", gathered, gathered, k, link))
     return saving
 
 

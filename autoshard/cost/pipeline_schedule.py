@@ -32,6 +32,34 @@ from autoshard.ir.errors import PlanError
 from autoshard.ir.meta import RECOMPUTE
 
 
+def param_share(config) -> float:
+    """The share of a micro-batch program's parameters (with their gradients and optimizer state) one pp rank
+    holds, as counted before the cut exists (solve's memory row, the recompute pass's budget check): an even split
+    over the pp ranks. `config` is a PipelineConfig, None for a program that does not pipeline. After the cut,
+    `rank_memory` counts each rank's own stages.
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> param_share(None), param_share(PipelineConfig("pp", 4, 8))
+    (1.0, 0.25)
+    """
+    return 1.0 if config is None else 1.0 / config.pp_size
+
+
+def pre_cut_memory(predicted, config) -> float:
+    """Bytes one pp rank is expected to hold before the cut: its `param_share` of the parameters, gradients and
+    optimizer state, and every other part in full (one micro-batch's activations through the whole model is what
+    1F1B's first rank keeps in flight: p micro-batches of its 1/p of the layers). `predicted` is a Prediction.
+
+    >>> pre_cut_memory(pipe.plan.predicted, None) == pipe.plan.predicted.memory_bytes_per_rank
+    True
+    """
+    share = param_share(config)
+    if share == 1.0 or not predicted.memory:
+        return predicted.memory_bytes_per_rank
+    parts = predicted.memory
+    return predicted.memory_bytes_per_rank - (1 - share) * (parts.params + parts.grads + parts.optimizer)
+
+
 def schedule_order(config) -> dict[int, list[tuple]]:
     """{pp rank: [(stage, kind, microbatch), ...]} in the order the schedule runs them.
 

@@ -35,6 +35,17 @@ def recompute_seconds(state, node) -> tuple[float, dict]:
     return collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
 
 
+def op_seconds(state, node) -> float:
+    """A node's predicted seconds per step (forward and backward) with, inside a checkpoint region, its recompute
+    in backward: what a pipeline stage's time is made of (cut_stages sums it per stage).
+
+    >>> op_seconds(prog.state, region[0]) == node_cost(region[0]).seconds + recompute_seconds(prog.state, region[0])[0]
+    True
+    """
+    seconds = node_cost(node).seconds
+    return seconds + recompute_seconds(state, node)[0] if node.meta.get(RECOMPUTE) else seconds
+
+
 def dropped_activations(nodes) -> list:
     """The nodes of a checkpoint region whose outputs are no longer kept for backward: those only the
     region's own ops use (the region's outputs are the next region's saved inputs).

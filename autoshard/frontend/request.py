@@ -116,6 +116,17 @@ class CompileOptions:
                       compile=compile, **others)
         return options.recomputing_as_needed() if checkpoint == "auto" else options
 
+    @property
+    def budget_bytes(self) -> float:
+        """The memory budget per device: `memory_budget`, or (options made without `parse`) the profile's memory
+        less the headroom.
+
+        >>> CompileOptions().budget_bytes / 1e9, CompileOptions(memory_budget=1e9).budget_bytes / 1e9
+        (72.0, 1.0)
+        """
+        return headroom_budget(self.profile, self.memory_headroom) if self.memory_budget is None else \
+            self.memory_budget
+
     def recomputing_as_needed(self) -> CompileOptions:
         """`checkpoint="auto"`: the ILP plans with activations kept (no bound); recomputation of repeated layers
         then brings the plan under the budget (`checkpoint_budget`, the memory budget unless given).

@@ -34,6 +34,7 @@ from autoshard.cost.collective_time import collective_latency
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.pipeline_schedule import rank_memory, stage_activations, stage_nodes
 from autoshard.cost.prediction import MemoryParts, node_cost
+from autoshard.cost.recompute_cost import op_seconds
 from autoshard.frontend.cut_points import find_layers
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
@@ -302,10 +303,10 @@ class CutCosts:
     def __init__(self, state, nodes, config):
         self.n = len(nodes)
         self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
-        seconds = [node_cost(node).seconds for node in nodes] + [0.0]
+        seconds = [op_seconds(state, node) for node in nodes] + [0.0]  # a checkpointed op's recompute included
         for node, k in op_positions(state.gm.graph, nodes).items():  # ops left out run with their first user
             if k >= self.n or nodes[k] is not node:
-                seconds[min(k, self.n - 1)] += node_cost(node).seconds
+                seconds[min(k, self.n - 1)] += op_seconds(state, node)
         self.prefix = [0.0]
         for t in seconds[:-1]:
             self.prefix.append(self.prefix[-1] + t)
@@ -377,7 +378,7 @@ def stage_summary(state, config) -> list[dict]:
     grads = needs_grad(state.gm.graph)
     profile = state.options.profile
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
-            "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0}
+            "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0, "recompute_s": 0.0}
            for s in range(config.num_stages)]
     for node in state.gm.graph.nodes:
         cost = node_cost(node)
@@ -391,7 +392,9 @@ def stage_summary(state, config) -> list[dict]:
             continue
         row = out[node.meta[meta.STAGE]]
         row["ops"] += 1
-        row["seconds"] += cost.seconds
+        seconds = op_seconds(state, node)  # with its recompute in backward when checkpointed
+        row["seconds"] += seconds
+        row["recompute_s"] += seconds - cost.seconds
         comm = node.meta.get(meta.COMM)
         if comm:  # the part of a collective's time that does not shrink with the micro-batch
             axis = state.mesh.axis(comm["axis"])
@@ -407,6 +410,7 @@ def stage_summary(state, config) -> list[dict]:
             row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
     kept, _ = stage_activations(state, stage_nodes(state, config.num_stages))  # recomputed regions' less
     for row in out:
-        row["fwd_s"], row["bwd_s"] = row["seconds"] / 3, 2 * row["seconds"] / 3  # backward ~ 2x forward
+        once = row["seconds"] - row["recompute_s"]  # backward ~ 2x forward, and the recompute runs in backward
+        row["fwd_s"], row["bwd_s"] = once / 3, 2 * once / 3 + row["recompute_s"]
         row["activation_bytes"] = int(kept[row["stage"]])
     return out

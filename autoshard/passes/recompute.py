@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import re
 
+from autoshard.cost.pipeline_schedule import pre_cut_memory
 from autoshard.cost.recompute_cost import region_savings
 from autoshard.frontend.hints import Hints
 from autoshard.ir import meta
@@ -119,7 +120,7 @@ def _auto_regions(state, ops, layers) -> list[str]:
     if budget is None or not layers:
         return []
     predict(state)
-    memory = state.predicted.memory_bytes_per_rank
+    memory = pre_cut_memory(state.predicted, options.pipeline)  # a pp rank's, before the cut
     members: dict = {layer: [] for layer in layers}  # each layer's ops, in one walk over their paths' prefixes
     for node in ops:
         parts = node.meta.get(meta.PATH, "").split(".")

@@ -54,6 +54,7 @@ from autoshard.cost.collective_time import (
 from autoshard.cost.conversion_memory import conversion_memory
 from autoshard.cost.flops import node_bytes
 from autoshard.cost.saved_tensors import kept_split
+from autoshard.cost.pipeline_schedule import param_share
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.frontend.request import headroom_budget
 from autoshard.ir import meta
@@ -272,7 +273,7 @@ def _value_kind(u, models) -> tuple:
     """What _edge_cost and _fused_gather_refund read of a value besides its bytes, on several axes:
     values alike in these (the copies in repeated layers, most of all) share one priced conversion."""
     return (u.op == "placeholder", u.meta.get(meta.KIND) != "input", isinstance(u.meta.get("val"), (tuple, list)),
-            bool(models[0].grad.get(u, False)))
+            bool(models[0].grad.get(u, False)), cast_parameter(u) is not None)
 
 
 def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share=1.0,
@@ -325,29 +326,41 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
     return [(cost, groups) for cost, groups in shared]
 
 
-def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes, nbytes) -> float:
-    """Scaled seconds over-counted when an edge gathers `u` on an axis where `v` splits its work with
-    that input replicated: the shared charge prices the gradient's reduction as an all-reduce, but
-    fuse_comm turns gather + all-reduce into one all_gather_sum_grad (a reduce-scatter backward).
-    Activations only: a parameter gathered per use is ZeRO-3 without the re-gather, whose true cost is
-    the gathered copy kept for backward, which the memory row does not count -- refunding it would make
-    the solver prefer it to data parallelism on a tie it cannot see.
+def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes, nbytes,
+                         sync_share: float = 1.0) -> tuple[float, dict]:
+    """What the ILP over-counts when an edge gathers `u` on an axis where `v` splits its work with that input
+    replicated: the shared charge prices the gradient's reduction as an all-reduce, but fuse_comm turns gather +
+    all-reduce into one all_gather_sum_grad (a reduce-scatter backward). Scaled seconds (the chain's refund,
+    {axis: the all-reduce refunded}): each chain pays the fused op instead of the gather; the all-reduce is the
+    value's one gradient sync on that axis, refunded once however many chains gather it (a conjunction charge).
+    A parameter (or its per-use cast) gathered per use is ZeRO-3 without the re-gather, whose true cost is the
+    gathered copy kept for backward, which the memory row does not count -- refunding it would make the solver
+    prefer it to data parallelism on a tie it cannot see; but in a pipeline's micro-batch program its all-reduce
+    was priced at `sync_share` (once per step) while the reduce-scatter runs every micro-batch: that difference is
+    charged to the chain (a negative refund), never refunded.
     When `axes` are the whole mesh, the chain insert_comm emits is known step by step and the saving is
     exact (cost.fused_gather_saving); one axis of several is priced on that axis alone."""
-    if u.op == "placeholder" or not models[0].grad.get(u, False):
-        return 0.0
+    if not models[0].grad.get(u, False):
+        return 0.0, {}
+    parameter = u.op == "placeholder" or cast_parameter(u) is not None
+    if parameter and sync_share == 1.0:
+        return 0.0, {}
     mesh = models[0].mesh
     if len(axes) == mesh.ndim and len(axes) > 1:
-        return fused_gather_saving(Spec(have), Spec(want), partial_axes, nbytes, mesh.shape,
-                                   models[0].profile) * _SCALE
-    refund = 0.0
-    for i, axis in enumerate(axes):
-        strategy = cv[axis]
-        if isinstance(have[i], Shard) and isinstance(want[i], Replicate) and strategy.partial_grad(pos):
-            model = models[axis]
-            nbytes = model.input_bytes(u, pos, others(v, cv, axis))
-            refund += all_reduce_time(nbytes, model.k, model.link) - all_gather_time(nbytes, model.k, model.link)
-    return refund * _SCALE
+        parts = fused_gather_saving(Spec(have), Spec(want), partial_axes, nbytes, mesh.shape, models[0].profile)
+    else:
+        parts = {}
+        for i, axis in enumerate(axes):
+            strategy = cv[axis]
+            if isinstance(have[i], Shard) and isinstance(want[i], Replicate) and strategy.partial_grad(pos):
+                model = models[axis]
+                nbytes = model.input_bytes(u, pos, others(v, cv, axis))
+                parts[axis] = (all_reduce_time(nbytes, model.k, model.link), -all_gather_time(nbytes, model.k,
+                                                                                               model.link))
+    if parameter:
+        return min(sum(sync_share * sync + change for sync, change in parts.values()), 0.0) * _SCALE, {}
+    return sum(change for _, change in parts.values()) * _SCALE, {axis: sync * _SCALE for axis, (sync, _) in
+                                                                   parts.items()}
 
 
 def _partial_axes(u, pos, strategies, models) -> tuple:
@@ -503,6 +516,7 @@ def _cost_parts(nodes, axes, combos, choices, state, models, semi_auto, split) -
     priced_as = {u: (size[u], _value_kind(u, models)) if several else u for u in nodes}
     prices: dict = {}
     refunds: dict = {}
+    sync_refunds: dict = {}  # (value, axis, all-reduce seconds) -> {class pair: candidate pairs that fuse it}
     for v in nodes:
         if v.op != "call_function":
             continue
@@ -534,16 +548,33 @@ def _cost_parts(nodes, axes, combos, choices, state, models, semi_auto, split) -
                         row[b] = INF
                         continue
                     refund_key = (priced_as[u], have_id, want_id, partials[b]) if whole_mesh else (v, pos, a, b)
-                    refund = refunds.get(refund_key)
-                    if refund is None:
-                        refund = refunds[refund_key] = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes,
-                                                                            models, others, partials[b], size[u])
+                    found = refunds.get(refund_key)
+                    if found is None:
+                        found = refunds[refund_key] = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes,
+                                                                           models, others, partials[b], size[u],
+                                                                           sync_share)
+                    refund, syncs = found
                     cost = (cost - refund) * copies(u)  # one chain per value, in every layer it stands for
                     terms, uses = conversions.setdefault((u, have_id, want_id, partials[b], penalize, cost),
                                                          ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
-    return classes, class_of, sizes, costs, edges, shared, _conversion_charges(conversions, edges), breakdowns
+                    for axis, sync in syncs.items():  # the value's all-reduce on the axis, refunded once
+                        sync_refunds.setdefault((u, axis, sync), {}).setdefault(key, set()).add((a, b))
+    conjunctions = _conversion_charges(conversions, edges) + _sync_refunds(sync_refunds, edges, copies)
+    return classes, class_of, sizes, costs, edges, shared, conjunctions, breakdowns
+
+
+def _sync_refunds(sync_refunds: dict, edges: dict, copies) -> list:
+    """Conjunction charges paying back a value's gradient all-reduce on an axis (a shared charge) once when any of
+    its chains fuses it into the gather (`_fused_gather_refund`)."""
+    out = []
+    for (u, _, sync), terms in sync_refunds.items():
+        kept = [(c, d, sorted(p for p in pairs if edges[(c, d)][p[0]][p[1]] != INF)) for (c, d), pairs in terms.items()]
+        kept = [term for term in kept if term[2]]
+        if kept and sync:
+            out.append((-sync * copies(u), kept))
+    return out
 
 
 def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0,
@@ -563,9 +594,12 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
     memory = [[0.0] * size for size in sizes]
     dropped = planned_dropped(state, nodes)
     copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
+    share = param_share(state.options.pipeline)  # a pp rank holds its stages' parameters only
     for n in nodes:
         c = class_of[n]
         kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
+        if n.op == "placeholder" and n.meta.get(meta.KIND) != "input":
+            kept = share
         for s, per_axis in enumerate(breakdowns[n]):
             memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n],
                                                                                      state, models)

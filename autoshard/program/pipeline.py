@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.cost.profiles import Link
-from autoshard.frontend.request import CompileRequest
+from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.passes.pass_lists import compile_state
 from autoshard.program.pipeline_program import PipelineProgram
+from autoshard.solver.errors import MemoryBudgetError
+from autoshard.solver.problem import IlpProblem
 
 # Our names -> torch.distributed.pipelining schedule class names (get_schedule_class).
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B", "loopedbfs": "LoopedBFS",
@@ -246,4 +248,26 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
                             options=request.options.replace(profile=inner_profile(profile, mesh, axis),
                                                             pipeline=config))
     state, history = compile_state(micro, pipeline=True)
+    budget = CompileOptions.of(request.options).budget_bytes
+    fullest = state.predicted.memory_bytes_per_rank  # the fullest pp rank's, counted after the cut
+    if fullest > budget and request.plan is None:
+        # solve counted an even share of the parameters per pp rank (param_share); the cut's fullest rank holds
+        # more (the embedding, the micro-batches in flight): plan once more against a budget tightened by as much
+        tightened = micro.options.replace(memory_budget=budget * budget / fullest)
+        state, history = compile_state(micro.replace(options=tightened), pipeline=True)
+        fullest = state.predicted.memory_bytes_per_rank
+        if fullest > budget:
+            raise pipeline_memory_error(fullest, budget, config)
     return PipelineProgram(state, history, mesh, config)
+
+
+def pipeline_memory_error(fullest: float, budget: float, config: PipelineConfig) -> MemoryBudgetError:
+    """The refusal of a pipeline whose fullest pp rank does not fit the budget, even planned against a tighter one.
+
+    >>> str(pipeline_memory_error(80e9, 72e9, PipelineConfig("pp", 4, 8))).split(":")[0]
+    'no plan fits the memory budget of 67.055 GiB (72000000000 bytes) per device'
+    """
+    problem = IlpProblem([1], [[0.0]], memory=[[fullest]], budget=budget, kinds=["the fullest pp rank"],
+                         names=[f"pp rank of a {config.pp_size}-stage {config.schedule} pipeline"])
+    return MemoryBudgetError(problem, searched=f"the fullest of {config.pp_size} pp ranks after the cut, planned "
+                                               "again against a budget tightened by its excess")

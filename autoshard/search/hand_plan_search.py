@@ -27,7 +27,7 @@ import warnings
 from autoshard.catalogue import hand_plans as catalogue
 from autoshard.catalogue.roles import model_roles
 from autoshard.cost.axis_cost import held_bytes_factor, needs_grad
-from autoshard.frontend.request import CompileRequest, headroom_budget
+from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError
 from autoshard.ir.warn_once import warning_scope
@@ -132,9 +132,7 @@ def _hand_plans_may_win(request: CompileRequest, auto: Program) -> bool:
 
 
 def _budget(request: CompileRequest) -> float:
-    options = request.options
-    budget = options.memory_budget
-    return headroom_budget(options.profile, options.memory_headroom) if budget is None else budget
+    return CompileOptions.of(request.options).budget_bytes
 
 
 def applicable_hand_plans(request: CompileRequest) -> list:

@@ -20,15 +20,17 @@ On an unnamed mesh the planner compares pipelining over each axis with not pipel
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
 
 from autoshard.frontend.request import CompileRequest
 from autoshard.ir.errors import AutoshardError, UserInputError
+from autoshard.ir.placement import Shard
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan
-from autoshard.program.pipeline import batch_size, check_options, parallelize_pipeline
+from autoshard.program.pipeline import batch_size, check_options, inner_mesh, parallelize_pipeline
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.solver.errors import MemoryBudgetError
 
@@ -160,7 +162,27 @@ def _from_saved(request: CompileRequest, pipeline):
 
 
 def _microbatch_candidates(p: int, batch: int) -> list[int]:
+    """The counts the first plan is made at (the smallest bubble per planning second)."""
     return [m for m in (p, 2 * p, 4 * p) if m <= batch and batch % m == 0] or [1]
+
+
+def _batch_ways(prog) -> int:
+    """Over how many devices of the inner mesh the first plan splits a micro-batch (its data parallelism)."""
+    shape = prog.inner_mesh.shape
+    specs = [spec for spec in prog.input_specs if spec]
+    return max((math.prod(shape[a] for a, p in enumerate(spec) if p == Shard(0)) for spec in specs), default=1)
+
+
+def _finer_counts(p: int, batch: int, ways: int) -> list[int]:
+    """The micro-batch counts estimated from the first plan: every multiple of the pp size dividing the batch
+    whose micro-batch still splits over the `ways` devices the first plan gives the batch (Megatron runs 8 to 24
+    micro-batches per stage: the bubble (p - 1) / (m + p - 1) shrinks with m while each micro-batch's latencies
+    stay).
+
+    >>> _finer_counts(2, 48, 4)  # micro-batches of 24, 12, 8, 4 sequences over 4 data-parallel devices
+    [2, 4, 6, 12]
+    """
+    return [m for m in range(p, batch + 1, p) if batch % m == 0 and (batch // m) % ways == 0]
 
 
 def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> float:
@@ -180,35 +202,66 @@ def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> fl
 
 
 def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: float = float("inf")):
-    """Plan at one micro-batch count, estimate the others, re-plan once if another count is better. The
-    re-plan is skipped when even without its gradient sync (the only cost a plan for another count weighs
-    differently: its share per micro-batch) the estimate cannot beat `to_beat`, the best step found so far."""
+    """Plan at one or two micro-batch counts (`_first_counts`), estimate the others from each plan, re-plan once if
+    another count is expected to be faster; the fastest planned count wins. The re-plan is skipped when even without
+    its gradient sync (the only cost a plan for another count weighs differently: its share per micro-batch) the
+    estimate cannot beat `to_beat`, the best step found so far."""
     if "microbatches" in opts:
         return parallelize_pipeline(request, axis, opts)
     inputs = request.example_inputs
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     mesh = request.mesh
-    p = mesh.shape[mesh.axis(axis)]
-    candidates = _microbatch_candidates(p, batch_size(inputs))
-    m0 = max([m for m in candidates if m <= 2 * p] or candidates[:1])
+    p, batch = mesh.shape[mesh.axis(axis)], batch_size(inputs)
     request = request.replace(example_inputs=inputs)
-    prog = parallelize_pipeline(request, axis, dict(opts, microbatches=m0))
-    config = prog.config
-    estimates = {m: estimate_step(prog.state.pipeline_stages, m0, m, config.virtual, config.link) for m in candidates}
-    best = min(candidates, key=lambda m: (estimates[m], m))
-    sync = max(row.get("sync_s", 0.0) for row in prog.state.pipeline_stages)
-    # The estimates rank the counts; scaled to the plan's own predicted step at m0 they say what best would take.
-    expected = estimates[best] * prog.plan.pipeline["predicted_step_s"] / estimates[m0]
-    pruned = best != m0 and expected - sync >= to_beat
-    if best != m0 and not pruned:
+    planned, errors = {}, []
+    for m in _first_counts(p, batch, inner_mesh(mesh, axis).shape):
         try:
-            prog = parallelize_pipeline(request, axis, dict(opts, microbatches=best))
-        except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep m0
-            log.info("pipelining with %d micro-batches is not possible (%s); keeping %d", best, exc, m0)
-    prog.plan.pipeline["microbatch_search"] = {str(m): estimates[m] for m in candidates}
+            planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m))
+        except AutoshardError as exc:  # e.g. micro-batches too large to fit: the finer count may
+            errors.append(exc)
+    if not planned:
+        raise errors[0]
+    expected = {}  # count -> (expected step, the planned count it is estimated from)
+    for m0, prog in planned.items():
+        config, stages = prog.config, prog.state.pipeline_stages
+        own = estimate_step(stages, m0, m0, config.virtual, config.link)
+        for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
+            # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
+            step = estimate_step(stages, m0, m, config.virtual, config.link) * prog.plan.pipeline["predicted_step_s"] \
+                / own if m != m0 else prog.plan.pipeline["predicted_step_s"]
+            if m not in expected or step < expected[m][0]:
+                expected[m] = (step, m0)
+    best = min(expected, key=lambda m: (expected[m][0], m))
+    base = planned[expected[best][1]]
+    sync = max(row.get("sync_s", 0.0) for row in base.state.pipeline_stages)
+    pruned = best not in planned and expected[best][0] - sync >= to_beat
+    if best not in planned and not pruned:
+        try:
+            planned[best] = parallelize_pipeline(request, axis, dict(opts, microbatches=best))
+        except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep the planned counts
+            log.info("pipelining with %d micro-batches is not possible (%s)", best, exc)
+    prog = min(planned.values(), key=lambda prog: (prog.plan.pipeline["predicted_step_s"], prog.config.microbatches))
+    prog.plan.pipeline["microbatch_search"] = {str(m): expected[m][0] for m in sorted(expected)}
     if pruned:
-        prog.plan.pipeline["not_replanned"] = {"microbatches": best, "expected_step_s": expected}
+        prog.plan.pipeline["not_replanned"] = {"microbatches": best, "expected_step_s": expected[best][0]}
     return prog
+
+
+def _first_counts(p: int, batch: int, inner: tuple) -> list[int]:
+    """The micro-batch counts planned before the others are estimated: the largest of p, 2p that divides the
+    batch (a small bubble for few micro-batches), and, when it is at least four times as many, Megatron's count:
+    one sample per data-parallel device and micro-batch, the data-parallel devices taken as the inner mesh less
+    its innermost axis (tensor parallelism inside a node). A plan at a large micro-batch may shard very
+    differently (its activations crowd out the parameters): estimates from it alone would miss the fine counts.
+
+    >>> _first_counts(2, 1536, (32, 8)), _first_counts(2, 8, (2,))
+    ([4, 48], [4])
+    """
+    coarse = _microbatch_candidates(p, batch)
+    first = max([m for m in coarse if m <= 2 * p] or coarse[:1])
+    data = math.prod(inner[:-1]) if len(inner) > 1 else 1
+    fine = [m for m in _finer_counts(p, batch, data) if batch // m == data] if data > 1 else []
+    return [first] + [m for m in fine if m >= 4 * first]
 
 
 def _search_axes(request: CompileRequest, opts: dict):
