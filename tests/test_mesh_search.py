@@ -76,3 +76,12 @@ def test_devices_accepts_a_torch_size_free_int_only():
     model, inputs, loss_fn = mlp(n_layers=2)
     with pytest.raises(UserInputError, match="positive number"):
         autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=torch.tensor(4))
+
+
+def test_large_device_counts_offer_pipelines_from_shallow_to_deep():
+    """Beyond six shapes the three-axis ones are spread from the shallowest split to the most balanced one: Megatron's
+    16-stage layout for 310B on 1920 GPUs is among them (either outer axis may pipeline)."""
+    shapes = candidate_shapes(1920, 8)
+    assert len(shapes) == 6 and shapes[:2] == [(240, 8), (480, 4)]
+    assert (2, 120, 8) in shapes and (15, 16, 8) in shapes
+    assert candidate_shapes(512, 8) == [(64, 8), (128, 4), (2, 32, 8), (4, 16, 8), (8, 8, 8), (2, 64, 4)]

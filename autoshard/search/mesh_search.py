@@ -13,7 +13,10 @@ The candidates (`candidate_shapes`): axes run from the slowest links to the fast
 parallelism inside a node, Megatron's rule); the devices outside it form one axis or two (two: one of them may
 pipeline while the other carries data). Shapes whose axes have the same sizes and links in another order plan alike
 and are tried once; within a node the same rule applies to the whole mesh. At most `MAX_SHAPES` are planned, fewest
-axes first: a shape with more axes costs more planning and is kept for last.
+axes first: a shape with more axes costs more planning and is kept for last; when there are more three-axis shapes
+than room, those of whole-node inner axes are spread evenly from the shallowest first axis to the most balanced split
+(on 1920 devices (2, 120, 8), (5, 48, 8), (8, 30, 8), (15, 16, 8): either outer axis may pipeline, so pipelines of
+2 to 120 stages are weighed).
 
 >>> candidate_shapes(64, 8)
 [(8, 8), (16, 4), (2, 4, 8), (2, 8, 4), (4, 4, 4), (8, 2, 4)]
@@ -62,7 +65,30 @@ def candidate_shapes(devices: int, devices_per_node: int, max_shapes: int = MAX_
         if key not in seen:
             seen.add(key)
             kept.append(shape)
-    return kept[:max_shapes]
+    if len(kept) <= max_shapes:
+        return kept
+    # Too many: the shapes of fewer axes, then three-axis shapes spread evenly from the shallowest first axis to
+    # the most balanced split (large device counts offer deep pipelines too: Megatron runs 16 to 64 stages).
+    flat = [shape for shape in kept if len(shape) < 3]
+    deep = [shape for shape in kept if len(shape) == 3]
+    room = max(max_shapes - len(flat), 0)
+    whole_node = [shape for shape in deep if shape[-1] == deep[0][-1]]
+    picked = _spread(whole_node, room)
+    picked += [shape for shape in deep if shape not in picked][:room - len(picked)]
+    return (flat + sorted(picked, key=deep.index))[:max_shapes]
+
+
+def _spread(items: list, count: int) -> list:
+    """`count` of `items` spread evenly over the list, both ends included.
+
+    >>> _spread([2, 3, 4, 5, 6, 8, 10, 12, 15], 4)
+    [2, 5, 8, 15]
+    """
+    if len(items) <= count:
+        return list(items)
+    if count <= 1:
+        return items[:count]
+    return [items[round(i * (len(items) - 1) / (count - 1))] for i in range(count)]
 
 
 def check_devices(devices) -> None:
