@@ -461,7 +461,9 @@ def notes(results) -> str:
         "(`candidate_shapes`: at most 6, fewest axes first, the innermost axis 8 or 4 devices of one node, the "
         "meshes-with-a-plan column says how many found one) and keeps the fastest predicted step. On each unnamed "
         "mesh the compiler does what it always does: the ILP gives each axis its role, the pipeline search tries "
-        "each axis as a pipeline with p, 2p or 4p micro-batches, the hand-plan catalogue is compared with the ILP's "
+        "each axis as a pipeline (planned at p or 2p micro-batches and at Megatron's count, one sequence per "
+        "data-parallel device and micro-batch; every other multiple of p estimated from those plans and the best "
+        "planned; then interleaved 1F1B and zero bubble weighed), the hand-plan catalogue is compared with the ILP's "
         "plan (the last column of the first table names the one kept), and the memory ladder adds ZeRO and "
         "recomputation until the plan fits the budget. The model is the zoo's GPT-2 at the real width and depth on "
         "the meta device; depth folding traces three layers for all. Planning seconds are those of the devices= "
@@ -491,10 +493,10 @@ def notes(results) -> str:
         "Reading the figures. ")
     if ahead:
         text += (f"{', '.join(ahead)}: autoshard is ahead ({min(ratios[n] for n in ahead):.2f} to "
-                 f"{max(ratios[n] for n in ahead):.2f}) by recomputing only the layers the budget needs (Megatron "
-                 "recomputes every layer: one more forward, a third more compute) and by sharding the parameters with "
-                 "ZeRO-3 inside a node and the batch over every axis, where Megatron replicates them over its "
-                 "data-parallel ranks (and splits them with tensor parallelism). ")
+                 f"{max(ratios[n] for n in ahead):.2f}): the first table says what each plan does; where it recomputes only "
+                 "the layers the budget needs it saves against Megatron's every layer (one more forward, a third more "
+                 "compute), and where it shards parameters with ZeRO it saves the memory Megatron spends replicating "
+                 "them over its data-parallel ranks. ")
     over = [f"{r['name']} ({r['published']['memory_bytes'] / 1e9:.0f} GB)" for r in results
             if r["published"]["memory_bytes"] > r["budget"]]
     if over:
@@ -502,40 +504,17 @@ def notes(results) -> str:
                  "anyway, as published. ")
     if behind:
         tried = [r["name"] for r in results if r["name"] in behind and published_among_candidates(r)]
-        untried = [f"{r['name']}'s {tuple(n for n in (r['megatron'][2], r['megatron'][0], r['megatron'][1]) if n > 1)}"
-                   for r in results
-                   if r["name"] in behind and not published_among_candidates(r)]
-        multiples = [r["batch"] // r["megatron"][0] // r["megatron"][2] for r in results
-                     if r["name"] in behind and r["megatron"][2] > 1]
         text += (f"{', '.join(behind)}: the target is missed ({min(ratios[n] for n in behind):.2f} to "
-                 f"{max(ratios[n] for n in behind):.2f}). Megatron's layouts pipeline with one sequence per "
-                 "micro-batch and no ZeRO; autoshard keeps ZeRO-3 over cross-node axes without a pipeline, whose "
-                 "parameter gathers and gradient reduce-scatters on InfiniBand dominate its step. The mesh search is "
-                 f"not what misses them (its candidates include the published shape for {', '.join(tried) or 'none'}"
-                 + (f"; not {', '.join(untried)}" if untried else "") + "): the pipeline search on a shape does. Inside a pipelined micro-batch program the ILP splits the parameters "
-                 "over the data axes instead of the batch (39.1B on (2, 32, 8) pipelined over the axis of 2: "
-                 "\"parameters split on ['a1', 'a2']\", predicted 22.2 s a step with 8 micro-batches and 134.6 s with "
-                 "Megatron's 48, where Megatron's hints on the same mesh give 8.6 s); it tries only p, 2p and 4p "
-                 f"micro-batches (Megatron's are {min(multiples)}p to {max(multiples)}p); and it checks a pipeline's "
-                 "memory on its micro-batch program, which holds every stage's parameters (an upper bound: a stage "
-                 "holds 1/p of them), so the memory ladder shards or recomputes what one stage would not need. "
-                 "The comparison also flatters Megatron's pipelined layouts: a pipeline's predicted step leaves out "
-                 "its recomputation (its stage times are the same with every layer recomputed as without: 8.63 s both "
-                 "ways for 39.1B), while a flat plan pays for it (Megatron's 39.1B layout without its pipeline, dp 64 "
-                 "x tp 8: 11.24 s recomputed, 8.99 s not; planned once with `parallelize`, not in the tables). With "
-                 "the recompute forward charged, Megatron's pipelined layouts would take up to about a quarter "
-                 "longer, which alone would not close the larger gaps. ")
+                 f"{max(ratios[n] for n in behind):.2f}); the candidates column and the JSON give every shape's "
+                 "plan and step (Megatron's own shape is among the candidates for "
+                 f"{', '.join(tried) or 'none of them'}). ")
     if refused:
         text += (f"{', '.join(r['name'] for r in refused)} ({', '.join(str(r['gpus']) for r in refused)} GPUs): "
-                 "`parallelize(devices=N)` returns no plan, on any candidate shape. Without a pipeline the batch is "
-                 "not split into micro-batches (gradient accumulation is a pipeline's only), so a device keeps the "
-                 "activations of about 9 sequences of 2048 of every layer, more than the budget even recomputed; "
-                 "ZeRO does not shard over the data axes of 15 x 2^k (1920) or 315, 105, 63, 45, 35 (2520) devices, "
-                 "since it shards evenly (no padding) and the dims are powers of two. A pipeline would fit (Megatron's "
-                 "layouts are predicted at 61 GB per device), but the micro-batch program's check counts every "
-                 "stage's parameters: 576 GiB of parameter state for 310.1B on (5, 48, 8) pipelined over the axis of "
-                 "48. Megatron's (16, 15, 8) and (35, 9, 8) are not among the 6 candidate shapes (fewest axes and "
-                 "smallest outer axis first), nor would they plan, for the same reason. ")
+                 "`parallelize(devices=N)` returns no plan, on any candidate shape: "
+                 + "; ".join(f"{r['name']}: {r['auto']['roles']}" for r in refused) + ". ")
+    text += ("Both sides' pipelines are priced the same way: a stage's time includes its recomputation (the "
+             "recompute forward in backward), each pp rank holds its own stages' parameters and its micro-batches in "
+             "flight under its schedule, and the budget is checked on the fullest pp rank. ")
     return text.rstrip()
 
 
