@@ -228,7 +228,8 @@ def notes(results) -> str:
         "How autoshard's plan is made: as in section 5, `parallelize(devices=N)` plans the model on each candidate "
         "mesh shape (at most 6; the last column of the second table says how many found a plan) and keeps the "
         "fastest predicted step; on each shape the ILP gives the axes their roles, the pipeline search tries each "
-        "axis as a pipeline (p, 2p or 4p micro-batches; the schedules 1F1B, interleaved and zero-bubble), the "
+        "axis as a pipeline (micro-batch counts estimated over every multiple of p from plans at p or 2p and at one "
+        "sample per data-parallel device; the schedules 1F1B, interleaved and zero-bubble), the "
         "catalogue's hand plans are compared with the ILP's, and the memory ladder adds ZeRO and recomputation to "
         "fit the budget. The model is transformers' LlamaForCausalLM at the real size on the meta device, depth "
         "folded. Planning seconds are the devices= call's, export included, wall and CPU of this process on a VM of "
@@ -251,10 +252,8 @@ def notes(results) -> str:
         "fp32 gradient reduce-scatters (torchtitan's default; bf16 here), vocabulary-parallel loss (the ILP gathers "
         "the logits: the head keeps a whole vocabulary row per token, which is most of the memory of the published "
         "configurations priced without recomputation), and the memory model's approximations (every value with a "
-        "gradient counted as saved; no allocator fragmentation). A pipeline's predicted step leaves out its "
-        "recomputation: its stage times are the same with every layer recomputed as without (the same holds in "
-        "section 5), which flatters the 405B configuration (every layer recomputed) and autoshard's pipelined plans "
-        "alike.\n\n"
+        "gradient counted as saved; no allocator fragmentation). A pipeline's stage times include their "
+        "recomputation, on both sides.\n\n"
         "Reading the figures, run by run.\n\n" + "\n".join(f"- {line}" for line in run_by_run(results)) + "\n\n"
         "Predicted against measured (tokens/s/GPU of torchtitan's configuration as priced): 8B on 8, "
         + at("8B/8", gap) + " and 8B on 128, " + at("8B/128", gap) + " (eager, bf16; priced without "
@@ -282,11 +281,9 @@ def run_by_run(results) -> list[str]:
             line += (f" Selective AC priced as no recomputation needs {pub['memory_bytes'] / 1e9:.0f} GB a device in "
                      f"this memory model{measured}, and as every layer recomputed takes {full['step_s']:.2f} s (ratio "
                      f"{auto['step_s'] / full['step_s']:.3f}): what it ran lies between.")
-        if auto["pipeline"] != "none" and auto["recomputed"]:
-            line += " autoshard's pipeline is predicted without its recomputation (see above), which flatters it."
         if pub["pipeline"] != "none":
             line += (f" torchtitan's {pp}-stage pipeline of {m} micro-batches has a 1F1B bubble of "
-                     f"{pp - 1}/{m + pp - 1} of its step, and its recomputation is not charged either.")
+                     f"{pp - 1}/{m + pp - 1} of its step.")
         if tp == 1 and gpus > 8:
             line += (f" FSDP over {gpus} GPUs gathers every parameter across InfiniBand twice a step and "
                      "reduce-scatters the gradients there, which the cost model charges in full (FSDP overlaps it).")
