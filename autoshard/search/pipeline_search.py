@@ -166,6 +166,12 @@ def _microbatch_candidates(p: int, batch: int) -> list[int]:
     return [m for m in (p, 2 * p, 4 * p) if m <= batch and batch % m == 0] or [1]
 
 
+def _data_devices(inner: tuple) -> int:
+    """The devices Megatron's rule gives data parallelism in an inner mesh: all but its innermost axis (tensor
+    parallelism inside a node); none of a one-axis mesh."""
+    return math.prod(inner[:-1]) if len(inner) > 1 else 1
+
+
 def _batch_ways(prog) -> int:
     """Over how many devices of the inner mesh the first plan splits a micro-batch (its data parallelism)."""
     shape = prog.inner_mesh.shape
@@ -214,7 +220,10 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
     p, batch = mesh.shape[mesh.axis(axis)], batch_size(inputs)
     request = request.replace(example_inputs=inputs)
     planned, errors = {}, []
-    for m in _first_counts(p, batch, inner_mesh(mesh, axis).shape):
+    inner = inner_mesh(mesh, axis).shape
+    for m in _first_counts(p, batch, inner):
+        if planned and all(_batch_ways(prog) >= _data_devices(inner) for prog in planned.values()):
+            break  # the first plan splits its micro-batch over every data device: it estimates the finer count
         try:
             planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m))
         except AutoshardError as exc:  # e.g. micro-batches too large to fit: the finer count may
@@ -259,7 +268,7 @@ def _first_counts(p: int, batch: int, inner: tuple) -> list[int]:
     """
     coarse = _microbatch_candidates(p, batch)
     first = max([m for m in coarse if m <= 2 * p] or coarse[:1])
-    data = math.prod(inner[:-1]) if len(inner) > 1 else 1
+    data = _data_devices(inner)
     fine = [m for m in _finer_counts(p, batch, data) if batch // m == data] if data > 1 else []
     return [first] + [m for m in fine if m >= 4 * first]
 
