@@ -1,8 +1,9 @@
 """Whether to pipeline, over which axis, with how many micro-batches: decided by predicted step time.
 
 A named axis "pp" (or `pipeline={"axis": ...}`) fixes the axis; the micro-batch count, when not given,
-is the candidate (p, 2p, 4p that divide the batch) with the least predicted step time, estimated from
-one plan (see `estimate_step`) and re-planned once if another count wins. On an unnamed mesh without
+is the multiple of p dividing the batch with the least predicted step time: planned at p or 2p (and at Megatron's
+count, one sample per data-parallel device, when that first plan does not split its micro-batch over them all),
+every other count estimated from those plans (see `estimate_step`), and re-planned once if another count wins. On an unnamed mesh without
 hints every axis of size >= 2 is a candidate pp axis besides not pipelining at all (one per class of equal size and
 links); each is planned (intra-op plan on the other axes + cut) and the fastest predicted step wins. The predicted
 step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1) x the slowest stage + the
