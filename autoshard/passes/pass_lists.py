@@ -135,6 +135,33 @@ def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bo
     return state, history
 
 
+def recut(state: CompileState, history: History, config) -> tuple[CompileState, History]:
+    """A pipeline's compiled micro-batch program cut again under `config` (another schedule or number of stages
+    per rank of the same pp axis and micro-batch count): the passes before cut_stages read of the pipeline only
+    the pp size and the micro-batch count, so their work is kept and cut_stages and the passes after it run on a
+    copy, as a fresh compile would (the schedule search weighs each schedule this way).
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> micro = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, loss_fn=loss_fn,
+    ...                        options=CompileOptions(pipeline=PipelineConfig("pp", 1, 2, "GPipe")))
+    >>> state, history = compile_state(micro, pipeline=True)
+    >>> again, again_history = recut(state, history, PipelineConfig("pp", 1, 2, "1F1B"))
+    >>> again.options.pipeline.schedule, again.gm is not state.gm, [e.name for e in again_history][-3:]
+    ('1F1B', True, ['cut_stages', 'check_hints', 'codegen'])
+    """
+    current = state.options.pipeline
+    if (config.pp_size, config.microbatches, config.axis) != (current.pp_size, current.microbatches, current.axis):
+        raise ValueError(f"recut keeps the pp size and micro-batch count ({current.pp_size}, {current.microbatches}); "
+                         f"got ({config.pp_size}, {config.microbatches}): compile the micro-batch program again")
+    passes = list(PASS_LISTS["microbatch"].passes)
+    at = passes.index(cut_stages)
+    provided = TRACED + tuple(w for p in passes[:at] for w in p.contract.writes)
+    copied = dataclasses.replace(state, gm=copy.deepcopy(state.gm), predicted=copy.deepcopy(state.predicted),
+                                 options=state.options.replace(pipeline=config), pipeline_stages=None)
+    kept = History(e for e in history if e.name not in {pass_name_of(p) for p in passes[at:]})
+    return copied, History([*kept, *run_passes(copied, passes[at:], provided=provided, describe=describe_graph)])
+
+
 # Inside `reuse_normalized()` (one planning call): the traced graph after normalize, per model, loss, input shapes,
 # dtype policy, random-op mode and fold, kept unmodified. normalize reads neither the mesh nor the hints, so the
 # programs a search compiles (candidate meshes, hand plans, pipeline axes) start from copies of one.

@@ -29,7 +29,7 @@ from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.passes.pass_lists import compile_state
+from autoshard.passes.pass_lists import compile_state, recut
 from autoshard.program.pipeline_program import PipelineProgram
 from autoshard.solver.errors import MemoryBudgetError
 from autoshard.solver.problem import IlpProblem
@@ -259,6 +259,28 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
         if fullest > budget:
             raise pipeline_memory_error(fullest, budget, config)
     return PipelineProgram(state, history, mesh, config)
+
+
+def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict) -> PipelineProgram:
+    """`prog` (planned from `request` by `parallelize_pipeline`) under other pipeline `options` of the same axis
+    and micro-batch count (a schedule, stages per rank): its micro-batch program is not planned again, only cut
+    again (`recut`); the result is the program `parallelize_pipeline(request, axis, options)` returns. A cut whose
+    fullest pp rank does not fit the budget is planned in full (against a tightened budget).
+
+    >>> again = recut_pipeline(CompileRequest(model, prog.mesh, inputs, loss_fn=loss_fn), prog,
+    ...                        {"microbatches": 2, "schedule": "1f1b"})
+    >>> again.config.schedule, again.plan.pipeline["stages"]
+    ('1F1B', 2)
+    """
+    options = check_options(options)
+    example_inputs = request.example_inputs
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    config = make_config(prog.mesh, prog.config.axis, options, prog.config.annotations, batch_size(example_inputs),
+                         request.options.profile)
+    state, history = recut(prog.state, prog.history, config)
+    if state.predicted.memory_bytes_per_rank > CompileOptions.of(request.options).budget_bytes:
+        return parallelize_pipeline(request, prog.config.axis, options)
+    return PipelineProgram(state, history, prog.mesh, config)
 
 
 def pipeline_memory_error(fullest: float, budget: float, config: PipelineConfig) -> MemoryBudgetError:

@@ -31,7 +31,7 @@ from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.placement import Shard
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan
-from autoshard.program.pipeline import batch_size, check_options, inner_mesh, parallelize_pipeline
+from autoshard.program.pipeline import batch_size, check_options, inner_mesh, parallelize_pipeline, recut_pipeline
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.solver.errors import MemoryBudgetError
 
@@ -95,9 +95,9 @@ SEARCH_RECORDS = ("microbatch_search", "not_replanned", "schedule_search")
 
 def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = float("inf")):
     """`prog`'s pipeline (one stage per rank, 1F1B) or, when its predicted step is shorter, the same axis and
-    micro-batch count under each of SEARCHED_SCHEDULES: each is planned (the model cut into twice the stages) and
-    its step is the simulated timeline of the schedule's own action order. A schedule or virtual stages the user
-    gave are kept; `plan.pipeline["schedule_search"]` lists what was compared. When even a schedule without any
+    micro-batch count under each of SEARCHED_SCHEDULES: each is the same micro-batch program cut into twice the
+    stages (`recut_pipeline`), and its step is the simulated timeline of the schedule's own action order. A schedule
+    or virtual stages the user gave are kept; `plan.pipeline["schedule_search"]` lists what was compared. When even a schedule without any
     bubble could not beat `to_beat` (the best step found so far), none is planned.
 
     >>> from autoshard.frontend.request import CompileRequest
@@ -117,9 +117,9 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
              "predicted_step_s": prog.plan.pipeline["predicted_step_s"]}]
     best = prog
     for schedule, virtual in SEARCHED_SCHEDULES:
-        try:
-            other = parallelize_pipeline(request, config.axis, dict(opts, microbatches=config.microbatches,
-                                                                    schedule=schedule, virtual_stages=virtual))
+        try:  # the same micro-batch program, cut into `virtual` stages per rank
+            other = recut_pipeline(request, prog, dict(opts, microbatches=config.microbatches, schedule=schedule,
+                                                       virtual_stages=virtual))
         except AutoshardError as exc:  # e.g. fewer layers than stages
             rows.append({"schedule": schedule, "virtual_stages": virtual, "error": str(exc).splitlines()[0]})
             continue

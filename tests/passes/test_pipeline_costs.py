@@ -55,3 +55,20 @@ def test_each_pp_rank_holds_its_share_of_the_parameters_when_the_ilp_plans():
                                    pipeline={"microbatches": 2, "schedule": "1F1B"}, memory_budget=budget)
     assert repr(fitted.state.memory_savers) == "no memory saver"
     assert max(fitted.plan.pipeline["memory_bytes_per_pp_rank"]) <= budget
+
+
+def test_a_recut_program_is_the_fresh_compile_of_its_schedule():
+    """The schedule search cuts the planned micro-batch program again instead of planning it again: the same plan."""
+    from autoshard.frontend.request import CompileRequest
+    from autoshard.program.pipeline import parallelize_pipeline, recut_pipeline
+
+    model, inputs, loss_fn = gpt2(n_layers=4)
+    request = CompileRequest(model, autoshard.Mesh((2, 2), ("pp", "dp")), inputs, loss_fn=loss_fn)
+    first = parallelize_pipeline(request, "pp", {"microbatches": 4, "schedule": "1F1B"})
+    for schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+        options = {"microbatches": 4, "schedule": schedule, "virtual_stages": 2}
+        fresh = parallelize_pipeline(request, "pp", options)
+        again = recut_pipeline(request, first, options)
+        assert again.plan.fingerprint == fresh.plan.fingerprint
+        assert again.plan.dumps() == fresh.plan.dumps()
+    assert first.config.schedule == "1F1B" and first.plan.pipeline["stages"] == 2  # the original is untouched
