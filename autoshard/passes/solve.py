@@ -53,8 +53,8 @@ from autoshard.cost.collective_time import (
 )
 from autoshard.cost.conversion_memory import conversion_memory
 from autoshard.cost.flops import node_bytes
-from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.pipeline_schedule import param_share
+from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.frontend.request import headroom_budget
 from autoshard.ir import meta

@@ -31,7 +31,13 @@ from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.placement import Shard
 from autoshard.plan.io import PlanMismatchError
 from autoshard.plan.plan import Plan
-from autoshard.program.pipeline import batch_size, check_options, inner_mesh, parallelize_pipeline, recut_pipeline
+from autoshard.program.pipeline import (
+    batch_size,
+    check_options,
+    inner_mesh,
+    parallelize_pipeline,
+    recut_pipeline,
+)
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.solver.errors import MemoryBudgetError
 

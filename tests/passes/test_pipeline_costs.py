@@ -28,7 +28,7 @@ def test_bf16_micro_batch_objective_is_its_predicted_step_on_three_axes():
 
 def test_a_stage_time_includes_its_recomputation():
     model, inputs, loss_fn = gpt2(n_layers=4)
-    options = dict(axis_names=("pp",), pipeline={"microbatches": 2, "schedule": "1F1B"})
+    options = {"axis_names": ("pp",), "pipeline": {"microbatches": 2, "schedule": "1F1B"}}
     plain = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, **options)
     recomputed = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, checkpoint=["layers.*"], **options)
     rows = recomputed.plan.pipeline["stage_table"]
