@@ -56,7 +56,6 @@ from autoshard.cost.flops import node_bytes
 from autoshard.cost.pipeline_schedule import param_share
 from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.zero_cost import memory_scale
-from autoshard.frontend.request import headroom_budget
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.mixed_precision import cast_parameter
@@ -590,16 +589,16 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
             shared.costs[key] = parts
     classes, class_of, sizes, costs, edges, shared_charges, conjunctions, breakdowns = parts
     mesh = state.mesh
-    profile = models[0].profile
     memory = [[0.0] * size for size in sizes]
     dropped = planned_dropped(state, nodes)
     copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
     share = param_share(state.options.pipeline)  # a pp rank holds its stages' parameters only
     for n in nodes:
         c = class_of[n]
-        kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
         if n.op == "placeholder" and n.meta.get(meta.KIND) != "input":
             kept = share
+        else:
+            kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
         for s, per_axis in enumerate(breakdowns[n]):
             memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n],
                                                                                      state, models)
@@ -611,9 +610,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
     for u, per_candidate in fixed.items():
         for s, nbytes in enumerate(per_candidate):
             memory[class_of[u]][s] += nbytes
-    budget = state.options.memory_budget if state.memory_savers.bounded else math.inf
-    if budget is None:
-        budget = headroom_budget(profile, state.options.memory_headroom)
+    budget = state.options.budget_bytes if state.memory_savers.bounded else math.inf
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism
     budget = None if math.isinf(budget) else budget * later
     problem = IlpProblem(sizes, costs, edges, memory, budget, shared=shared_charges,

@@ -237,8 +237,7 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
     """
     options = check_options(options)
     mesh, model = request.mesh, request.model
-    example_inputs = request.example_inputs
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    example_inputs = _inputs(request)
     annotations = collect_annotations(model, request.hints, options.get("balance"), options.get("split_points"))
     profile = request.options.profile
     config = make_config(mesh, axis, options, annotations, batch_size(example_inputs), profile)
@@ -261,6 +260,12 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
     return PipelineProgram(state, history, mesh, config)
 
 
+def _inputs(request: CompileRequest) -> tuple:
+    """The request's example inputs as a tuple (a lone tensor is one input)."""
+    inputs = request.example_inputs
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
 def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict) -> PipelineProgram:
     """`prog` (planned from `request` by `parallelize_pipeline`) under other pipeline `options` of the same axis
     and micro-batch count (a schedule, stages per rank): its micro-batch program is not planned again, only cut
@@ -273,9 +278,7 @@ def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict
     ('1F1B', 2)
     """
     options = check_options(options)
-    example_inputs = request.example_inputs
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    config = make_config(prog.mesh, prog.config.axis, options, prog.config.annotations, batch_size(example_inputs),
+    config = make_config(prog.mesh, prog.config.axis, options, prog.config.annotations, batch_size(_inputs(request)),
                          request.options.profile)
     state, history = recut(prog.state, prog.history, config)
     if state.predicted.memory_bytes_per_rank > CompileOptions.of(request.options).budget_bytes:
