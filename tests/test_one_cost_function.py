@@ -5,7 +5,7 @@ evaluated at the choice) equals the step `predict` reports for the emitted progr
 A slow-compute profile makes every zoo model's plan parallel, so the collectives are really priced.
 They agree to rounding on every mesh: a conversion is charged once per chain insert_comm emits (shared
 by the consumers that ask for it), and fuse_comm's saving is priced on the chain's exact steps.
-By default every model runs on (2,) and two on the wider meshes; `AUTOSHARD_FULL_MATRIX=1` runs all.
+By default every model runs on (2,) and three on the wider meshes (llama gathers weights per use there); `AUTOSHARD_FULL_MATRIX=1` runs all.
 """
 import math
 import os
@@ -24,7 +24,7 @@ SLOW = HardwareProfile(name="slow-compute", peak_flops=1e8, memory_bandwidth=1e8
 MODELS = ["bert", "gpt2", "llama", "mlp", "resnet", "vit"]
 FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
 CASES = [(name, mesh) for mesh in [(2,), (2, 2), (2, 2, 2)] for name in MODELS
-         if len(mesh) == 1 or FULL or name in ("gpt2", "mlp")]
+         if len(mesh) == 1 or FULL or name in ("gpt2", "llama", "mlp")]
 
 
 def _plan(name, mesh, names=("a", "b", "c"), **options):

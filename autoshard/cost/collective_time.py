@@ -107,18 +107,17 @@ def conversion_time(src: Placement, dst: Placement, nbytes: float, k: int, link:
 
 @functools.lru_cache(maxsize=65536)
 def fused_gather_saving(src, dst, partial_axes, global_bytes: float, mesh_shape,
-                        profile: HardwareProfile) -> dict[int, tuple[float, float]]:
+                        profile: HardwareProfile) -> dict[int, float]:
     """What fuse_comm changes on the chain `plan_redistribute(src, dst)` followed by a gradient all-reduce on each
     of `partial_axes`: where the last step on such an axis is an all-gather, the two become one
-    all_gather_sum_grad (its backward a reduce-scatter of the gathered block). Per such axis: (the all-reduce of
-    the `dst` block it saves, which is the value's one gradient sync on that axis however many chains it has;
-    the gather's seconds less the fused op's, which each chain pays).
+    all_gather_sum_grad (its backward a reduce-scatter of the gathered block), and the chain's all-reduce on that
+    axis is gone. Per such axis: the gather's seconds less the fused op's (negative: the chain pays the fused op).
 
     >>> from autoshard.ir.placement import R, S, Spec
     >>> link = HardwareProfile().link((2, 2), 1)
-    >>> (all_reduce, gather), = fused_gather_saving(Spec([S(0), S(0)]), Spec([S(0), R]), (1,), 1e6, (2, 2),
-    ...                                               HardwareProfile()).values()
-    >>> math.isclose(all_reduce + gather, all_reduce_time(5e5, 2, link) - reduce_scatter_time(5e5, 2, link))
+    >>> (change,) = fused_gather_saving(Spec([S(0), S(0)]), Spec([S(0), R]), (1,), 1e6, (2, 2),
+    ...                                 HardwareProfile()).values()
+    >>> math.isclose(change, -reduce_scatter_time(5e5, 2, link))
     True
     """
     steps, spec, blocks = plan_redistribute(src, dst), src, []
@@ -130,12 +129,20 @@ def fused_gather_saving(src, dst, partial_axes, global_bytes: float, mesh_shape,
         last = next((i for i in reversed(range(len(steps))) if steps[i].axis == axis), None)
         if last is None or steps[last].op != "all_gather":
             continue
-        k, link = mesh_shape[axis], profile.link(mesh_shape, axis)
-        gathered = blocks[last]
-        saving[axis] = (collective_time("grad_all_reduce", 0, blocks[-1], k, link),
-                        collective_time("all_gather", gathered, 0, k, link)
-                        - collective_time("all_gather_sum_grad", gathered, gathered, k, link))
+        saving[axis] = fused_gather_change(blocks[last], mesh_shape[axis], profile.link(mesh_shape, axis))
     return saving
+
+
+def fused_gather_change(gathered_bytes: float, k: int, link: Link) -> float:
+    """An all-gather's seconds less those of the all_gather_sum_grad fuse_comm makes of it and the gradient
+    all-reduce after it (negative: the fused op adds the reduce-scatter of the gathered block in backward).
+
+    >>> link = Link(1e-5, 1e9)
+    >>> math.isclose(fused_gather_change(1e6, 4, link), -reduce_scatter_time(1e6, 4, link))
+    True
+    """
+    return (collective_time("all_gather", gathered_bytes, 0, k, link)
+            - collective_time("all_gather_sum_grad", gathered_bytes, gathered_bytes, k, link))
 
 
 @functools.lru_cache(maxsize=65536)

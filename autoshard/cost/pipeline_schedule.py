@@ -32,23 +32,26 @@ from autoshard.ir.errors import PlanError
 from autoshard.ir.meta import RECOMPUTE
 
 
-def param_share(config) -> float:
-    """The share of a micro-batch program's parameters (with their gradients and optimizer state) one pp rank
-    holds, as counted before the cut exists (solve's memory row, the recompute pass's budget check): an even split
-    over the pp ranks. `config` is a PipelineConfig, None for a program that does not pipeline. After the cut,
-    `rank_memory` counts each rank's own stages.
+def param_share(config, in_layer: bool = True) -> float:
+    """The share of a parameter (with its gradient and optimizer state) the fullest pp rank of a micro-batch
+    program holds, as counted before the cut exists (solve's memory row, the recompute pass's budget check): an
+    even split over the pp ranks for a parameter of the repeated layers (`in_layer`); one outside them (the
+    embedding, the head, a final norm) sits whole on the stage that uses it, and is counted whole (the first and
+    last ranks hold the embedding and the head besides their layers). `config` is a PipelineConfig, None for a
+    program that does not pipeline. After the cut, `rank_memory` counts each rank's own stages.
 
     >>> from autoshard.program.pipeline import PipelineConfig
-    >>> param_share(None), param_share(PipelineConfig("pp", 4, 8))
-    (1.0, 0.25)
+    >>> param_share(None), param_share(PipelineConfig("pp", 4, 8)), param_share(PipelineConfig("pp", 4, 8), False)
+    (1.0, 0.25, 1.0)
     """
-    return 1.0 if config is None else 1.0 / config.pp_size
+    return 1.0 if config is None or not in_layer else 1.0 / config.pp_size
 
 
-def pre_cut_memory(predicted, config) -> float:
+def pre_cut_memory(predicted, config, whole_bytes: float = 0.0) -> float:
     """Bytes one pp rank is expected to hold before the cut: its `param_share` of the parameters, gradients and
-    optimizer state, and every other part in full (one micro-batch's activations through the whole model is what
-    1F1B's first rank keeps in flight: p micro-batches of its 1/p of the layers). `predicted` is a Prediction.
+    optimizer state (`whole_bytes` of them outside the repeated layers, counted whole), and every other part in
+    full (one micro-batch's activations through the whole model is what 1F1B's first rank keeps in flight: p
+    micro-batches of its 1/p of the layers). `predicted` is a Prediction.
 
     >>> pre_cut_memory(pipe.plan.predicted, None) == pipe.plan.predicted.memory_bytes_per_rank
     True
@@ -57,7 +60,8 @@ def pre_cut_memory(predicted, config) -> float:
     if share == 1.0 or not predicted.memory:
         return predicted.memory_bytes_per_rank
     parts = predicted.memory
-    return predicted.memory_bytes_per_rank - (1 - share) * (parts.params + parts.grads + parts.optimizer)
+    held = parts.params + parts.grads + parts.optimizer
+    return predicted.memory_bytes_per_rank - (1 - share) * max(held - whole_bytes, 0.0)
 
 
 def schedule_order(config) -> dict[int, list[tuple]]:

@@ -36,6 +36,7 @@ from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import RECOMPUTE
 from autoshard.passes.contract import compiler_pass
 from autoshard.passes.predict import predict
+from autoshard.solver.layers import layer_key
 
 _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
 
@@ -112,6 +113,14 @@ def _ladder_recomputes(state) -> bool:
     return state.options.checkpoint is None and state.memory_savers is not None and state.memory_savers.recompute
 
 
+def _whole_param_bytes(state) -> float:
+    """Held bytes (with gradients and optimizer state) of the parameters outside the repeated layers, which a
+    pipeline stage holds whole (cost/pipeline_schedule.param_share)."""
+    return sum(node.meta[meta.NODE_COST].memory_bytes for node in state.gm.graph.nodes
+               if node.op == "placeholder" and node.meta.get(meta.KIND) == "param" and meta.NODE_COST in node.meta
+               and not layer_key(node.meta.get(meta.PATH, ""))[1])
+
+
 def _auto_regions(state, ops, layers) -> list[str]:
     """Repeated layers to checkpoint until the predicted memory fits the budget (greedy by bytes saved
     per recompute second); none when it already fits."""
@@ -120,7 +129,7 @@ def _auto_regions(state, ops, layers) -> list[str]:
     if budget is None or not layers:
         return []
     predict(state)
-    memory = pre_cut_memory(state.predicted, options.pipeline)  # a pp rank's, before the cut
+    memory = pre_cut_memory(state.predicted, options.pipeline, _whole_param_bytes(state))  # a pp rank's, before the cut
     members: dict = {layer: [] for layer in layers}  # each layer's ops, in one walk over their paths' prefixes
     for node in ops:
         parts = node.meta.get(meta.PATH, "").split(".")

@@ -6,12 +6,10 @@ and `autoshard.grad_partial` (per input position: axes where its gradient comes 
 
 Axes are solved one after another (outer first); each axis's ILP (autoshard/solver/ilp.py) sees tensor sizes
 already divided by the earlier axes' choices. Copies of a node in repeated layers share one decision
-(autoshard/solver/layers.py), so the ILP does not grow with depth. A conversion is charged once per chain
-insert_comm emits (one per value, wanted placement and partial axes, shared by its consumers), so the
-chosen plan's objective is predict's step; edges forbid resharding multi-output producers and mutated
-inputs. Hints are hard constraints. Node costs
-(autoshard/cost/axis_cost.py) count compute, the backward all-reduces implied by the duality rule and, in
-auto mode, gradient sync. A per-device memory budget (`memory_budget` option) bounds the parameters
+(autoshard/solver/layers.py), so the ILP does not grow with depth. Its costs (autoshard/passes/ilp_costs.py:
+compute, each conversion once per chain insert_comm emits, the duality rule's backward all-reduces and gradient
+sync, fused gathers) are predict's, so the chosen plan's objective is predict's step; edges forbid resharding
+multi-output producers and mutated inputs. Hints are hard constraints. A per-device memory budget (`memory_budget` option) bounds the parameters
 (with gradients and optimizer state), inputs and saved activations, the converted copies consumers keep
 for backward charged on the edges (autoshard/cost/conversion_memory.py: the row is predict's memory); on
 axis a the bound is the budget times the sizes of the axes still to come (they can only shard further), so
@@ -23,7 +21,7 @@ batch axis and recomputation of repeated layers (alone and with ZeRO) and keeps 
 
 Semi-auto mode (any hint given) behaves like GSPMD propagation: hinted shardings flow through the
 graph instead of being traded away for a cheaper plan. Resharding a parameter, and gathering a
-sharded tensor back to replicated, cost `PROPAGATION_PENALTY` times their price (so they happen only
+sharded tensor back to replicated, cost `PROPAGATION_PENALTY` (autoshard/passes/ilp_costs.py) times their price (so they happen only
 where no op can keep the sharding), and on axes where the user sharded an input the gradient
 reduction of replicated parameters is not charged (sharding the batch *is* the user's choice of data
 parallelism).
@@ -41,65 +39,27 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from autoshard.cost.axis_cost import AxisCostModel, needs_grad
-from autoshard.cost.collective_time import (
-    INF,
-    all_gather_time,
-    all_reduce_time,
-    fused_gather_saving,
-    redistribution_time,
-)
 from autoshard.cost.conversion_memory import conversion_memory
-from autoshard.cost.flops import node_bytes
 from autoshard.cost.pipeline_schedule import param_share
 from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.ir import meta
-from autoshard.ir.graph_utils import data_parallel_axes
-from autoshard.ir.mixed_precision import cast_parameter
-from autoshard.ir.placement import Replicate, Shard, Spec
+from autoshard.ir.placement import Replicate, Shard
 from autoshard.passes.choice import (
     joint_candidates,
     record_choice,
     sequential_candidates,
 )
 from autoshard.passes.contract import compiler_pass
+from autoshard.passes.ilp_costs import SCALE, ilp_costs
 from autoshard.passes.memory_fit import MemorySavers, fit_memory, planned_dropped
 from autoshard.passes.zero import planned_zero
 from autoshard.solver.errors import MemoryBudgetError
 from autoshard.solver.ilp import solve_ilp
-from autoshard.solver.layers import decision_classes
+from autoshard.solver.layers import layer_key
 from autoshard.solver.problem import IlpProblem
 from autoshard.strategies import tensor_inputs
-
-aten = torch.ops.aten
-_SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
-PROPAGATION_PENALTY = 1e3
-def mutated_positions(node) -> tuple[int, ...]:
-    """Positions (among the node's tensor inputs) of the operands its op writes in place, from the op's
-    schema: they cannot be resharded (the write would land on a copy).
-
-    >>> graph = torch.fx.Graph()
-    >>> x, y = graph.placeholder("x"), graph.placeholder("y")
-    >>> x.meta["val"] = y.meta["val"] = torch.zeros(2)
-    >>> add_ = graph.call_function(torch.ops.aten.add_.Tensor, (x, y))
-    >>> mutated_positions(add_), mutated_positions(graph.call_function(torch.ops.aten.add.Tensor, (x, y)))
-    ((0,), ())
-    """
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return ()
-    written = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, torch.fx.Node):
-                written.append(value)
-    inputs = tensor_inputs(node)
-    return tuple(pos for pos, value in enumerate(inputs) if value in written)
-
 
 JOINT_MAX_VARIABLES = 150_000
 
@@ -160,7 +120,7 @@ def _solve(state, shared: _SharedParts | None = None) -> None:
     for node in nodes:
         record_choice(node, choices[node], grad)
     chosen = _chosen_problem(state, split)
-    state.objective_s = chosen.evaluate([0] * chosen.n_classes) / _SCALE
+    state.objective_s = chosen.evaluate([0] * chosen.n_classes) / SCALE
     state.memory_row_bytes = chosen.evaluate_memory([0] * chosen.n_classes)
     _check_memory(chosen, state.memory_row_bytes)
 
@@ -206,196 +166,6 @@ def _joint_combos(nodes, mesh, copies):
     return combos
 
 
-def is_view(node) -> bool:
-    """Whether the node's op returns a view of its first argument (its schema's alias annotation).
-
-    >>> graph = torch.fx.Graph()
-    >>> x = graph.placeholder("x")
-    >>> is_view(graph.call_function(torch.ops.aten.slice.Tensor, (x, 1, 1))), is_view(x)
-    (True, False)
-    """
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None or not schema.returns or not schema.arguments:
-        return False
-    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-    return out is not None and not out.is_write and first is not None and first.before_set == out.before_set
-
-
-def written_through_views(graph) -> set:
-    """Values written in place through a view (`shifted[:, 1:] = labels[:, :-1]` in transformers'
-    shift_tokens_right), with the views between: none of them may be resharded, or the write would land
-    on a rank's fresh copy and later reads of the base would miss it.
-
-    >>> graph = torch.fx.Graph()
-    >>> base, src = graph.placeholder("base"), graph.placeholder("src")
-    >>> base.meta["val"] = src.meta["val"] = torch.zeros(2, 4)
-    >>> view = graph.call_function(torch.ops.aten.slice.Tensor, (base, 1, 1))
-    >>> view.meta["val"] = torch.zeros(2, 3)
-    >>> write = graph.call_function(torch.ops.aten.copy_.default, (view, src))
-    >>> sorted(n.name for n in written_through_views(graph))
-    ['base', 'slice_tensor']
-    """
-    frozen = set()
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        for pos in mutated_positions(node):
-            value, chain = tensor_inputs(node)[pos], []
-            while is_view(value):
-                chain.append(value)
-                value = value.args[0]
-            if chain:
-                frozen.update([*chain, value])
-    return frozen
-
-
-def _edge_cost(u, cu, have, want, mutated, axes, models, others, semi_auto, mesh, profile, nbytes) -> float:
-    """Scaled cost of turning placements `have` into `want` on `axes` (one tuple entry per axis); `nbytes`
-    is node_bytes(u). On several axes it depends on `u` only through `_value_kind(u, ...)` and `nbytes`."""
-    if mutated:
-        return INF
-    if len(axes) == 1:
-        cost = models[axes[0]].edge(u, have[0], want[0], others(u, cu, axes[0]))
-    elif isinstance(u.meta.get("val"), (tuple, list)):
-        cost = INF  # multi-output values are never resharded: their getitem follows them
-    else:  # several axes at once: price the exact collectives insert_comm will emit
-        cost = redistribution_time(Spec(have), Spec(want), nbytes, mesh.shape, profile,
-                                   models[0].grad.get(u, False))
-    is_param = u.op == "placeholder" and u.meta.get(meta.KIND) != "input"
-    gathers = any(isinstance(h, Shard) and isinstance(w, Replicate) for h, w in zip(have, want))
-    if semi_auto and (is_param or gathers):
-        cost *= PROPAGATION_PENALTY
-    return cost * _SCALE
-
-
-def _value_kind(u, models) -> tuple:
-    """What _edge_cost and _fused_gather_refund read of a value besides its bytes, on several axes:
-    values alike in these (the copies in repeated layers, most of all) share one priced conversion."""
-    return (u.op == "placeholder", u.meta.get(meta.KIND) != "input", isinstance(u.meta.get("val"), (tuple, list)),
-            bool(models[0].grad.get(u, False)), cast_parameter(u) is not None)
-
-
-def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share=1.0,
-                              copies=lambda node: 1) -> list:
-    """The duality rule's backward all-reduce, charged once per value and axis however many split ops
-    use it replicated (insert_comm emits one grad_all_reduce per value; a parameter is synced once).
-    A parameter's charge is its gradient sync, paid once per step: a pipeline's micro-batch program
-    pays `sync_share` = 1/micro-batches of it (its other costs recur every micro-batch). `copies(u)`: how many
-    values of the whole model u stands for (a folded trace, autoshard/frontend/fold.py).
-
-    One charge per (value, axis, bytes after the other axes); a consumer candidate that takes the value
-    replicated on that axis while splitting its work joins the charge's groups.
-    """
-    charges: dict = {}
-    for v in nodes:
-        if v.op != "call_function":
-            continue
-        for pos, u in enumerate(tensor_inputs(v)):
-            if u not in combos or not models[0].grad.get(u, False):
-                continue
-            # A parameter's per-use cast (mixed precision) is synced as its float32 master after backward.
-            master = cast_parameter(u)
-            synced = u.op == "placeholder" or master is not None
-            for axis in axes:
-                if axis in free_sync and synced:
-                    continue
-                model = models[axis]
-                for t, cv in enumerate(combos[v]):
-                    strategy = cv[axis]
-                    if not strategy.partial_grad(pos):
-                        continue
-                    nbytes = model.input_bytes(u, pos, others(v, cv, axis))
-                    if master is not None:
-                        nbytes = nbytes * master.meta["val"].element_size() // u.meta["val"].element_size()
-                    key = (u, axis, nbytes)
-                    groups = charges.setdefault(key, {})
-                    groups.setdefault(v, set()).add((class_of[v], t))
-    shared, seen = [], {}
-    for (u, axis, nbytes), groups in charges.items():
-        # Copies of u in repeated layers are tied: their identical charges merge into one, paid per copy.
-        signature = (class_of[u], axis, nbytes, tuple(sorted(tuple(sorted(g)) for g in groups.values())))
-        cost = all_reduce_time(nbytes, models[axis].k, models[axis].link) * _SCALE
-        cost *= sync_share if u.op == "placeholder" or cast_parameter(u) is not None else 1.0
-        cost *= copies(u)
-        if signature in seen:
-            shared[seen[signature]][0] += cost
-            continue
-        seen[signature] = len(shared)
-        shared.append([cost, [sorted(g) for g in groups.values()]])
-    return [(cost, groups) for cost, groups in shared]
-
-
-def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes, nbytes,
-                         sync_share: float = 1.0) -> tuple[float, dict]:
-    """What the ILP over-counts when an edge gathers `u` on an axis where `v` splits its work with that input
-    replicated: the shared charge prices the gradient's reduction as an all-reduce, but fuse_comm turns gather +
-    all-reduce into one all_gather_sum_grad (a reduce-scatter backward). Scaled seconds (the chain's refund,
-    {axis: the all-reduce refunded}): each chain pays the fused op instead of the gather; the all-reduce is the
-    value's one gradient sync on that axis, refunded once however many chains gather it (a conjunction charge).
-    A parameter (or its per-use cast) gathered per use is ZeRO-3 without the re-gather, whose true cost is the
-    gathered copy kept for backward, which the memory row does not count -- refunding it would make the solver
-    prefer it to data parallelism on a tie it cannot see; but in a pipeline's micro-batch program its all-reduce
-    was priced at `sync_share` (once per step) while the reduce-scatter runs every micro-batch: that difference is
-    charged to the chain (a negative refund), never refunded.
-    When `axes` are the whole mesh, the chain insert_comm emits is known step by step and the saving is
-    exact (cost.fused_gather_saving); one axis of several is priced on that axis alone."""
-    if not models[0].grad.get(u, False):
-        return 0.0, {}
-    parameter = u.op == "placeholder" or cast_parameter(u) is not None
-    if parameter and sync_share == 1.0:
-        return 0.0, {}
-    mesh = models[0].mesh
-    if len(axes) == mesh.ndim and len(axes) > 1:
-        parts = fused_gather_saving(Spec(have), Spec(want), partial_axes, nbytes, mesh.shape, models[0].profile)
-    else:
-        parts = {}
-        for i, axis in enumerate(axes):
-            strategy = cv[axis]
-            if isinstance(have[i], Shard) and isinstance(want[i], Replicate) and strategy.partial_grad(pos):
-                model = models[axis]
-                nbytes = model.input_bytes(u, pos, others(v, cv, axis))
-                parts[axis] = (all_reduce_time(nbytes, model.k, model.link), -all_gather_time(nbytes, model.k,
-                                                                                               model.link))
-    if parameter:
-        return min(sum(sync_share * sync + change for sync, change in parts.values()), 0.0) * _SCALE, {}
-    return sum(change for _, change in parts.values()) * _SCALE, {axis: sync * _SCALE for axis, (sync, _) in
-                                                                   parts.items()}
-
-
-def _partial_axes(u, pos, strategies, models) -> tuple:
-    """Axes where a consumer with these strategies (axis -> AxisStrategy) gets `u`'s gradient back
-    partial: it splits its work with the input replicated. insert_comm builds one chain per (value,
-    wanted placement, these axes)."""
-    if not models[0].grad.get(u, False):
-        return ()
-    return tuple(sorted(a for a, s in strategies.items() if s.partial_grad(pos)))
-
-
-def _conversion_charges(conversions, edges) -> list:
-    """Conjunction charges (autoshard/solver/model.py) for the conversions: insert_comm emits one chain per value,
-    wanted placement and partial axes, shared by every consumer that asks for it, so its cost is paid
-    once when any consumer pair chooses it. Copies of a value in repeated layers whose charges span the
-    same class pairs merge into one charge that costs their sum. A chain only one input of one consumer
-    can use goes on that edge's matrix instead: there, at most one of its pairs is chosen, so the edge
-    already pays it once, and the ILP stays as small as Alpa's (most values have one consumer)."""
-    merged: dict = {}
-    for (_, _, _, _, _, cost), (terms, uses) in conversions.items():
-        if cost == 0.0:
-            continue
-        if len(uses) == 1:
-            (key, pairs), = terms.items()
-            for a, b in pairs:
-                if edges[key][a][b] != INF:
-                    edges[key][a][b] += cost
-            continue
-        if any(edges[key][a][b] == INF for key, pairs in terms.items() for a, b in pairs):
-            terms = {key: {(a, b) for a, b in pairs if edges[key][a][b] != INF} for key, pairs in terms.items()}
-        signature = (cost > 0, tuple(sorted((key, tuple(sorted(pairs))) for key, pairs in terms.items() if pairs)))
-        if signature[1]:
-            merged[signature] = merged.get(signature, 0.0) + cost
-    return [(cost, [(c, d, list(pairs)) for (c, d), pairs in signature[1]]) for signature, cost in merged.items()]
-
-
 def _memory_kind(node) -> str:
     """What a node's memory row entry holds, for the refusal's breakdown."""
     if node.op != "placeholder":
@@ -423,7 +193,7 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, split, o
     result = solve_ilp(problem)
     state.ilp_stats.append({"axes": [state.mesh.names[a] for a in axes], "nodes": len(nodes), "classes": len(classes),
                             "variables": result.variables, "constraints": result.constraints,
-                            "objective_s": result.objective / _SCALE})
+                            "objective_s": result.objective / SCALE})
     return {n: combos[n][result.choice[class_of[n]]] for n in nodes}
 
 
@@ -446,7 +216,7 @@ def plan_figures(state) -> tuple[float, float]:
     """
     problem = _chosen_problem(state)
     choice = [0] * problem.n_classes
-    return problem.evaluate(choice) / _SCALE, problem.evaluate_memory(choice)
+    return problem.evaluate(choice) / SCALE, problem.evaluate_memory(choice)
 
 
 def _chosen_problem(state, split=None):
@@ -474,108 +244,6 @@ def _check_memory(chosen, kept: float) -> None:
                                        kinds=[*chosen.kinds, "saved activations"]))
 
 
-def _cost_parts(nodes, axes, combos, choices, state, models, semi_auto, split) -> tuple:
-    """What the ILP deciding `axes` costs, apart from its memory row: (classes, class of each node, sizes, costs,
-    edges, shared charges, conjunction charges, each node's per-candidate breakdowns)."""
-    mesh = state.mesh
-    free_sync = data_parallel_axes(nodes) if semi_auto else set()  # gradient sync there is the user's choice
-    profile = models[0].profile
-
-    def others(node, combo, axis):
-        fixed = {b: c for b, c in enumerate(choices[node])}
-        fixed.update({b: c for b, c in combo.items() if b != axis})
-        return fixed
-
-    breakdowns = {n: [[models[a].node(n, combo[a], others(n, combo, a)) for a in axes] for combo in combos[n]]
-                  for n in nodes}
-    classes, class_of = decision_classes(
-        nodes, lambda n: (tuple(tuple(sorted(c.items())) for c in combos[n]), node_bytes(n),
-                          tuple(c.output for c in choices[n])))
-    sizes = [len(combos[members[0]]) for members in classes]
-    costs = [[0.0] * size for size in sizes]
-    copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
-    for n in nodes:
-        c = class_of[n]
-        for s, per_axis in enumerate(breakdowns[n]):
-            # compute (with a ring's messages inside the op) is per node, not per axis
-            costs[c][s] += copies(n) * (per_axis[0].compute + per_axis[0].in_op_comm) * _SCALE
-    pipeline = state.options.pipeline
-    sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
-    shared = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, sync_share, copies)
-    edges: dict = {}
-    conversions: dict = {}  # one charge per chain insert_comm emits (see _conversion_charges)
-    outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
-    interned: dict = {}  # placement tuple -> small int: the pair loop below compares and hashes ints, not specs
-    out_ids = {u: [interned.setdefault(have, len(interned)) for have in outs[u]] for u in nodes}
-    frozen = written_through_views(state.gm.graph)
-    size = {u: node_bytes(u) for u in nodes}
-    # A conversion's price depends on the value itself on one axis, but only on its kind and bytes on several:
-    # there the values of repeated layers share one price per build (and one refund, where it is exact).
-    several, whole_mesh = len(axes) > 1, len(axes) > 1 and len(axes) == mesh.ndim
-    priced_as = {u: (size[u], _value_kind(u, models)) if several else u for u in nodes}
-    prices: dict = {}
-    refunds: dict = {}
-    sync_refunds: dict = {}  # (value, axis, all-reduce seconds) -> {class pair: candidate pairs that fuse it}
-    for v in nodes:
-        if v.op != "call_function":
-            continue
-        mutated = set(mutated_positions(v)) | {pos for pos, u in enumerate(tensor_inputs(v)) if u in frozen}
-        for pos, u in enumerate(tensor_inputs(v)):
-            if u not in combos:
-                continue
-            key = (class_of[u], class_of[v])
-            matrix = edges.get(key)
-            if matrix is None:  # made once per class pair (a default argument would be built for every use)
-                matrix = edges[key] = [[0.0] * sizes[key[1]] for _ in range(sizes[key[0]])]
-            wants = [tuple(cv[a].inputs[pos] for a in axes) for cv in combos[v]]
-            partials = [_partial_axes(u, pos, {**dict(enumerate(choices[v])), **cv}, models) for cv in combos[v]]
-            # A conversion into an input placement the user asked for (`<module>:input`) is not penalized.
-            penalize = semi_auto and not any(pos in wanted for wanted in v.meta.get(meta.INPUT_HINT, {}).values())
-            want_ids = [interned.setdefault(want, len(interned)) for want in wants]
-            for a, have in enumerate(outs[u]):
-                have_id, row = out_ids[u][a], matrix[a]
-                for b, want in enumerate(wants):
-                    want_id = want_ids[b]
-                    if have_id == want_id or row[b] == INF:
-                        continue
-                    price_key = (priced_as[u], have_id, want_id, pos in mutated, penalize)
-                    cost = prices.get(price_key)
-                    if cost is None:
-                        cost = prices[price_key] = _edge_cost(u, combos[u][a], have, want, pos in mutated, axes,
-                                                              models, others, penalize, mesh, profile, size[u])
-                    if cost == INF:
-                        row[b] = INF
-                        continue
-                    refund_key = (priced_as[u], have_id, want_id, partials[b]) if whole_mesh else (v, pos, a, b)
-                    found = refunds.get(refund_key)
-                    if found is None:
-                        found = refunds[refund_key] = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes,
-                                                                           models, others, partials[b], size[u],
-                                                                           sync_share)
-                    refund, syncs = found
-                    cost = (cost - refund) * copies(u)  # one chain per value, in every layer it stands for
-                    terms, uses = conversions.setdefault((u, have_id, want_id, partials[b], penalize, cost),
-                                                         ({}, set()))
-                    terms.setdefault(key, set()).add((a, b))
-                    uses.add((v, pos))
-                    for axis, sync in syncs.items():  # the value's all-reduce on the axis, refunded once
-                        sync_refunds.setdefault((u, axis, sync), {}).setdefault(key, set()).add((a, b))
-    conjunctions = _conversion_charges(conversions, edges) + _sync_refunds(sync_refunds, edges, copies)
-    return classes, class_of, sizes, costs, edges, shared, conjunctions, breakdowns
-
-
-def _sync_refunds(sync_refunds: dict, edges: dict, copies) -> list:
-    """Conjunction charges paying back a value's gradient all-reduce on an axis (a shared charge) once when any of
-    its chains fuses it into the gather (`_fused_gather_refund`)."""
-    out = []
-    for (u, _, sync), terms in sync_refunds.items():
-        kept = [(c, d, sorted(p for p in pairs if edges[(c, d)][p[0]][p[1]] != INF)) for (c, d), pairs in terms.items()]
-        kept = [term for term in kept if term[2]]
-        if kept and sync:
-            out.append((-sync * copies(u), kept))
-    return out
-
-
 def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0,
                    shared: _SharedParts | None = None):
     """The ILP deciding `axes` (see _solve_axes): (IlpProblem, decision classes, class of each node). Its cost
@@ -584,7 +252,7 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
     key = (axes, tuple(tuple(choices[n]) for n in nodes))
     parts = shared.costs.get(key) if shared is not None else None
     if parts is None:
-        parts = _cost_parts(nodes, axes, combos, choices, state, models, semi_auto, split)
+        parts = ilp_costs(nodes, axes, combos, choices, state, models, semi_auto)
         if shared is not None:
             shared.costs[key] = parts
     classes, class_of, sizes, costs, edges, shared_charges, conjunctions, breakdowns = parts
@@ -592,11 +260,11 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
     memory = [[0.0] * size for size in sizes]
     dropped = planned_dropped(state, nodes)
     copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
-    share = param_share(state.options.pipeline)  # a pp rank holds its stages' parameters only
+    pipeline = state.options.pipeline
     for n in nodes:
         c = class_of[n]
-        if n.op == "placeholder" and n.meta.get(meta.KIND) != "input":
-            kept = share
+        if n.op == "placeholder" and n.meta.get(meta.KIND) != "input":  # a pp rank holds its stages' only
+            kept = param_share(pipeline, in_layer=bool(layer_key(n.meta.get(meta.PATH, ""))[1]))
         else:
             kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
         for s, per_axis in enumerate(breakdowns[n]):
