@@ -47,11 +47,31 @@ def param_share(config, in_layer: bool = True) -> float:
     return 1.0 if config is None or not in_layer else 1.0 / config.pp_size
 
 
+def activation_share(config) -> float:
+    """The activations the fullest pp rank keeps in flight, in micro-batches through the whole model, as counted
+    before the cut exists (solve's memory row, the recompute pass's budget check), with stages assumed equal: the
+    peak of each rank's action order (`peak_in_flight`). 1F1B's first rank keeps p micro-batches of its 1/p of the
+    layers (1.0); GPipe keeps all m (m/p); interleaved 1F1B's first rank more than one. 1.0 for a program that does
+    not pipeline (`config` None). After the cut, `rank_memory` counts each rank's own stages.
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> [activation_share(PipelineConfig("pp", 4, 8, schedule)) for schedule in ("1F1B", "GPipe")]
+    [1.0, 2.0]
+    >>> activation_share(PipelineConfig("pp", 2, 4, "Interleaved1F1B", virtual=2))
+    1.25
+    """
+    if config is None:
+        return 1.0
+    n = config.num_stages
+    orders = schedule_order(config)
+    equal = dict.fromkeys(range(n), 1.0 / n)
+    return round(max(peak_in_flight(orders.get(rank, []), equal) for rank in range(config.pp_size)), 9)
+
+
 def pre_cut_memory(predicted, config, whole_bytes: float = 0.0) -> float:
     """Bytes one pp rank is expected to hold before the cut: its `param_share` of the parameters, gradients and
-    optimizer state (`whole_bytes` of them outside the repeated layers, counted whole), and every other part in
-    full (one micro-batch's activations through the whole model is what 1F1B's first rank keeps in flight: p
-    micro-batches of its 1/p of the layers). `predicted` is a Prediction.
+    optimizer state (`whole_bytes` of them outside the repeated layers, counted whole), its `activation_share` of
+    the activations, and every other part in full. `predicted` is a Prediction.
 
     >>> pre_cut_memory(pipe.plan.predicted, None) == pipe.plan.predicted.memory_bytes_per_rank
     True
@@ -61,7 +81,8 @@ def pre_cut_memory(predicted, config, whole_bytes: float = 0.0) -> float:
         return predicted.memory_bytes_per_rank
     parts = predicted.memory
     held = parts.params + parts.grads + parts.optimizer
-    return predicted.memory_bytes_per_rank - (1 - share) * max(held - whole_bytes, 0.0)
+    return (predicted.memory_bytes_per_rank - (1 - share) * max(held - whole_bytes, 0.0)
+            + (activation_share(config) - 1) * parts.activations)
 
 
 def schedule_order(config) -> dict[int, list[tuple]]:

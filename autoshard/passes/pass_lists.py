@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoshard.cost.pipeline_schedule import activation_share
 from autoshard.frontend.fold import check_folded_trace, fold_model
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.trace import trace
@@ -135,24 +136,39 @@ def compile_state(request: CompileRequest, pipeline: bool = False, hand_plan: bo
     return state, history
 
 
+def recuttable(planned, config) -> bool:
+    """Whether a micro-batch program planned under pipeline config `planned` can be cut again under `config`
+    (`recut`): the same axis, pp size and micro-batch count, and as many activations in flight.
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> one = PipelineConfig("pp", 2, 4, "1F1B")
+    >>> recuttable(one, PipelineConfig("pp", 2, 4, "ZBVZeroBubble", virtual=2)), recuttable(one, PipelineConfig("pp", 2, 4, "GPipe"))
+    (True, False)
+    """
+    return ((config.pp_size, config.microbatches, config.axis) == (planned.pp_size, planned.microbatches, planned.axis)
+            and activation_share(config) == activation_share(planned))
+
+
 def recut(state: CompileState, history: History, config) -> tuple[CompileState, History]:
     """A pipeline's compiled micro-batch program cut again under `config` (another schedule or number of stages
-    per rank of the same pp axis and micro-batch count): the passes before cut_stages read of the pipeline only
-    the pp size and the micro-batch count, so their work is kept and cut_stages and the passes after it run on a
-    copy, as a fresh compile would (the schedule search weighs each schedule this way).
+    per rank of the same pp axis and micro-batch count, keeping as many activations in flight): the passes before
+    cut_stages read of the pipeline only the pp size, the micro-batch count and `activation_share` (solve's memory
+    row), so their work is kept and cut_stages and the passes after it run on a copy, as a fresh compile would
+    (the schedule search weighs each schedule this way).
 
     >>> from autoshard.program.pipeline import PipelineConfig
     >>> micro = CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, loss_fn=loss_fn,
-    ...                        options=CompileOptions(pipeline=PipelineConfig("pp", 1, 2, "GPipe")))
+    ...                        options=CompileOptions(pipeline=PipelineConfig("pp", 1, 2, "1F1B")))
     >>> state, history = compile_state(micro, pipeline=True)
-    >>> again, again_history = recut(state, history, PipelineConfig("pp", 1, 2, "1F1B"))
+    >>> again, again_history = recut(state, history, PipelineConfig("pp", 1, 2, "Interleaved1F1B", virtual=2))
     >>> again.options.pipeline.schedule, again.gm is not state.gm, [e.name for e in again_history][-3:]
-    ('1F1B', True, ['cut_stages', 'check_hints', 'codegen'])
+    ('Interleaved1F1B', True, ['cut_stages', 'check_hints', 'codegen'])
     """
     current = state.options.pipeline
-    if (config.pp_size, config.microbatches, config.axis) != (current.pp_size, current.microbatches, current.axis):
-        raise ValueError(f"recut keeps the pp size and micro-batch count ({current.pp_size}, {current.microbatches}); "
-                         f"got ({config.pp_size}, {config.microbatches}): compile the micro-batch program again")
+    if not recuttable(current, config):
+        raise ValueError(f"recut keeps the pp size, micro-batch count and activations in flight ({current.pp_size}, "
+                         f"{current.microbatches}, {activation_share(current)}); got ({config.pp_size}, "
+                         f"{config.microbatches}, {activation_share(config)}): compile the micro-batch program again")
     passes = list(PASS_LISTS["microbatch"].passes)
     at = passes.index(cut_stages)
     provided = TRACED + tuple(w for p in passes[:at] for w in p.contract.writes)

@@ -121,6 +121,24 @@ def _whole_param_bytes(state) -> float:
                and not layer_key(node.meta.get(meta.PATH, ""))[1])
 
 
+def _spread_order(layers, pipeline) -> dict:
+    """Where each layer (in model order) stands among layers of equal savings: in a pipeline, round-robin over
+    the pp ranks' shares of the layers (each share's first layer, then each one's second...), so the layers left
+    without recomputation are spread over the ranks as the pre-cut memory assumes (1F1B's first rank keeps p
+    micro-batches of its own layers: a rank holding every kept layer would hold p times what was counted).
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> order = _spread_order(["l.0", "l.1", "l.2", "l.3"], PipelineConfig("pp", 2, 4))
+    >>> sorted(order, key=order.get)
+    ['l.0', 'l.2', 'l.1', 'l.3']
+    """
+    if pipeline is None:
+        return {layer: i for i, layer in enumerate(layers)}
+    p, n = pipeline.pp_size, len(layers)
+    block = [i * p // n for i in range(n)]  # the pp rank's share a layer falls in
+    return {layer: (i - -(-block[i] * n // p), block[i]) for i, layer in enumerate(layers)}
+
+
 def _auto_regions(state, ops, layers) -> list[str]:
     """Repeated layers to checkpoint until the predicted memory fits the budget (greedy by bytes saved
     per recompute second); none when it already fits."""
@@ -138,11 +156,12 @@ def _auto_regions(state, ops, layers) -> list[str]:
             if prefix in members:
                 members[prefix].append(node)
     scored = []
+    spread = _spread_order(layers, options.pipeline)
     for layer in layers:
         saved, seconds = region_savings(state, members[layer])
-        scored.append((-saved / max(seconds, 1e-12), layer, saved))
+        scored.append((float(f"{-saved / max(seconds, 1e-12):.6g}"), spread[layer], layer, saved))
     chosen, savings = [], []
-    for _, layer, saved in sorted(scored):
+    for _, _, layer, saved in sorted(scored):
         if memory - sum(savings) + max(savings, default=0) <= budget:
             break
         if any(layer.startswith(c + ".") or c.startswith(layer + ".") for c in chosen):

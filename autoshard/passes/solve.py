@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from autoshard.cost.axis_cost import AxisCostModel, needs_grad
 from autoshard.cost.conversion_memory import conversion_memory
-from autoshard.cost.pipeline_schedule import param_share
+from autoshard.cost.pipeline_schedule import activation_share, param_share
 from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.ir import meta
@@ -261,12 +261,15 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
     dropped = planned_dropped(state, nodes)
     copies = state.fold.copies if state.fold is not None else lambda node: 1  # a folded trace's middle layer
     pipeline = state.options.pipeline
+    in_flight = activation_share(pipeline)  # a pp rank keeps its micro-batches in flight, not one
     for n in nodes:
         c = class_of[n]
         if n.op == "placeholder" and n.meta.get(meta.KIND) != "input":  # a pp rank holds its stages' only
             kept = param_share(pipeline, in_layer=bool(layer_key(n.meta.get(meta.PATH, ""))[1]))
-        else:
-            kept = 0.0 if n in dropped else 1.0  # a recomputed layer's activations are not kept for backward
+        elif n.op == "placeholder":
+            kept = 1.0
+        else:  # a recomputed layer's activations are not kept for backward
+            kept = 0.0 if n in dropped else in_flight
         for s, per_axis in enumerate(breakdowns[n]):
             memory[c][s] += copies(n) * kept * per_axis[0].memory * _zero_memory_scale(n, combos[n][s], choices[n],
                                                                                      state, models)
@@ -277,7 +280,11 @@ def _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split
         lambda u: zero_axis if u.op == "placeholder" and u.meta.get(meta.KIND) == "param" else None)
     for u, per_candidate in fixed.items():
         for s, nbytes in enumerate(per_candidate):
-            memory[class_of[u]][s] += nbytes
+            memory[class_of[u]][s] += nbytes * in_flight
+    if in_flight != 1.0:  # the copies kept for backward are in flight as the activations are
+        edge_memory = {key: [[nbytes * in_flight for nbytes in row] for row in matrix]
+                       for key, matrix in edge_memory.items()}
+        memory_charges = [(nbytes * in_flight, terms) for nbytes, terms in memory_charges]
     budget = state.options.budget_bytes if state.memory_savers.bounded else math.inf
     later = math.prod(mesh.shape[max(axes) + 1:]) ** optimism
     budget = None if math.isinf(budget) else budget * later

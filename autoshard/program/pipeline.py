@@ -29,7 +29,7 @@ from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.passes.pass_lists import compile_state, recut
+from autoshard.passes.pass_lists import compile_state, recut, recuttable
 from autoshard.program.pipeline_program import PipelineProgram
 from autoshard.solver.errors import MemoryBudgetError
 from autoshard.solver.problem import IlpProblem
@@ -250,8 +250,9 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
     budget = CompileOptions.of(request.options).budget_bytes
     fullest = state.predicted.memory_bytes_per_rank  # the fullest pp rank's, counted after the cut
     if fullest > budget and request.plan is None:
-        # solve counted an even share of the parameters per pp rank (param_share); the cut's fullest rank holds
-        # more (the embedding, the micro-batches in flight): plan once more against a budget tightened by as much
+        # solve counted a pp rank's share of the parameters and activations with equal stages (param_share,
+        # activation_share); the time-balanced cut's fullest rank holds more (more layers on a rank whose other work
+        # is light, layers left without recomputation): plan once more against a budget tightened by as much
         tightened = micro.options.replace(memory_budget=budget * budget / fullest)
         state, history = compile_state(micro.replace(options=tightened), pipeline=True)
         fullest = state.predicted.memory_bytes_per_rank
@@ -270,7 +271,8 @@ def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict
     """`prog` (planned from `request` by `parallelize_pipeline`) under other pipeline `options` of the same axis
     and micro-batch count (a schedule, stages per rank): its micro-batch program is not planned again, only cut
     again (`recut`); the result is the program `parallelize_pipeline(request, axis, options)` returns. A cut whose
-    fullest pp rank does not fit the budget is planned in full (against a tightened budget).
+    fullest pp rank does not fit the budget, or whose schedule keeps other activations in flight (`recuttable`), is
+    planned in full.
 
     >>> again = recut_pipeline(CompileRequest(model, prog.mesh, inputs, loss_fn=loss_fn), prog,
     ...                        {"microbatches": 2, "schedule": "1f1b"})
@@ -280,6 +282,8 @@ def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict
     options = check_options(options)
     config = make_config(prog.mesh, prog.config.axis, options, prog.config.annotations, batch_size(_inputs(request)),
                          request.options.profile)
+    if not recuttable(prog.config, config):  # its ILP counts other activations in flight: plan it afresh
+        return parallelize_pipeline(request, prog.config.axis, options)
     state, history = recut(prog.state, prog.history, config)
     if state.predicted.memory_bytes_per_rank > CompileOptions.of(request.options).budget_bytes:
         return parallelize_pipeline(request, prog.config.axis, options)
