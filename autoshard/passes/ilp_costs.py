@@ -12,7 +12,8 @@ the collective table, so the chosen plan's objective is predict's step. What is 
   - where a chain's last step on such an axis is an all-gather, fuse_comm makes gather and all-reduce one
     all_gather_sum_grad: the chain pays the fused op, and that pair of candidates does not trigger the
     all-reduce (the charge becomes a conjunction over the pairs that do) -- a positive charge, which keeps the
-    LP relaxation as tight as a plain shared charge (a negative refund made HiGHS stall at its time limit);
+    LP relaxation as tight as a plain shared charge (a negative refund made HiGHS stall at its time limit); a
+    parameter gathered per use outside a pipeline is the one exception (`_fused_gather_refund` says why);
   - semi-auto mode (any hint) multiplies resharding a parameter and gathering a sharded value by
     PROPAGATION_PENALTY, so hinted shardings flow (GSPMD-style propagation).
 Costs are scaled to microseconds (SCALE) for HiGHS's tolerances.
@@ -248,16 +249,23 @@ def _triggers(u, consumers, combos, class_of, edges) -> tuple:
     return "conjunction", tuple(sorted(terms))
 
 
-def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes, nbytes) -> tuple:
+def _fused_gather_refund(u, v, pos, cv, have, want, axes, models, others, partial_axes, nbytes,
+                         sync_share: float = 1.0) -> tuple:
     """The chain `have` -> `want` of `u` into `v` where its last step on an axis where `v` splits its work with that
     input replicated is an all-gather: fuse_comm makes it and the gradient all-reduce one all_gather_sum_grad (a
     reduce-scatter backward). Returns (scaled seconds the gather is priced over the fused op -- negative, the
-    chain pays the fused op --, the axes fused: their all-reduce is not charged for this pair). A parameter
-    gathered per use is priced the same way: the gathered copy its consumer keeps for backward is in the memory
-    row (autoshard/cost/conversion_memory.py), so the exact price does not favour gathering it per use.
+    chain pays the fused op --, the axes fused: their all-reduce is not charged for this pair).
+    A parameter (or its per-use cast) gathered per use in a program that syncs once per step (`sync_share` 1) is
+    left priced as gather + all-reduce, deliberately: the fused op costs as much as data parallelism's all-reduce,
+    and the tie-break (fewest bytes kept) would pick it, but the gather blocks the forward where data parallelism's
+    sync overlaps the backward (cost/overlap.py) -- such a plan's objective exceeds predict's step by the gather's
+    price. In a pipeline's micro-batch program (`sync_share` 1/m) it is priced exactly: the fused op runs in every
+    micro-batch, the sync it replaces once per step.
     When `axes` are the whole mesh, the chain insert_comm emits is known step by step and the saving is
     exact (cost.fused_gather_saving); one axis of several is priced on that axis alone."""
     if not models[0].grad.get(u, False):
+        return 0.0, ()
+    if sync_share == 1.0 and (u.op == "placeholder" or cast_parameter(u) is not None):
         return 0.0, ()
     mesh = models[0].mesh
     if len(axes) == mesh.ndim and len(axes) > 1:
@@ -312,11 +320,11 @@ def ilp_costs(nodes, axes, combos, choices, state, models, semi_auto) -> IlpCost
     priced where). `combos`: each node's candidate strategies on `axes` (axis -> AxisStrategy); `choices`: each
     node's strategies on the axes decided before; `models`: an AxisCostModel per mesh axis.
 
-    A weight's gradient sync is a conjunction: the pairs where the weight is stored sharded and gathered per
-    use fuse it into the gather, and do not pay it.
+    Data parallelism's weight syncs are shared charges, paid when a consumer candidate that splits the batch with
+    the weight replicated is chosen:
 
-    >>> weight = parts.class_of[nodes[0]]  # 0.weight: replicated, S(0) or S(1)
-    >>> sorted({c for _, terms in parts.conjunctions for c, _, _ in terms if c == weight}) == [weight]
+    >>> linear = parts.class_of[next(n for n in nodes if n.op == "call_function")]
+    >>> any(linear in {c for c, _ in group} for _, groups in parts.shared for group in groups)
     True
     """
     mesh = state.mesh
@@ -344,6 +352,8 @@ def ilp_costs(nodes, axes, combos, choices, state, models, semi_auto) -> IlpCost
     edges: dict = {}
     conversions: dict = {}  # one charge per chain insert_comm emits (see _conversion_charges)
     fused: dict = {}  # (value, consumer, position, consumer candidate, axis) -> value candidates whose chain fuses
+    pipeline = state.options.pipeline
+    sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
     outs = {u: [tuple(cu[a].output for a in axes) for cu in combos[u]] for u in nodes}
     interned: dict = {}  # placement tuple -> small int: the pair loop below compares and hashes ints, not specs
     out_ids = {u: [interned.setdefault(have, len(interned)) for have in outs[u]] for u in nodes}
@@ -389,7 +399,8 @@ def ilp_costs(nodes, axes, combos, choices, state, models, semi_auto) -> IlpCost
                     found = refunds.get(refund_key)
                     if found is None:
                         found = refunds[refund_key] = _fused_gather_refund(u, v, pos, combos[v][b], have, want, axes,
-                                                                           models, others, partials[b], size[u])
+                                                                           models, others, partials[b], size[u],
+                                                                           sync_share)
                     refund, fused_axes = found
                     for axis in fused_axes:  # this pair's chain pays the fused op, not the value's all-reduce
                         fused.setdefault((u, v, pos, b, axis), set()).add(a)
@@ -398,8 +409,6 @@ def ilp_costs(nodes, axes, combos, choices, state, models, semi_auto) -> IlpCost
                                                          ({}, set()))
                     terms.setdefault(key, set()).add((a, b))
                     uses.add((v, pos))
-    pipeline = state.options.pipeline
-    sync_share = 1.0 / pipeline.microbatches if pipeline is not None else 1.0
     shared, gradient_terms = _partial_gradient_charges(nodes, axes, combos, class_of, models, others, free_sync, fused,
                                                        edges, sync_share, copies)
     conjunctions = _conversion_charges(conversions, edges) + gradient_terms
