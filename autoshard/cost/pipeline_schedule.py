@@ -76,12 +76,11 @@ def pre_cut_memory(predicted, config, whole_bytes: float = 0.0) -> float:
     >>> pre_cut_memory(pipe.plan.predicted, None) == pipe.plan.predicted.memory_bytes_per_rank
     True
     """
-    share = param_share(config)
-    if share == 1.0 or not predicted.memory:
+    if config is None or not predicted.memory:
         return predicted.memory_bytes_per_rank
     parts = predicted.memory
     held = parts.params + parts.grads + parts.optimizer
-    return (predicted.memory_bytes_per_rank - (1 - share) * max(held - whole_bytes, 0.0)
+    return (predicted.memory_bytes_per_rank - (1 - param_share(config)) * max(held - whole_bytes, 0.0)
             + (activation_share(config) - 1) * parts.activations)
 
 

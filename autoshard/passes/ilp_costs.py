@@ -176,11 +176,12 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
     pays `sync_share` = 1/micro-batches of it (its other costs recur every micro-batch). `copies(u)`: how many
     values of the whole model u stands for (a folded trace, autoshard/frontend/fold.py).
 
-    One charge per (value, axis, bytes after the other axes); a consumer candidate that takes the value
-    replicated on that axis while splitting its work triggers it -- unless its chain from the value's candidate
-    fuses the all-reduce into a gather (`fused`: (u, v, pos, consumer candidate, axis) -> the value's candidates
-    whose chain does). A charge no chain can fuse is a shared charge over consumer candidates; one some chain can
-    is a conjunction over the candidate pairs that trigger it. Returns (shared charges, conjunction charges).
+    One charge per (value, axis, bytes after the other axes: as the consumer takes it, or for a parameter its own
+    block); a consumer candidate that takes the value replicated on that axis while splitting its work triggers
+    it -- unless its chain from the value's candidate fuses the all-reduce into a gather (`fused`: (u, v, pos,
+    consumer candidate, axis) -> the value's candidates whose chain does), or the parameter's candidate has another
+    block size. A charge every pair triggers is a shared charge over consumer candidates; else a conjunction over
+    the candidate pairs that do. Returns (shared charges, conjunction charges).
     """
     charges: dict = {}
     for v in nodes:
@@ -233,17 +234,17 @@ def _sizes(per_candidate) -> dict:
 
 
 def _triggers(u, consumers, combos, class_of, edges) -> tuple:
-    """What triggers a gradient charge of `u` (consumers: v -> {candidate: u's candidates whose chain fuses}):
-    ("shared", groups of (class, candidate)) when no chain fuses, else ("conjunction", terms (class of u,
-    class of v, the candidate pairs that do not fuse and are allowed))."""
-    if not any(fused for per in consumers.values() for fused in per.values()):
+    """What triggers a gradient charge of `u` (consumers: v -> {candidate: u's candidates that do not trigger it}):
+    ("shared", groups of (class, candidate)) when every pair does, else ("conjunction", terms (class of u,
+    class of v, the allowed candidate pairs that trigger it))."""
+    if not any(excluded for per in consumers.values() for excluded in per.values()):
         return "shared", tuple(sorted(tuple(sorted((class_of[v], t) for t in per)) for v, per in consumers.items()))
     terms = []
     for v, per in consumers.items():
         key = (class_of[u], class_of[v])
         matrix = edges[key]
-        pairs = tuple(sorted((a, t) for t, fused in per.items() for a in range(len(combos[u]))
-                             if a not in fused and matrix[a][t] != INF))
+        pairs = tuple(sorted((a, t) for t, excluded in per.items() for a in range(len(combos[u]))
+                             if a not in excluded and matrix[a][t] != INF))
         if pairs:
             terms.append((*key, pairs))
     return "conjunction", tuple(sorted(terms))

@@ -72,3 +72,15 @@ def test_a_recut_program_is_the_fresh_compile_of_its_schedule():
         assert again.plan.fingerprint == fresh.plan.fingerprint
         assert again.plan.dumps() == fresh.plan.dumps()
     assert first.config.schedule == "1F1B" and first.plan.pipeline["stages"] == 2  # the original is untouched
+
+
+def test_the_ilp_counts_the_activations_each_schedule_keeps_in_flight():
+    """GPipe keeps every micro-batch's activations until the backward, 1F1B's first rank p of its 1/p of the layers:
+    the ILP's memory row (before the cut) comes within the imbalance of the cut of the fullest rank (after it)."""
+    model, inputs, loss_fn = gpt2(n_layers=4)
+    for schedule in ("1F1B", "GPipe"):
+        prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+                                     pipeline={"microbatches": 4, "schedule": schedule}, memory_budget=float("inf"))
+        fullest = max(prog.plan.pipeline["memory_bytes_per_pp_rank"])
+        assert 0.95 * fullest <= prog.state.memory_row_bytes <= 1.1 * fullest, (schedule, prog.state.memory_row_bytes,
+                                                                                  fullest)
