@@ -58,7 +58,8 @@ def recompute(state) -> None:
         return
     ops = [n for n in state.gm.graph.nodes if n.op == "call_function"]
     if option == "auto":
-        regions = _auto_regions(state, ops, sorted(p for p in _module_paths(ops) if _LAYER_RE.match(p)))
+        # in model order: a pipeline spreads the layers left without recomputation by their place (_spread_order)
+        regions = _auto_regions(state, ops, [p for p in _module_paths(ops) if _LAYER_RE.match(p)])
     else:
         regions = checkpoint_regions(option, ops)
     regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]  # outermost wins
@@ -72,12 +73,14 @@ def recompute(state) -> None:
 
 
 
-def _module_paths(ops) -> set[str]:
-    paths = set()
+def _module_paths(ops) -> dict[str, None]:
+    """Every module path of the ops and their parents, in the order the graph first reaches them (model order:
+    layers.2 before layers.10)."""
+    paths: dict = {}
     for node in ops:
         parts = node.meta.get(meta.PATH, "").split(".")
-        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    paths.discard("")
+        paths.update(dict.fromkeys(".".join(parts[:i]) for i in range(1, len(parts) + 1)))
+    paths.pop("", None)
     return paths
 
 

@@ -96,6 +96,17 @@ def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
     assert {n.meta[RECOMPUTE] for n in nodes} == set(tight.state.recompute_regions)
 
 
+def test_auto_checkpointing_weighs_layers_in_model_order():
+    """Ten layers and more: layers.10 comes after layers.9 (it sorted before layers.2 as a string, and a pipeline then
+    left the layers of its first ranks without recomputation, each kept once per micro-batch in flight)."""
+    twelve = lambda: gpt2(n_layers=12)
+    high = _plan(twelve, "gpt2")[0].plan.predicted["memory_bytes_per_rank"]
+    low = _plan(twelve, "gpt2", checkpoint=["layers.*"])[0].plan.predicted["memory_bytes_per_rank"]
+    tight, _ = _plan(twelve, "gpt2", checkpoint="auto", memory_budget=low + 2.5 * (high - low) / 12)
+    kept = [f"layers.{i}" for i in range(12) if f"layers.{i}" not in tight.state.recompute_regions]
+    assert kept and kept == [f"layers.{i}" for i in range(12 - len(kept), 12)]  # equal layers: the first recomputed
+
+
 def test_checkpoint_glob_matching_nothing_says_so():
     with pytest.raises(UserInputError, match=r"checkpoint='blocks\.\*' matches no module"):
         _plan(gpt2, "gpt2", checkpoint=["blocks.*"])
