@@ -33,3 +33,27 @@ def test_the_plan_predicts_one_devices_memory_not_the_whole_models():
     # The first rank keeps two micro-batches in flight under 1F1B, the last one.
     table = {row["stage"]: row["activation_bytes"] for row in pipe.plan.pipeline["stage_table"]}
     assert ranks[0]["activations"] == 2 * table[0] and ranks[1]["activations"] == table[1]
+
+
+def test_the_cut_moves_layers_off_an_overfull_rank_instead_of_planning_again(monkeypatch):
+    """The fastest cut gives the first rank more layers (the last stage also runs the head), and under 1F1B the first
+    rank keeps the most micro-batches in flight: below its bytes the cut moves layers to the next rank, the placements
+    stay those of the plan without a budget, and the micro-batch program is planned once."""
+    import autoshard.program.pipeline as pipeline_module
+    compiles = []
+    compile_state = pipeline_module.compile_state
+    monkeypatch.setattr(pipeline_module, "compile_state", lambda *a, **k: compiles.append(1) or compile_state(*a, **k))
+    model, inputs, loss_fn = gpt2(n_layers=8, vocab_size=2048, batch=8)
+    options = {"microbatches": 4, "schedule": "1F1B"}
+    free = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",), pipeline=options)
+    fastest = free.plan.pipeline["memory_bytes_per_pp_rank"]
+    assert fastest[0] > fastest[1]
+    compiles.clear()
+    budget = 0.9 * fastest[0]
+    fitted = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",), pipeline=options,
+                                   memory_budget=budget)
+    assert len(compiles) == 1 and max(fitted.plan.pipeline["memory_bytes_per_pp_rank"]) <= budget
+    assert fitted.rank_program.param_specs == free.rank_program.param_specs
+    ops = [[row["ops"] for row in prog.plan.pipeline["stage_table"]] for prog in (free, fitted)]
+    assert ops[1][0] < ops[0][0] and sum(ops[1]) == sum(ops[0])
+    assert 1 < fitted.plan.pipeline["predicted_step_s"] / free.plan.pipeline["predicted_step_s"] < 1.05
