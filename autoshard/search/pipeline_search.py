@@ -300,22 +300,12 @@ def _search_axes(request: CompileRequest, opts: dict):
             candidates.append({"axis": name, "same_as": seen[key]})
             continue
         seen[key] = name
-        try:
-            prog = best_schedule(request, _best_microbatches(request, name, opts, to_beat=best_step), opts,
-                                 to_beat=best_step)
-        except AutoshardError as exc:
-            candidates.append({"axis": name, "error": str(exc).splitlines()[0]})
-            errors.append(exc)
-            continue
-        step = prog.plan.pipeline["predicted_step_s"]
-        skipped = prog.plan.pipeline.get("not_replanned")
-        if skipped:  # its best count was not planned: it cannot win
-            candidates.append({"axis": name, "microbatches": skipped["microbatches"],
-                               "predicted_step_s": skipped["expected_step_s"], "estimated": True})
-        else:
-            candidates.append({"axis": name, "microbatches": prog.config.microbatches, "predicted_step_s": step})
-        if step < best_step:
-            best, best_step = prog, step
+        planned = _plan_axis(request, name, opts, best_step, candidates, errors)
+        best, best_step = _faster(planned, best, best_step)
+        # then the same pipeline with the batch and ZeRO-2 on an axis where that plan split parameters instead
+        variant = _zero_data_request(request, planned) if planned is not None else None
+        if variant is not None:
+            best, best_step = _faster(_plan_axis(variant, name, opts, best_step, candidates, errors), best, best_step)
     chosen = best.config.axis if best is not None else None
     why = _why(candidates, chosen)
     log.info(why)
@@ -328,6 +318,58 @@ def _search_axes(request: CompileRequest, opts: dict):
         {k: v for k, v in flat.plan.search.items() if k == "hand_plans"}
     target.plan.search = {**kept, "candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
     return target
+
+
+def _faster(prog, best, best_step: float) -> tuple:
+    """(the pipelined Program, its step) of `prog` and `best` (whose step is `best_step`) that is faster."""
+    if prog is None or prog.plan.pipeline["predicted_step_s"] >= best_step:
+        return best, best_step
+    return prog, prog.plan.pipeline["predicted_step_s"]
+
+
+def _plan_axis(request: CompileRequest, axis: str, opts: dict, to_beat: float, candidates: list, errors: list):
+    """The pipeline over `axis` (micro-batch count and schedule searched), or None when none is possible; its row
+    is appended to `candidates` (a refusal's to `errors` too)."""
+    row = {"axis": axis} if request.options.zero is None else {"axis": axis, "zero": request.options.zero}
+    try:
+        prog = best_schedule(request, _best_microbatches(request, axis, opts, to_beat=to_beat), opts, to_beat=to_beat)
+    except AutoshardError as exc:
+        candidates.append({**row, "error": str(exc).splitlines()[0]})
+        errors.append(exc)
+        return None
+    skipped = prog.plan.pipeline.get("not_replanned")
+    if skipped:  # its best count was not planned: it cannot win
+        candidates.append({**row, "microbatches": skipped["microbatches"],
+                           "predicted_step_s": skipped["expected_step_s"], "estimated": True})
+    else:
+        candidates.append({**row, "microbatches": prog.config.microbatches,
+                           "predicted_step_s": prog.plan.pipeline["predicted_step_s"]})
+    return prog
+
+
+def _zero_data_request(request: CompileRequest, prog):
+    """`request` with the batch split on the inner axis where `prog`'s plan splits parameters but not the batch,
+    and ZeRO-2 there (Megatron's and torchtitan's layout: data parallelism with sharded optimizer state and
+    gradients, synchronised once a step, instead of parameters split on a slow axis and gathered or reduced every
+    micro-batch); None when the plan has no such axis or the batch does not split over it.
+
+    >>> from autoshard.frontend.request import CompileRequest
+    >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("pp", "a")), inputs, loss_fn=loss_fn)
+    >>> _zero_data_request(request, _best_microbatches(request, "pp", {})) is None  # it splits the batch on a
+    True
+    """
+    inner = prog.inner_mesh
+    batch_on = {a for spec in prog.input_specs for a, p in enumerate(spec) if p == Shard(0)}
+    specs = prog.rank_program.param_specs
+    params_on = {a for spec in specs.values() for a, p in enumerate(spec) if isinstance(p, Shard)}
+    inputs = request.example_inputs
+    micro = batch_size(inputs) // prog.config.microbatches
+    axes = [a for a in sorted(params_on - batch_on) if inner.shape[a] >= 2 and micro % inner.shape[a] == 0]
+    if not axes or request.hints or request.options.zero is not None:
+        return None
+    name = inner.names[axes[0]]  # the outermost: data parallelism syncs once a step, on the slowest links
+    hints = {f"input:{i}": {name: "S(0)"} for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
+    return request.replace(hints=hints, options=request.options.replace(zero={name: 2}))
 
 
 def _smallest_footprint(errors: list) -> AutoshardError:
@@ -343,6 +385,9 @@ def _why(candidates, chosen) -> str:
     parts = []
     for c in candidates:
         label = "no pipeline" if c["axis"] is None else f"pipeline over {c['axis']}"
+        if c.get("zero"):
+            (axis, stage), = c["zero"].items()
+            label += f" with the batch and ZeRO-{stage} on {axis}"
         if "error" in c:
             parts.append(f"{label}: not possible ({c['error']})")
         elif "same_as" in c:
