@@ -22,3 +22,23 @@ def test_the_fastest_schedule_is_chosen_among_those_compared():
 def test_a_schedule_the_user_names_is_not_searched():
     prog = _pipelined(schedule="GPipe", microbatches=2)
     assert prog.plan.pipeline["schedule"] == "GPipe" and "schedule_search" not in prog.plan.pipeline
+
+
+def test_a_pipeline_that_splits_parameters_where_the_batch_could_go_is_also_planned_with_zero2_there():
+    """Where the plan splits parameters on an inner axis and not the batch (the memory budget's choice at scale:
+    gathers or reductions every micro-batch on that axis), the search also plans the same pipeline with the batch
+    and ZeRO-2 on that axis, and keeps the faster."""
+    from autoshard.frontend.request import CompileRequest
+    from autoshard.search.pipeline_search import _best_microbatches, _zero_data_request
+    model, inputs, loss_fn = gpt2(n_layers=4)
+    mesh = autoshard.Mesh((2, 2), ("pp", "a"))
+    split = CompileRequest(model, mesh, inputs, loss_fn=loss_fn,
+                           hints={"input:0": {"a": "R"}, "layers.*.mlp.fc1.weight": {"a": "S(0)"}})
+    prog = _best_microbatches(split, "pp", {})
+    variant = _zero_data_request(split.replace(hints=None), prog)
+    assert variant.options.zero == {"a": 2} and variant.hints == {"input:0": {"a": "S(0)"}}
+    planned = _best_microbatches(variant, "pp", {})
+    assert planned.zero is not None and (planned.zero.axis, planned.zero.stage) == ("a", 2)
+    assert any(p == autoshard.Shard(0) for spec in planned.input_specs for p in spec)
+    plain = variant.replace(hints=None, options=variant.options.replace(zero=None))
+    assert _zero_data_request(plain, planned) is None  # the batch is on every axis the parameters are split on

@@ -1,7 +1,7 @@
 """What solve does when its plan does not fit the memory budget per device: a ladder of memory savers.
 
 Each rung re-solves with the ILP's memory row changed; the first rung that fits wins. Cheapest in step
-time first:
+time first (in a pipeline ZeRO-3 comes after recomputation: it gathers the parameters for every micro-batch):
   1. ZeRO-1, ZeRO-2, ZeRO-3 on the batch axis (optimizer state, then gradients, then parameters sharded
      over it; the memory rules of autoshard/cost/zero_cost.py). Stages 1 and 2 move no more bytes than
      the all-reduce they replace; stage 3 adds the parameter gathers.
@@ -107,7 +107,10 @@ def ladder(state) -> list[Rung]:
     stages = [next(iter(requested.values()))] if requested else list(ZERO_STAGES)
     recompute = [False] + ([True] if state.options.checkpoint is None else [])
     rungs = [Rung(None, r) for r in recompute if not requested] + [Rung(s, r) for r in recompute for s in stages]
-    rungs.sort(key=lambda r: (r.recompute, r.zero or 0))
+    # In a pipeline ZeRO-3 gathers the parameters again for every micro-batch (torchtitan keeps them gathered under
+    # pipelining for that reason): recomputation first, ZeRO-3 last.
+    pipelined = state.options.pipeline is not None
+    rungs.sort(key=lambda r: (pipelined and r.zero == 3, r.recompute, r.zero or 0))
     tried = Rung(stages[0] if requested else None, False)  # what solve planned first
     return [r for r in rungs if r != tried]
 

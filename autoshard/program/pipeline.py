@@ -225,6 +225,9 @@ def _warn_batch_statistics(model, microbatches: int) -> None:
                       stacklevel=3)
 
 
+REPLANS = 3  # plans against a tighter budget when the fullest pp rank overflows it after the cut
+
+
 def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
     """Plan the pipelined program of `request` over mesh axis `axis` with pipeline `options`: the intra-op
     plan on the other axes at micro-batch shape, then the cut. `parallelize` calls it for a mesh axis named
@@ -249,15 +252,20 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
     state, history = compile_state(micro, pipeline=True)
     budget = CompileOptions.of(request.options).budget_bytes
     fullest = state.predicted.memory_bytes_per_rank  # the fullest pp rank's, counted after the cut
-    if fullest > budget and request.plan is None:
+    tightened = budget
+    for _ in range(REPLANS if request.plan is None else 0):
+        if fullest <= budget:
+            break
         # solve counted a pp rank's share of the parameters and activations with equal stages (param_share,
-        # activation_share); the time-balanced cut's fullest rank holds more (more layers on a rank whose other work
-        # is light, layers left without recomputation): plan once more against a budget tightened by as much
-        tightened = micro.options.replace(memory_budget=budget * budget / fullest)
-        state, history = compile_state(micro.replace(options=tightened), pipeline=True)
+        # activation_share); the fullest rank after the cut holds more (a tied weight on two ranks, the head's
+        # outputs on the last, a cut that cannot move enough layers off a rank): plan again against a budget
+        # tightened by as much, which may take the memory ladder a rung higher
+        tightened *= budget / fullest
+        state, history = compile_state(micro.replace(options=micro.options.replace(memory_budget=tightened)),
+                                       pipeline=True)
         fullest = state.predicted.memory_bytes_per_rank
-        if fullest > budget:
-            raise pipeline_memory_error(fullest, budget, config)
+    if fullest > budget and request.plan is None:
+        raise pipeline_memory_error(fullest, budget, config)
     return PipelineProgram(state, history, mesh, config)
 
 

@@ -77,6 +77,17 @@ def test_the_ladder_respects_what_the_user_fixed():
     assert [repr(r) for r in ladder(fixed.state)] == ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
 
 
+def test_in_a_pipeline_the_ladder_recomputes_before_it_gathers_parameters_per_micro_batch():
+    """ZeRO-3 gathers every parameter again for each micro-batch in a pipeline (1008B on (8, 48, 8) with 384
+    micro-batches: 1505 s a step against 88 s recomputing every layer instead)."""
+    model, inputs, loss_fn = gpt2(n_layers=2)
+    piped = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "dp"),
+                                  hints={"input:0": {"dp": "S(0)"}}, pipeline={"microbatches": 2})
+    assert [repr(r) for r in ladder(piped.state)] == [
+        "ZeRO-1", "ZeRO-2", "recomputation", "ZeRO-1 + recomputation", "ZeRO-2 + recomputation", "ZeRO-3",
+        "ZeRO-3 + recomputation"]
+
+
 def test_default_budget_leaves_the_headroom_and_bad_values_are_refused():
     model, inputs, loss_fn = gpt2(n_layers=2)
     prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, profile="cpu")
