@@ -5,7 +5,9 @@ is the multiple of p dividing the batch with the least predicted step time: plan
 count, one sample per data-parallel device, when that first plan does not split its micro-batch over them all),
 every other count estimated from those plans (see `estimate_step`), and re-planned once if another count wins. On an unnamed mesh without
 hints every axis of size >= 2 is a candidate pp axis besides not pipelining at all (one per class of equal size and
-links); each is planned (intra-op plan on the other axes + cut) and the fastest predicted step wins. The predicted
+links); each is planned (intra-op plan on the other axes + cut) and, where that plan splits parameters on an
+inner axis that does not carry the batch, planned again with the batch and ZeRO-2 there (`_zero_data_request`); the
+fastest predicted step wins. The predicted
 step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1) x the slowest stage + the
 slowest stage's gradient sync; `plan.pipeline["search"]` keeps every candidate's figures (the why).
 
