@@ -123,9 +123,22 @@ class _StageShape:
         self.dw_builder = None
 
 
+_ORDERS: dict = {}  # (schedule, pp size, micro-batches, stages per rank) -> action order: the search asks again and
+_ORDERS_KEPT = 64   # again (each candidate's cut, memory and timeline), torch builds it in milliseconds to seconds
+
+
 def _torch_order(config) -> dict[int, list[tuple]]:
     """The action order torch.distributed.pipelining computes for a multi-stage schedule (the same code
-    the runtime runs), read from its `pipeline_order` with stand-in stages."""
+    the runtime runs), read from its `pipeline_order` with stand-in stages; computed once per schedule shape."""
+    key = (config.schedule, config.pp_size, config.microbatches, config.virtual)
+    if key not in _ORDERS:
+        if len(_ORDERS) >= _ORDERS_KEPT:
+            _ORDERS.clear()
+        _ORDERS[key] = _read_torch_order(config)
+    return _ORDERS[key]
+
+
+def _read_torch_order(config) -> dict[int, list[tuple]]:
     from torch.distributed.pipelining.schedules import get_schedule_class
     cls = get_schedule_class(config.schedule)
     stages = [_StageShape(s, config.num_stages, config.pp_size, 0) for s in config.stages_of(0)]
