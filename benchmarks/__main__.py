@@ -25,6 +25,7 @@ BENCHMARKS = [
     "hand_plans",        # 14. the automatic plan vs every catalogue hand plan (DDP ... FSDP x TP x PP), one cost model
     "memory_accuracy",   # 15. memory per rank: predicted vs measured term by term, peak of live storages (gloo ranks)
     "architectures",     # 16. every transformers family with a head: export, verify dp=2 and (2,2) under a budget, plan (2,2,2)
+    "planning_moe",      # 17. a Mixtral-8x22B-sized MoE on 256 H100s: devices= plan vs experts inside dp, planning time
 ]
 
 

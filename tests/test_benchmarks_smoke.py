@@ -8,6 +8,7 @@ from benchmarks import (
     moe,
     plan_quality,
     planning,
+    planning_moe,
     planning_scale,
     runtime_overhead,
     tp_modes,
@@ -65,6 +66,16 @@ def test_planning_scale_smallest():
     configs, figures, checks, headers, csv_headers, csv_rows, _ = planning_scale.report([result])
     assert [len(rows[0]) for rows in (configs, figures, checks)] == [len(h) for h in headers]
     assert len(csv_rows[0]) == len(csv_headers)
+
+
+@pytest.mark.skipif(not FULL, reason="a devices=8 search, the expert's layout and a simulated check (about 45 s); "
+                                     "AUTOSHARD_FULL_MATRIX=1 runs it")
+def test_planning_moe_smallest():
+    result = planning_moe.plan_run(planning_moe.QUICK[0])
+    assert result["expert"]["names"] == ("ep",) and result["auto"]["mesh"]
+    assert result["verify"]["ok"], result["verify"]["report"]
+    rows, headers, csv_rows, csv_headers, _ = planning_moe.report([result])
+    assert len(rows[0]) == len(headers) and len(csv_rows[0]) == len(csv_headers)
 
 
 @pytest.mark.skipif(not FULL, reason="ZeRO-3 measured on simulated ranks (about 5 s; tests/passes/test_zero_verify.py "
