@@ -65,14 +65,15 @@ def cut_stages(state) -> None:
     if config.annotations is not None:
         _apply(state, nodes, _from_annotations(nodes, config.annotations, config.num_stages), config)
         return
-    ranks = _apply(state, nodes, auto_cut(state, nodes, config), config)
+    fastest = auto_cut(state, nodes, config)
+    ranks = _apply(state, nodes, fastest, config)
     budget = CompileOptions.of(state.options).budget_bytes
     if max(ranks) > budget:
         # The fastest cut overfills a rank (more layers where the other work is light, on the rank that keeps the
         # most micro-batches in flight): the fastest cut whose ranks fit, when there is one and it fills less.
         capped = auto_cut(state, nodes, config, fill=(budget, ranks))
         if capped is not None and max(_apply(state, nodes, capped, config)) > max(ranks):
-            _apply(state, nodes, auto_cut(state, nodes, config), config)
+            _apply(state, nodes, fastest, config)
 
 
 def _apply(state, nodes, stage: dict, config) -> list[int]:
