@@ -365,6 +365,7 @@ def _zero_data_request(request: CompileRequest, prog):
     specs = prog.rank_program.param_specs
     params_on = {a for spec in specs.values() for a, p in enumerate(spec) if isinstance(p, Shard)}
     inputs = request.example_inputs
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     micro = batch_size(inputs) // prog.config.microbatches
     axes = [a for a in sorted(params_on - batch_on) if inner.shape[a] >= 2 and micro % inner.shape[a] == 0]
     if not axes or request.hints or request.options.zero is not None:
