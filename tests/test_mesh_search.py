@@ -8,7 +8,11 @@ import torch
 import autoshard
 from autoshard.cost.profiles import HardwareProfile
 from autoshard.ir.errors import UserInputError
-from autoshard.search.mesh_search import candidate_shapes, predicted_step_s
+from autoshard.search.mesh_search import (
+    candidate_shapes,
+    describe_roles,
+    predicted_step_s,
+)
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2, mlp
 
@@ -85,3 +89,12 @@ def test_large_device_counts_offer_pipelines_from_shallow_to_deep():
     assert len(shapes) == 6 and shapes[:2] == [(240, 8), (480, 4)]
     assert (2, 120, 8) in shapes and (15, 16, 8) in shapes
     assert candidate_shapes(512, 8) == [(64, 8), (128, 4), (2, 32, 8), (4, 16, 8), (8, 8, 8), (2, 64, 4)]
+
+
+def test_an_axis_that_splits_only_activations_is_named_as_such():
+    """A sequence split (or an MoE's token groups) is neither the batch nor a parameter split: the roles say so, so
+    that an axis the plan leaves idle (in none of the three) shows as such."""
+    model, inputs, loss_fn = gpt2(n_layers=2)
+    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("sp",),
+                                 hints={"input:0": {"sp": "S(1)"}})
+    assert describe_roles(prog) == "activations split on ['sp']"

@@ -31,6 +31,7 @@ import time
 
 from autoshard.cost.profiles import HardwareProfile
 from autoshard.frontend.request import CompileRequest
+from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import Shard
@@ -166,7 +167,8 @@ def _memory(prog) -> float:
 
 def describe_roles(prog) -> str:
     """What each mesh axis does in `prog`'s plan, in a few words: the pipeline axis, the axes the batch is split
-    on (data parallelism), the axes parameters are split on (tensor parallelism, or ZeRO-3's), and ZeRO.
+    on (data parallelism), the axes parameters are split on (tensor parallelism, or ZeRO-3's), the axes only other
+    values are split on (a sequence, the experts' token groups; an axis in none of these only replicates), and ZeRO.
 
     >>> import autoshard
     >>> from autoshard.zoo import mlp
@@ -185,10 +187,16 @@ def describe_roles(prog) -> str:
     specs = prog.rank_program.param_specs
     params = sorted({names[a] for fqn in prog.rank_program.params for a, p in enumerate(specs[fqn])
                      if isinstance(p, Shard)})
+    # other values split on an axis that carries neither (a sequence, the experts' token groups)
+    activations = sorted({names[a] for node in prog.state.gm.graph.nodes if node.op == "call_function"
+                          for a, p in enumerate(node.meta.get(meta.SPEC, ())) if isinstance(p, Shard)}
+                         - set(batch) - set(params))
     if batch:
         parts.append(f"batch on {batch}")
     if params:
         parts.append(f"parameters split on {params}")
+    if activations:
+        parts.append(f"activations split on {activations}")
     if prog.zero is not None:
         parts.append(repr(prog.zero))
     return ", ".join(parts) or "replicated"
