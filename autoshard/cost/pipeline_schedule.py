@@ -20,6 +20,8 @@ the code the runtime runs.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from autoshard.cost.axis_cost import needs_grad
@@ -237,3 +239,76 @@ def stage_activations(state, per_stage) -> tuple[dict, dict]:
         kept[stage] = sum(node_cost(n).memory_bytes for n in ops) - sum(savings)
         largest[stage] = max(savings, default=0)
     return kept, largest
+
+
+class StageMemory:
+    """The automatic cut's memory model (autoshard/passes/cut_stages.py): the bytes a stage [a, b) of the op sequence
+    `nodes` (`index`: each op's position in it, ops left out at their first user's) adds to its pp rank,
+    its parameters (with their gradients and optimizer state, predict's per-parameter bytes, at their first user)
+    and the activations its rank keeps for that stage's micro-batches in flight under the schedule (predict's
+    per-op bytes less what recomputed regions do not keep). A rank's stages add up to at least its peak (the
+    stages' peaks may fall at different times): the caps scale them by the rank's own figure, and rank_memory
+    remains the check of the cut.
+
+    >>> ops = [n for n in pipe.state.gm.graph.nodes if n.op == "call_function"]
+    >>> memory = StageMemory(pipe.state, ops, pipe.config, {n: i for i, n in enumerate(ops)})
+    >>> len(memory.in_flight) == pipe.config.num_stages and memory.in_flight[0] >= memory.in_flight[-1]
+    True
+    """
+
+    def __init__(self, state, nodes, config, index: dict):
+        n = len(nodes)
+        held, kept = [0.0] * n, [0.0] * n
+        regions: dict = {}
+        for node in state.gm.graph.nodes:
+            if node.op == "placeholder" and node.meta.get(meta.KIND) in ("param", "buffer"):
+                users = [index[u] for u in node.users if u in index]
+                if users:
+                    held[min(min(users), n - 1)] += node_cost(node).memory_bytes
+            elif node.op == "call_function":
+                kept[min(index[node], n - 1)] += node_cost(node).memory_bytes
+                if node.meta.get(meta.RECOMPUTE):
+                    regions.setdefault(node.meta[meta.RECOMPUTE], []).append(node)
+        for members in regions.values():
+            kept[min(max(index[m] for m in members), n - 1)] -= region_savings(state, members)[0]
+        self.held, self.kept = [0.0], [0.0]
+        for h, k in zip(held, kept):
+            self.held.append(self.held[-1] + h)
+            self.kept.append(self.kept[-1] + k)
+        self.config = config
+        orders = schedule_order(config)
+        self.in_flight = [peak_in_flight(orders.get(config.stage_rank(s), []), {s: 1})
+                          for s in range(config.num_stages)]
+
+    def stage_bytes(self, stage: int, a: int, b: int) -> float:
+        """What ops [a, b) as stage `stage` add to their rank.
+
+        >>> ops = [n for n in pipe.state.gm.graph.nodes if n.op == "call_function"]
+        >>> one = StageMemory(pipe.state, ops, PipelineConfig("pp", 2, 4, "1F1B"), {n: i for i, n in enumerate(ops)})
+        >>> one.stage_bytes(0, 0, len(ops)) > one.stage_bytes(1, 0, len(ops))  # two in flight, not one
+        True
+        """
+        return (self.held[b] - self.held[a]) + self.in_flight[stage] * (self.kept[b] - self.kept[a])
+
+    def caps(self, budget: float, ranks: list, bounds: list) -> list[float]:
+        """Each stage's cap, from what it adds to its rank when cut at `bounds` (a cut's ends, first 0, last n) and
+        how far the rank's bytes there (`ranks`, per pp rank, as rank_memory counts them) are from `budget`: the
+        stages of an overfull rank must each shrink by the rank's excess ratio; each stage of a rank with room may
+        grow by all of it (rank_memory checks the sum).
+
+        >>> ops = [n for n in pipe.state.gm.graph.nodes if n.op == "call_function"]
+        >>> one = StageMemory(pipe.state, ops, PipelineConfig("pp", 2, 4, "1F1B"), {n: i for i, n in enumerate(ops)})
+        >>> caps = one.caps(100.0, [200.0, 50.0], [0, 3, len(ops)])
+        >>> caps[0] == one.stage_bytes(0, 0, 3) / 2, caps[1] == one.stage_bytes(1, 3, len(ops)) * 2
+        (True, True)
+        """
+        config = self.config
+        filled = [self.stage_bytes(s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
+        estimated = [sum(filled[t] for t in config.stages_of(r)) for r in range(config.pp_size)]
+        caps = []
+        for s, stage_bytes in enumerate(filled):
+            r = config.stage_rank(s)
+            scale = estimated[r] / max(ranks[r], 1.0)  # this model's bytes per byte rank_memory counts
+            caps.append(stage_bytes * budget / max(ranks[r], 1.0) if ranks[r] > budget
+                        else stage_bytes + (budget - ranks[r]) * scale)
+        return caps

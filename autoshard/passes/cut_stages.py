@@ -33,14 +33,13 @@ from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.collective_time import collective_latency
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.pipeline_schedule import (
-    peak_in_flight,
+    StageMemory,
     rank_memory,
-    schedule_order,
     stage_activations,
     stage_nodes,
 )
 from autoshard.cost.prediction import MemoryParts, node_cost
-from autoshard.cost.recompute_cost import op_seconds, region_savings
+from autoshard.cost.recompute_cost import op_seconds
 from autoshard.frontend.cut_points import find_layers
 from autoshard.frontend.request import CompileOptions
 from autoshard.ir import meta
@@ -366,76 +365,6 @@ class CutCosts:
         return max(self.stage_time(a, b) for a, b in itertools.pairwise(bounds))
 
 
-class StageMemory:
-    """The automatic cut's memory model: the bytes a stage [a, b) of the op sequence `nodes` adds to its pp rank,
-    its parameters (with their gradients and optimizer state, predict's per-parameter bytes, at their first user)
-    and the activations its rank keeps for that stage's micro-batches in flight under the schedule (predict's
-    per-op bytes less what recomputed regions do not keep). A rank's stages add up to at least its peak (the
-    stages' peaks may fall at different times): the caps scale them by the rank's own figure, and rank_memory
-    remains the check of the cut.
-
-    >>> memory = StageMemory(state, nodes, config)
-    >>> memory.in_flight  # 1F1B with two stages: the first keeps both micro-batches, the last one
-    [2, 1]
-    """
-
-    def __init__(self, state, nodes, config):
-        n = len(nodes)
-        index = op_positions(state.gm.graph, nodes)
-        held, kept = [0.0] * n, [0.0] * n
-        regions: dict = {}
-        for node in state.gm.graph.nodes:
-            if node.op == "placeholder" and node.meta.get(meta.KIND) in ("param", "buffer"):
-                users = [index[u] for u in node.users if u in index]
-                if users:
-                    held[min(min(users), n - 1)] += node_cost(node).memory_bytes
-            elif node.op == "call_function":
-                kept[min(index[node], n - 1)] += node_cost(node).memory_bytes
-                if node.meta.get(meta.RECOMPUTE):
-                    regions.setdefault(node.meta[meta.RECOMPUTE], []).append(node)
-        for members in regions.values():
-            kept[min(max(index[m] for m in members), n - 1)] -= region_savings(state, members)[0]
-        self.held, self.kept = [0.0], [0.0]
-        for h, k in zip(held, kept):
-            self.held.append(self.held[-1] + h)
-            self.kept.append(self.kept[-1] + k)
-        self.config = config
-        orders = schedule_order(config)
-        self.in_flight = [peak_in_flight(orders.get(config.stage_rank(s), []), {s: 1})
-                          for s in range(config.num_stages)]
-
-    def stage_bytes(self, stage: int, a: int, b: int) -> float:
-        """What ops [a, b) as stage `stage` add to their rank.
-
-        >>> memory = StageMemory(state, nodes, config)
-        >>> memory.stage_bytes(0, 0, len(nodes)) > memory.stage_bytes(1, 0, len(nodes))  # two in flight, not one
-        True
-        """
-        return (self.held[b] - self.held[a]) + self.in_flight[stage] * (self.kept[b] - self.kept[a])
-
-    def caps(self, budget: float, ranks: list, bounds: list) -> list[float]:
-        """Each stage's cap, from what it adds to its rank when cut at `bounds` (a cut's ends, first 0, last n) and
-        how far the rank's bytes there (`ranks`, per pp rank, as rank_memory counts them) are from `budget`: the
-        stages of an overfull rank must each shrink by the rank's excess ratio; each stage of a rank with room may
-        grow by all of it (rank_memory checks the sum).
-
-        >>> memory = StageMemory(state, nodes, config)
-        >>> caps = memory.caps(100.0, [200.0, 50.0], [0, 3, len(nodes)])
-        >>> caps[0] == memory.stage_bytes(0, 0, 3) / 2, caps[1] == memory.stage_bytes(1, 3, len(nodes)) * 2
-        (True, True)
-        """
-        config = self.config
-        filled = [self.stage_bytes(s, a, b) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
-        estimated = [sum(filled[t] for t in config.stages_of(r)) for r in range(config.pp_size)]
-        caps = []
-        for s, stage_bytes in enumerate(filled):
-            r = config.stage_rank(s)
-            scale = estimated[r] / max(ranks[r], 1.0)  # this model's bytes per byte rank_memory counts
-            caps.append(stage_bytes * budget / max(ranks[r], 1.0) if ranks[r] > budget
-                        else stage_bytes + (budget - ranks[r]) * scale)
-        return caps
-
-
 def auto_cut(state, nodes, config, fill: tuple | None = None) -> dict | None:
     """Contiguous stages minimising (max stage time, total crossing bytes) by dynamic programming over
     the candidate positions (exact over them: O(stages x positions^2)). With `fill` (the budget, and each pp rank's
@@ -459,7 +388,7 @@ def auto_cut(state, nodes, config, fill: tuple | None = None) -> dict | None:
                         "cuts (pipeline={'split_points': [...]})")
     cuts = min_max_cut(costs.stage_time, positions, stages, crossing=lambda b: costs.fwd_bytes[b])
     if fill is not None:
-        memory = StageMemory(state, nodes, config)
+        memory = StageMemory(state, nodes, config, op_positions(state.gm.graph, nodes))
         caps = memory.caps(*fill, [0, *cuts, costs.n])
         cuts = min_max_cut(costs.stage_time, positions, stages, crossing=lambda b: costs.fwd_bytes[b],
                            fits=lambda s, a, b: memory.stage_bytes(s, a, b) <= caps[s])
