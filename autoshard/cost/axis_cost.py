@@ -65,14 +65,20 @@ class CostBreakdown:
 
 def compute_time(node, split: int, profile) -> float:
     """Seconds of forward + backward (3x forward) of one op whose work is divided `split` ways: FLOPs over
-    the peak for matmul-like ops, bytes over the memory bandwidth for the rest (the ILP and predict).
+    the matmul rate of its dtype (attention's rate for attention) for matmul-like ops, bytes over the memory
+    bandwidth for the rest, plus the profile's fixed cost per op (calibrated profiles; the ILP and predict).
 
     >>> compute_time(linear, 1, HardwareProfile()) == 3 * 2 * 8 * 4 * 8 / 3e14  # graph: see the module docstring
     True
     """
-    if is_matmul_like(node):
-        return 3 * node_flops(node) / profile.peak_flops / split
-    return 3 * node_bytes(node) / profile.memory_bandwidth / split
+    if node.target is aten.scaled_dot_product_attention.default and profile.attention_flops:
+        rate = profile.attention_flops
+    elif is_matmul_like(node):
+        val = node.meta.get("val")
+        rate = profile.matmul_flops(val.dtype) if isinstance(val, torch.Tensor) else profile.peak_flops
+    else:
+        return 3 * node_bytes(node) / profile.memory_bandwidth / split + profile.op_overhead_s
+    return 3 * node_flops(node) / rate / split + profile.op_overhead_s
 
 
 def held_bytes_factor(node, grad: dict, optimizer_state_factor: float) -> float:

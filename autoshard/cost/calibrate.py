@@ -1,8 +1,11 @@
-"""`python -m autoshard calibrate`: measure alpha (latency) and beta (1 / bandwidth) of every mesh axis.
+"""`python -m autoshard calibrate`: measure what the cost model uses on this machine, on prod(mesh) ranks at once.
 
-Spawns prod(mesh) gloo ranks, times all_reduce of several message sizes on each axis's groups, and
-fits time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the cost model uses) by
-least squares. Prints the fitted links and writes a HardwareProfile JSON usable with `--profile`.
+Spawns prod(mesh) gloo ranks. Each times all_reduce of several message sizes on each axis's groups, and
+time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the cost model uses) is fitted by least
+squares: alpha (latency) and bandwidth per axis. Then every rank at once times matmuls per dtype, attention and
+a memory-bound op, forward and backward (autoshard/cost/compute_rates.py), so the rates include the contention
+of ranks sharing the machine, as training on it has; the slowest rank's figures are kept. Prints the fitted
+figures and writes a HardwareProfile JSON usable with `--profile` / `profile=`.
 
     python -m autoshard calibrate --mesh 2,2 --axis-names dp,tp --output profile.json
 
@@ -18,11 +21,35 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from autoshard.cost.compute_rates import ComputeRates, measure_compute
 from autoshard.cost.profiles import CPU_PROFILE, HardwareProfile, Link
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.launch import communicator_for, run_distributed
 
 REPEATS = 5
+DTYPES = ("float32", "float64", "bfloat16")  # the matmul rates measured (what training and `verify` run in)
+
+
+def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
+    """This rank's link timings (`_time_axis_task`) and then, every rank at once, its compute rates (as JSON)."""
+    links = _time_axis_task(rank, world, mesh_json, sizes)
+    dist.barrier()
+    return links, measure_compute("cpu", dtypes).to_json()
+
+
+def slowest_rates(per_rank: list) -> ComputeRates:
+    """The slowest figure of each rate over the ranks' `ComputeRates.to_json()`: collectives make every rank wait
+    for the slowest.
+
+    >>> fast = ComputeRates({"float32": 4e10}, 2e10, 8e9, 1e-5).to_json()
+    >>> slow = ComputeRates({"float32": 2e10}, 3e10, 6e9, 3e-5).to_json()
+    >>> slowest_rates([fast, slow])
+    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05)
+    """
+    names = [name for name, _ in per_rank[0]["dtype_flops"]]
+    return ComputeRates({name: min(dict(r["dtype_flops"])[name] for r in per_rank) for name in names},
+                        min(r["attention_flops"] for r in per_rank), min(r["memory_bandwidth"] for r in per_rank),
+                        max(r["op_overhead_s"] for r in per_rank))
 
 
 def _time_axis_task(rank, world, mesh_json, sizes):
@@ -56,30 +83,21 @@ def fit_link(samples, k: int) -> Link:
 
 
 def calibrate_command(args) -> int:
-    """`python -m autoshard calibrate`: time every axis on prod(mesh) spawned gloo ranks, print the links,
-    write the profile (`args` as the command line parses them). Spawning ranks takes seconds, so the
+    """`python -m autoshard calibrate`: time every axis and the compute rates on prod(mesh) spawned gloo ranks,
+    print them, write the profile (`args` as the command line parses them). Spawning ranks takes seconds, so the
     example does not run here:
 
     >>> import argparse
     >>> args = argparse.Namespace(mesh=(2,), axis_names=("dp",), sizes="4096,65536", output=None)
     >>> calibrate_command(args)  # doctest: +SKIP
     axis dp (size 2): alpha 41.3 us, bandwidth 1.127 GB/s
+    matmul float32 61.2 GFLOP/s, ...
     {...}
     0
     """
     mesh = Mesh.of(args.mesh, args.axis_names)
     sizes = [int(s) for s in args.sizes.split(",")]
-    results = run_distributed(_time_axis_task, mesh.size, mesh.to_json(), sizes)
-    slowest = {key: max(r[key] for r in results.values()) for key in results[0]}
-    links = []
-    for axis, name in enumerate(mesh.names):
-        link = fit_link([(size, slowest[(name, size)]) for size in sizes], mesh.shape[axis])
-        links.append(link)
-        print(f"axis {name} (size {mesh.shape[axis]}): alpha {link.alpha * 1e6:.1f} us, "
-              f"bandwidth {link.bandwidth / 1e9:.3f} GB/s")
-    profile = HardwareProfile(name="calibrated", peak_flops=CPU_PROFILE.peak_flops,
-                              memory_bandwidth=CPU_PROFILE.memory_bandwidth, memory_bytes=CPU_PROFILE.memory_bytes,
-                              axis_links=tuple(links))
+    profile = calibrated_profile(mesh, sizes)
     text = json.dumps(profile.to_json(), indent=1)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
@@ -88,3 +106,32 @@ def calibrate_command(args) -> int:
     else:
         print(text)
     return 0
+
+
+def calibrated_profile(mesh: Mesh, sizes=(4096, 65536, 1048576), dtypes=DTYPES, quiet: bool = False,
+                       runner=run_distributed) -> HardwareProfile:
+    """The HardwareProfile of this machine measured on `mesh.size` ranks (`runner(task, world, *args)`: spawned
+    gloo ranks by default, or a worker pool's run); prints each figure unless `quiet`.
+
+    >>> calibrated_profile(Mesh((2,), ("dp",)), quiet=True)  # doctest: +SKIP
+    HardwareProfile(name='calibrated', ...)
+    """
+    results = runner(_calibrate_task, mesh.size, mesh.to_json(), list(sizes), tuple(dtypes))
+    slowest = {key: max(r[0][key] for r in results.values()) for key in results[0][0]}
+    links = []
+    for axis, name in enumerate(mesh.names):
+        link = fit_link([(size, slowest[(name, size)]) for size in sizes], mesh.shape[axis])
+        links.append(link)
+        if not quiet:
+            print(f"axis {name} (size {mesh.shape[axis]}): alpha {link.alpha * 1e6:.1f} us, "
+                  f"bandwidth {link.bandwidth / 1e9:.3f} GB/s")
+    rates = slowest_rates([r[1] for r in results.values()])
+    if not quiet:
+        print(", ".join(f"matmul {name} {rate / 1e9:.1f} GFLOP/s" for name, rate in rates.matmul_flops.items())
+              + f", attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memory-bound ops "
+              f"{rates.memory_bandwidth / 1e9:.2f} GB/s, {rates.op_overhead_s * 1e6:.1f} us per op")
+    return HardwareProfile(name="calibrated", peak_flops=rates.matmul_flops.get("float32", CPU_PROFILE.peak_flops),
+                           memory_bandwidth=rates.memory_bandwidth, memory_bytes=CPU_PROFILE.memory_bytes,
+                           devices_per_node=max(mesh.size, 1), axis_links=tuple(links),
+                           dtype_flops=tuple(sorted(rates.matmul_flops.items())),
+                           attention_flops=rates.attention_flops, op_overhead_s=rates.op_overhead_s)

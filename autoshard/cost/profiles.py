@@ -47,6 +47,12 @@ class HardwareProfile:
     # Flash-style attention kernels keep no rows x keys weights for backward (torch has them on CUDA and, for
     # float32/bf16, on CPUs); False prices the weights a math kernel keeps.
     fused_attention: bool = True
+    # Measured by `calibrate` (autoshard/cost/compute_rates.py); the defaults keep the nominal figures above:
+    # matmul FLOP/s per dtype name (a dtype not listed runs at peak_flops), attention's FLOP/s (0: peak_flops),
+    # and the seconds every op's forward + backward takes whatever its size (dispatch, autograd, kernel launch).
+    dtype_flops: tuple = field(default=())
+    attention_flops: float = 0.0
+    op_overhead_s: float = 0.0
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -59,7 +65,8 @@ class HardwareProfile:
                 "intra_node": [self.intra_node.alpha, self.intra_node.bandwidth],
                 "inter_node": [self.inter_node.alpha, self.inter_node.bandwidth],
                 "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links],
-                "fused_attention": self.fused_attention}
+                "fused_attention": self.fused_attention, "dtype_flops": [list(pair) for pair in self.dtype_flops],
+                "attention_flops": self.attention_flops, "op_overhead_s": self.op_overhead_s}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
@@ -78,7 +85,21 @@ class HardwareProfile:
                 fields[key] = Link(*fields[key])
         if "axis_links" in fields:
             fields["axis_links"] = tuple(Link(*pair) for pair in fields["axis_links"])
+        if "dtype_flops" in fields:
+            fields["dtype_flops"] = tuple((str(name), float(rate)) for name, rate in fields["dtype_flops"])
         return cls(**fields)
+
+    def matmul_flops(self, dtype) -> float:
+        """FLOP/s of a matmul in `dtype` (a torch.dtype or its name): the calibrated rate, else `peak_flops`.
+
+        >>> import torch
+        >>> HardwareProfile(dtype_flops=(("float64", 1e9),)).matmul_flops(torch.float64)
+        1000000000.0
+        >>> HardwareProfile(peak_flops=2e9).matmul_flops("bfloat16")
+        2000000000.0
+        """
+        name = str(dtype).removeprefix("torch.")
+        return next((rate for known, rate in self.dtype_flops if known == name), self.peak_flops)
 
     def link(self, mesh_shape, axis: int) -> Link:
         """The link mesh axis `axis` communicates over: `axis_links[axis]` when given, else intra-node

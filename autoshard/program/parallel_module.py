@@ -54,6 +54,12 @@ import torch.distributed as dist
 
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.plan.plan import Plan
+from autoshard.report.accuracy import (
+    AccuracyReport,
+    StepClock,
+    log_bytes,
+    peak_memory_bytes,
+)
 from autoshard.runtime.launch import (
     check_fingerprint,
     communicator_for,
@@ -88,6 +94,8 @@ class ParallelModule(torch.nn.Module):
         self._zero_pending: list = []  # ZeroOptimizers made before the first batch
         self._no_sync = False
         self.comm = None
+        # each step's phases and bytes, for report(); the first step (planning, warm-up) is not counted
+        self._clock = StepClock(warmup=1, bytes_now=lambda: log_bytes(self.comm) if self.comm is not None else {})
 
     def __repr__(self) -> str:
         if self._current is None:
@@ -123,11 +131,13 @@ class ParallelModule(torch.nn.Module):
         ...
         autoshard.ir.errors.UserInputError: the module returned by parallelize without example_inputs runs on ...
         """
+        self._clock.mark("forward")
         prog, rank_module = self._for_batch(batch)
         if getattr(rank_module, "pipelined", False):
             return self._pipeline_step(prog, rank_module, batch)
         loss, _ = rank_module(*rank_module.local_inputs(*batch))
         whole = rank_module.global_loss(loss)
+        self._clock.mark("forward_end")
         if not torch.is_grad_enabled() or not loss.requires_grad:
             return whole
         shown = loss + (whole - loss).detach()  # one device's value; backward reaches this rank's partial loss
@@ -142,9 +152,12 @@ class ParallelModule(torch.nn.Module):
                                  "as it runs: a pipelined module has no forward-only (evaluation) call yet; evaluate "
                                  "with a plan made with pipeline=False")
         loss, _ = rank_module.train_step(*batch, sync=False)
+        self._clock.mark("forward_end")  # the schedule's forward and backward passes
         if not self._no_sync:
+            self._clock.mark("sync")
             rank_module.sync_step(1)  # a mean over the micro-batches; passes accumulated under no_sync add up
             rank_module.unsynced_passes = 0
+            self._clock.mark("sync_end")
         return rank_module.global_loss(loss).detach().requires_grad_()
 
     def sync_grads(self) -> None:
@@ -153,7 +166,9 @@ class ParallelModule(torch.nn.Module):
         >>> module.sync_grads()  # nothing planned yet: nothing to reduce
         """
         if self._current is not None:
+            self._clock.mark("sync")
             self._current[1].sync_grads()
+            self._clock.mark("sync_end")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -183,6 +198,20 @@ class ParallelModule(torch.nn.Module):
         if self._current is None:
             raise UserInputError("clip_grad_norm_ needs the module planned: call it on a batch first")
         return self._current[1].clip_grad_norm_(max_norm, norm_type)
+
+    def report(self) -> AccuracyReport:
+        """The plan's predictions against this rank's measured training steps (after the first): step time and
+        its phases (forward, backward, gradient sync, optimizer: the time from the sync to the next forward), the
+        bytes sent on each mesh axis, and on CUDA the peak memory, each with predicted / measured
+        (autoshard/report/accuracy.py). Print it, or log `report().to_json()`.
+
+        >>> print(module.report())
+        no complete training step measured yet (forward, backward with the gradient sync, then the next forward)
+        """
+        if self._current is None:
+            return AccuracyReport.of(None, None)
+        device = next((p.device for _, p in self._current[1].named_local_parameters()), torch.device("cpu"))
+        return AccuracyReport.of(self._current[0], self._clock.phases(), peak_memory_bytes(device))
 
     def when_planned(self, callback) -> None:
         """Call `callback(rank_module)` once this rank's module exists (now, when it does): how a ZeroOptimizer

@@ -1,9 +1,14 @@
-"""`python -m autoshard calibrate` times each mesh axis on spawned gloo ranks and writes a profile that
-parallelize loads (the CLI runs end to end; its docstring example cannot start processes)."""
+"""`python -m autoshard calibrate` times each mesh axis and the compute rates on spawned gloo ranks and writes a
+profile that parallelize loads and prices ops with (the CLI runs end to end; its docstring example cannot start
+processes)."""
 import subprocess
 import sys
 
+import torch
+
 import autoshard
+from autoshard.cost.axis_cost import compute_time
+from autoshard.cost.flops import node_flops
 from autoshard.cost.profiles import load_profile
 from autoshard.zoo import mlp
 
@@ -13,10 +18,19 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
     run = subprocess.run([sys.executable, "-m", "autoshard", "calibrate", "--mesh", "2", "--sizes", "4096,65536",
                           "--output", str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "axis a0 (size 2): alpha" in run.stdout
+    assert "axis a0 (size 2): alpha" in run.stdout and "matmul float32" in run.stdout, run.stdout
     profile = load_profile(str(out))
     (link,) = profile.axis_links
     assert link.alpha > 0 and link.bandwidth > 0
+    rates = dict(profile.dtype_flops)
+    assert sorted(rates) == ["bfloat16", "float32", "float64"] and all(r > 0 for r in rates.values()), rates
+    assert profile.attention_flops > 0 and profile.memory_bandwidth > 0 and profile.op_overhead_s >= 0
     model, inputs, loss_fn = mlp(n_layers=1)
-    prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, profile=str(out), pipeline=False)
+    inputs = tuple(x.double() for x in inputs)
+    prog = autoshard.parallelize(model.double(), (2,), inputs, loss_fn=loss_fn, profile=str(out), pipeline=False)
     assert prog.plan.predicted["step_time_s"] > 0
+    # a float64 matmul is priced at the measured float64 rate, plus the measured cost of an op
+    linear = next(n for n in prog.state.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert linear.meta["val"].dtype == torch.float64
+    expected = 3 * node_flops(linear) / rates["float64"] + profile.op_overhead_s
+    assert abs(compute_time(linear, 1, profile) - expected) <= 1e-12 * expected

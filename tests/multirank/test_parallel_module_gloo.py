@@ -74,7 +74,8 @@ def _plain_loop_task(rank, world, mesh, axis_names, zero, hints, save_to=None):
             for fqn, p in module.rank_module.named_local_parameters()}
     same_objects = all(any(p is q for q in model.parameters()) for _, p in module.rank_module.named_local_parameters())
     return {"losses": losses, "replanned": replanned, "coord": module.comm.coord, "held": held,
-            "mesh": prog.mesh.shape, "same_objects": same_objects, "zero": repr(prog.zero)}
+            "mesh": prog.mesh.shape, "same_objects": same_objects, "zero": repr(prog.zero),
+            "report": module.report().to_json(), "report_text": str(module.report())}
 
 
 class _nothing:
@@ -102,8 +103,27 @@ def _check(results):
         assert torch.allclose(whole, expected, rtol=1e-9, atol=1e-12), fqn
 
 
+def _check_report(results, exact_bytes: bool, traffic: bool = False):
+    """`module.report()` after the loop: the second step measured (the first plans; the third has no next forward)
+    against the plan's predictions, phase by phase; the bytes sent on each axis as predicted (`exact_bytes`: to the
+    byte, a flat plan's collectives are the plan's; `traffic`: some axis sends)."""
+    for rank, got in results.items():
+        report = got["report"]
+        assert report["steps"] == 1, report
+        figures = {row["figure"]: row for row in report["rows"]}
+        assert {"forward_s", "backward_s", "sync_s", "optimizer_s", "step_s"} <= set(figures), figures
+        assert figures["step_s"]["measured"] > 0 and figures["step_s"]["predicted"] > 0
+        sent = [row for name, row in figures.items() if name.endswith("_bytes") and name != "peak_memory_bytes"]
+        assert sent and (not traffic or any(row["measured"] > 0 for row in sent)), got["report_text"]
+        if exact_bytes:
+            assert all(row["predicted"] == row["measured"] for row in sent), (rank, sent)
+        assert "predicted vs measured" in got["report_text"]
+
+
 def test_a_plain_loop_trains_like_one_device(pool, tmp_path):
-    _check(pool.run(_plain_loop_task, (2, 2, 2), None, None, None, str(tmp_path / "saved")))
+    results = pool.run(_plain_loop_task, (2, 2, 2), None, None, None, str(tmp_path / "saved"))
+    _check(results)
+    _check_report(results, exact_bytes=True)
     saved = autoshard.load_weights(str(tmp_path / "saved"))
     for fqn, expected in _single_device()[1].items():
         assert torch.allclose(saved[fqn], expected, rtol=1e-9, atol=1e-12), fqn
@@ -113,6 +133,7 @@ def test_zero_optimizer_made_before_the_first_batch(pool):
     results = pool.run(_plain_loop_task, (4, 2), ("dp", "tp"), 2, {"input:0": {"dp": "S(0)"}})
     assert results[0]["zero"].startswith("ZeRO-2 on 'dp'"), results[0]["zero"]
     _check(results)
+    _check_report(results, exact_bytes=True, traffic=True)
 
 
 def test_a_pipelined_plan_trains_in_the_same_loop(pool):
@@ -120,3 +141,4 @@ def test_a_pipelined_plan_trains_in_the_same_loop(pool):
     has nothing left to do; accumulation under no_sync sums the passes as one device does."""
     results = pool.run(_plain_loop_task, (2, 2, 2), ("pp", "dp", "tp"), None, None)
     _check(results)
+    _check_report(results, exact_bytes=False)

@@ -1,0 +1,186 @@
+"""What the cost model's compute terms use, measured on the device at hand (`python -m autoshard calibrate` runs it
+on every rank at once, so the rates include the contention of ranks sharing the machine).
+
+Each kernel class is timed forward + backward through autograd, as training runs it, at a few sizes, and the
+cost model's own formula is fitted to the times (`axis_cost.compute_time`: 3 x forward FLOPs for matmuls and
+attention, 3 x output bytes for the rest, plus a fixed cost per op):
+
+- matmuls (`torch.nn.functional.linear`) per dtype: seconds = overhead + 3 x 2mnk / rate;
+- attention (`scaled_dot_product_attention`): seconds = overhead + 3 x 4 b h s^2 d / rate;
+- memory-bound ops (GELU): seconds = overhead + 3 x output bytes / bandwidth; its overhead, one small op's
+  forward and backward (the dispatcher, autograd, a kernel launch), is what every op of a plan pays.
+
+Sizes are small on a CPU and large on a GPU (CUDA events time the kernels there); the fit is least squares on
+the median of `repeats` timings of each size.
+
+>>> fit_affine([(1e6, 1e-5 + 1e6 / 1e9), (1e7, 1e-5 + 1e7 / 1e9), (1e8, 1e-5 + 1e8 / 1e9)])  # 10 us + 1 GB/s
+(1e-05, 1000000000.0)
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# (m, n, k) of the matmuls, (batch, heads, sequence, head dim) of attention, elements of the memory-bound op
+CPU_SIZES = {"matmul": [(64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 1024, 512)],
+             "attention": [(1, 2, 64, 32), (2, 4, 128, 32), (2, 4, 256, 64)],
+             "elementwise": [2**10, 2**14, 2**17, 2**20]}
+GPU_SIZES = {"matmul": [(1024, 1024, 1024), (2048, 4096, 4096), (4096, 8192, 4096), (8192, 8192, 8192)],
+             "attention": [(1, 16, 1024, 128), (2, 16, 2048, 128), (2, 32, 4096, 128)],
+             "elementwise": [2**16, 2**22, 2**26, 2**28]}
+
+
+@dataclass(frozen=True)
+class ComputeRates:
+    """Fitted rates: matmul FLOP/s per dtype name, attention FLOP/s, bytes/s of memory-bound ops, and seconds a
+    small op's forward + backward takes whatever its size.
+
+    >>> ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5).to_json()["op_overhead_s"]
+    2e-05
+    """
+
+    matmul_flops: dict
+    attention_flops: float
+    memory_bandwidth: float
+    op_overhead_s: float
+
+    def to_json(self) -> dict:
+        """The rates as a JSON object (the HardwareProfile fields they become).
+
+        >>> sorted(ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5).to_json())
+        ['attention_flops', 'dtype_flops', 'memory_bandwidth', 'op_overhead_s']
+        """
+        return {"dtype_flops": sorted([name, rate] for name, rate in self.matmul_flops.items()),
+                "attention_flops": self.attention_flops, "memory_bandwidth": self.memory_bandwidth,
+                "op_overhead_s": self.op_overhead_s}
+
+
+def fit_affine(samples) -> tuple[float, float]:
+    """(intercept seconds, rate) of the least-squares line seconds = intercept + work / rate through
+    [(work, seconds)]; the intercept is at least 0 and the rate positive.
+
+    >>> fit_affine([(0.0, 2.0), (4.0, 4.0)])  # 2 s + 2 units per second
+    (2.0, 2.0)
+    """
+    a = np.array([[1.0, float(w)] for w, _ in samples])
+    t = np.array([float(s) for _, s in samples])
+    (intercept, inverse), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if inverse <= 0:  # noise swamped the size effect: the largest size's rate, with no intercept
+        work, seconds = max(samples)
+        return 0.0, float(work) / max(float(seconds), 1e-12)
+    return round(max(float(intercept), 0.0), 12), round(1.0 / float(inverse), 3)
+
+
+def _timer(device: torch.device):
+    """A function timing `fn()` on `device`, in seconds: CUDA events there, the wall clock on a CPU."""
+    if device.type == "cuda":
+        def timed(fn) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end) / 1e3
+        return timed
+
+    def timed(fn) -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+    return timed
+
+
+def _median_seconds(fn, timed, repeats: int) -> float:
+    fn()  # warm up (allocator, kernel selection)
+    return statistics.median(timed(fn) for _ in range(repeats))
+
+
+DEPTH = 8  # ops chained in one forward + backward: one autograd engine start is shared by them, as in a model
+
+
+def _chain_step(op, first, leaves):
+    """A step running `op` DEPTH times, each on the last one's output, forward and backward."""
+    def step():
+        out = first
+        for _ in range(DEPTH):
+            out = op(out)
+        out.backward(torch.ones_like(out))
+        for leaf in leaves:
+            leaf.grad = None
+    return step
+
+
+def _leaf(shape, dtype, device):
+    return (torch.randn(shape, dtype=dtype, device=device) / shape[-1] ** 0.5).requires_grad_()
+
+
+def _per_op(samples_of_steps) -> tuple[float, float]:
+    """The fit of [(work of one op, seconds of a DEPTH-op step)] per op."""
+    return fit_affine([(work, seconds / DEPTH) for work, seconds in samples_of_steps])
+
+
+def matmul_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: int) -> tuple[float, float]:
+    """(overhead s, FLOP/s) of linear's forward + backward in `dtype` (work: 3 x 2mnk; n = k, chained).
+
+    >>> overhead, rate = matmul_rate(torch.float32, torch.device("cpu"), [(16, 16, 16), (64, 64, 64)], 3)
+    >>> rate > 0
+    True
+    """
+    timed, samples = _timer(device), []
+    for m, n, _ in sizes:
+        x, w = _leaf((m, n), dtype, device), _leaf((n, n), dtype, device)
+        step = _chain_step(lambda y, w=w: F.linear(y, w), x, [x, w])
+        samples.append((3 * 2.0 * m * n * n, _median_seconds(step, timed, repeats)))
+    return _per_op(samples)
+
+
+def attention_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: int) -> tuple[float, float]:
+    """(overhead s, FLOP/s) of causal scaled_dot_product_attention's forward + backward (work: 3 x 4 b h s^2 d,
+    what `flops.node_flops` counts).
+
+    >>> attention_rate(torch.float32, torch.device("cpu"), [(1, 1, 8, 8), (1, 2, 16, 8)], 3)[1] > 0
+    True
+    """
+    timed, samples = _timer(device), []
+    for b, h, s, d in sizes:
+        q, k, v = (_leaf((b, h, s, d), dtype, device) for _ in range(3))
+        step = _chain_step(lambda y, k=k, v=v: F.scaled_dot_product_attention(y, k, v, is_causal=True), q, [q, k, v])
+        samples.append((3 * 4.0 * b * h * s * s * d, _median_seconds(step, timed, repeats)))
+    return _per_op(samples)
+
+
+def elementwise_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: int) -> tuple[float, float]:
+    """(overhead s, bytes/s) of GELU's forward + backward (work: 3 x its output bytes).
+
+    >>> elementwise_rate(torch.float32, torch.device("cpu"), [256, 4096], 3)[1] > 0
+    True
+    """
+    timed, samples = _timer(device), []
+    for n in sizes:
+        x = _leaf((n,), dtype, device)
+        samples.append((3.0 * n * x.element_size(), _median_seconds(_chain_step(F.gelu, x, [x]), timed, repeats)))
+    return _per_op(samples)
+
+
+def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 7, sizes=None) -> ComputeRates:
+    """Every rate the cost model's compute terms use, measured on `device` (see the module docstring); attention
+    and memory-bound ops in the first dtype.
+
+    >>> tiny = {"matmul": [(16, 16, 16), (32, 32, 32)], "attention": [(1, 1, 8, 8), (1, 2, 16, 8)],
+    ...         "elementwise": [256, 4096]}
+    >>> rates = measure_compute("cpu", ("float32",), repeats=3, sizes=tiny)
+    >>> sorted(rates.matmul_flops), rates.op_overhead_s >= 0
+    (['float32'], True)
+    """
+    device = torch.device(device)
+    sizes = sizes or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
+    matmul = {name: matmul_rate(getattr(torch, name), device, sizes["matmul"], repeats)[1] for name in dtypes}
+    first = getattr(torch, dtypes[0])
+    _, attention = attention_rate(first, device, sizes["attention"], repeats)
+    overhead, bandwidth = elementwise_rate(first, device, sizes["elementwise"], repeats)
+    return ComputeRates(matmul, attention, bandwidth, overhead)
