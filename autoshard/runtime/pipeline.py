@@ -282,7 +282,7 @@ class PipelineRankModule(_StagesModule):
         device = torch.device("cuda", torch.cuda.current_device()) if not self.comm.exact else torch.device("cpu")
         stages = []
         for sg in self.stage_graphs:
-            stage = PipelineStage(_OwnedOutputs(sg.gm), sg.index, rp.num_stages, device,
+            stage = PipelineStage(OwnedOutputs(sg.gm), sg.index, rp.num_stages, device,
                                   input_args=self._examples(sg.inputs), output_args=self._examples(sg.outputs),
                                   group=self.pp_group)
             self._instrument(stage)
@@ -407,16 +407,35 @@ class PipelineRankModule(_StagesModule):
                     param.grad.copy_(total)
 
 
-class _OwnedOutputs(torch.nn.Module):
-    """A stage module whose outputs own their storage: the zero-bubble schedules detach stage outputs in
-    place, which fails on views (e.g. a slice of a RoPE buffer carried to the next stage)."""
+class OwnedOutputs(torch.nn.Module):
+    """A stage module whose outputs own contiguous storage: the zero-bubble schedules detach stage outputs in
+    place, which fails on views (e.g. a slice of a RoPE buffer carried to the next stage), and gloo sends only
+    contiguous tensors (a transposed activation at a cut: the automatic cut may fall inside attention).
+
+    >>> class Stage(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return (x.transpose(0, 1) * 2, x[:1])  # not contiguous; a view
+    >>> out = OwnedOutputs(Stage())(torch.ones(2, 3))
+    >>> [(o.is_contiguous(), o._base is None) for o in out]
+    [(True, True), (True, True)]
+    """
 
     def __init__(self, gm):
         super().__init__()
         self.gm = gm
 
     def forward(self, *args):
-        return tuple(o.clone() if isinstance(o, torch.Tensor) and o._base is not None else o for o in self.gm(*args))
+        """The stage's outputs, each a contiguous tensor of its own (a copy where it was a view or strided).
+
+        >>> class Transpose(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return (x.t(),)
+        >>> OwnedOutputs(Transpose())(torch.ones(3, 2))[0].stride()
+        (3, 1)
+        """
+        return tuple(o.clone(memory_format=torch.contiguous_format)
+                     if isinstance(o, torch.Tensor) and (o._base is not None or not o.is_contiguous()) else o
+                     for o in self.gm(*args))
 
 
 def _is_transport_failure(exc: BaseException) -> bool:

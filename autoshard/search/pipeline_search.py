@@ -166,7 +166,8 @@ def _from_saved(request: CompileRequest, pipeline):
     elif prog.plan.fingerprint != saved.fingerprint:
         raise PlanMismatchError(f"the pipelined plan cuts the model differently here (fingerprint "
                                 f"{prog.plan.fingerprint} vs the plan's {saved.fingerprint}): give the same stage "
-                                f"annotations as when it was made (its cut: {record['cut']})")
+                                f"annotations and profile= as when it was made (the cut weighs each stage's "
+                                f"predicted time; its cut: {record['cut']})")
     return prog
 
 
