@@ -24,7 +24,7 @@ import sys
 import traceback
 
 from autoshard.api import parallelize
-from autoshard.cost.calibrate import calibrate_command
+from autoshard.cost.calibrate import CALIBRATION_SIZES, calibrate_command
 from autoshard.cost.profiles import load_profile
 from autoshard.frontend.factory import make_case
 from autoshard.frontend.hints import Hints
@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--mesh", type=_mesh, required=True, help="mesh sizes, e.g. 2,2")
     cal.add_argument("--axis-names", type=_names, default=None)
     cal.add_argument("--output", default=None, help="write the profile JSON here")
-    cal.add_argument("--sizes", default="4096,65536,1048576", help="message sizes in bytes")
+    cal.add_argument("--sizes", default=",".join(map(str, CALIBRATION_SIZES)),
+                     help="message sizes in bytes (default up to 16 MiB: gradient buckets are that large)")
     return parser
 
 

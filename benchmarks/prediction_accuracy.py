@@ -61,8 +61,10 @@ def plans_for(name: str, world: int) -> dict:
            "ZeRO-3": (("dp",), {"hints": batch, "zero": 3})}
     if name in ZOO_NAMES:
         out["Megatron TP"] = (("tp",), {"hints": plan_hints(ZOO_NAMES[name], ("tp",), (), "tp")})
-    out[f"pipeline ({world} stages, 1F1B, {2 * world} micro-batches)"] = (
-        ("pp",), {"pipeline": {"schedule": "1f1b", "microbatches": 2 * world}})
+    batch_size = MODELS[name]()[1][0].shape[0]
+    micro = next(m for m in (2 * world, world, 1) if batch_size % m == 0)  # transformers' factories: a batch of 4
+    out[f"pipeline ({world} stages, 1F1B, {micro} micro-batches)"] = (
+        ("pp",), {"pipeline": {"schedule": "1f1b", "microbatches": micro}})
     out["automatic"] = (None, {})
     return out
 
@@ -76,7 +78,8 @@ def plan_case(name: str, world: int, plan_name: str, axes, options: dict, profil
                                  **options)
     path = os.path.join(folder, f"plan-{len(os.listdir(folder))}.json")
     prog.plan.save(path)
-    return {"model": name, "world": world, "plan": plan_name, "path": path, "axes": list(prog.mesh.names),
+    return {"model": name, "world": world, "plan": plan_name, "path": path,
+            "axes": list(prog.mesh.names) if prog.mesh.named else None,
             "profile": profile.to_json(),
             "zero": (options.get("zero") is not None) or prog.zero is not None,
             "predicted": predicted_phases(prog), "bytes": axis_bytes(prog),
@@ -90,11 +93,13 @@ def _train_task(rank, world, jobs):
     out = []
     for job in jobs:
         model, inputs, loss_fn = MODELS[job["model"]]()
-        prog = autoshard.parallelize(model, (world,), inputs, loss_fn=loss_fn, axis_names=tuple(job["axes"]),
-                                     plan=job["path"], profile=HardwareProfile.from_json(job["profile"]), **SGD)
+        axes = tuple(job["axes"]) if job["axes"] else None  # None: the automatic plan's unnamed mesh
+        prog = autoshard.parallelize(model, (world,), inputs, loss_fn=loss_fn, axis_names=axes, plan=job["path"], profile=HardwareProfile.from_json(job["profile"]), **SGD)
         comm = communicator_for(prog.mesh)
         module = prog.module(rank, comm)
-        opt = torch.optim.SGD([p for _, p in module.named_local_parameters()], lr=1e-3)
+        params = [p for _, p in module.named_local_parameters()]
+        # a pipeline rank may hold no parameters (a stage of parameter-free ops): nothing to step
+        opt = torch.optim.SGD(params, lr=1e-3) if params else _NoOptimizer()
         if prog.zero is not None:
             opt = ZeroOptimizer(module, opt)
         clock = StepClock(warmup=WARMUP, bytes_now=lambda comm=comm: log_bytes(comm))
@@ -110,6 +115,14 @@ def _train_task(rank, world, jobs):
         clock.mark("forward")  # ends the last step
         out.append(clock.phases())
     return out
+
+
+class _NoOptimizer:
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none: bool = True):
+        pass
 
 
 def _flat_step(module, opt, local, clock):

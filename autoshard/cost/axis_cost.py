@@ -27,7 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.cost.attention_cost import attention_terms
-from autoshard.cost.collective_time import INF, all_reduce_time, conversion_time
+from autoshard.cost.collective_time import (
+    INF,
+    all_reduce_time,
+    conversion_time,
+    grad_sync_time,
+)
 from autoshard.cost.flops import is_matmul_like, node_bytes, node_flops
 from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.ir import meta
@@ -63,22 +68,35 @@ class CostBreakdown:
         return out
 
 
-def compute_time(node, split: int, profile) -> float:
-    """Seconds of forward + backward (3x forward) of one op whose work is divided `split` ways: FLOPs over
-    the matmul rate of its dtype (attention's rate for attention) for matmul-like ops, bytes over the memory
-    bandwidth for the rest, plus the profile's fixed cost per op (calibrated profiles; the ILP and predict).
+def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of one op whose work is divided `split` ways: its forward's work (FLOPs over
+    the matmul rate of its dtype, attention's rate for attention, for matmul-like ops; output bytes over the
+    memory bandwidth for the rest) plus the profile's fixed cost of an op; backward twice the work plus the fixed
+    cost of a backward op, when its output has a gradient (`has_grad`), else nothing.
+
+    >>> compute_parts(linear, 1, HardwareProfile()) == (2 * 8 * 4 * 8 / 3e14, 2 * 2 * 8 * 4 * 8 / 3e14)
+    True
+    """
+    if node.target is aten.scaled_dot_product_attention.default and profile.attention_flops:
+        work = node_flops(node) / profile.attention_flops
+    elif is_matmul_like(node):
+        val = node.meta.get("val")
+        work = node_flops(node) / (profile.matmul_flops(val.dtype) if isinstance(val, torch.Tensor)
+                                   else profile.peak_flops)
+    else:
+        work = node_bytes(node) / profile.memory_bandwidth
+    forward = work / split + profile.op_overhead_s
+    return forward, (2 * work / split + profile.grad_op_overhead_s) if has_grad else 0.0
+
+
+def compute_time(node, split: int, profile, has_grad: bool = True) -> float:
+    """Seconds of forward + backward of one op (`compute_parts`: 3x the forward's work with a gradient, plus the
+    profile's fixed costs per op; the ILP and predict).
 
     >>> compute_time(linear, 1, HardwareProfile()) == 3 * 2 * 8 * 4 * 8 / 3e14  # graph: see the module docstring
     True
     """
-    if node.target is aten.scaled_dot_product_attention.default and profile.attention_flops:
-        rate = profile.attention_flops
-    elif is_matmul_like(node):
-        val = node.meta.get("val")
-        rate = profile.matmul_flops(val.dtype) if isinstance(val, torch.Tensor) else profile.peak_flops
-    else:
-        return 3 * node_bytes(node) / profile.memory_bandwidth / split + profile.op_overhead_s
-    return 3 * node_flops(node) / rate / split + profile.op_overhead_s
+    return sum(compute_parts(node, split, profile, has_grad))
 
 
 def held_bytes_factor(node, grad: dict, optimizer_state_factor: float) -> float:
@@ -178,7 +196,7 @@ class AxisCostModel:
             return CostBreakdown(memory=kept * held_bytes_factor(node, self.grad, self.optimizer_state_factor))
         split = math.prod(self.mesh.shape[b] for b, c in other.items() if c.divides_compute)
         split *= self.k if cand.divides_compute else 1
-        compute = compute_time(node, split, self.profile)
+        compute = compute_time(node, split, self.profile, self.grad.get(node, False))
         comm_bwd = sync = extra_memory = in_op = 0.0
         if node.target is aten.scaled_dot_product_attention.default:  # a ring's messages; the score blocks
             strategies = {**other, self.axis: cand}
@@ -190,7 +208,8 @@ class AxisCostModel:
         if cand.splits_work:
             for pos, producer in enumerate(tensor_inputs(node)):
                 if cand.partial_grad(pos) and self.grad.get(producer, False):
-                    t = all_reduce_time(self.input_bytes(producer, pos, other), self.k, self.link)
+                    reduce = grad_sync_time if producer.op == "placeholder" else all_reduce_time
+                    t = reduce(self.input_bytes(producer, pos, other), self.k, self.link)
                     if producer.op == "placeholder":
                         sync += t
                     else:

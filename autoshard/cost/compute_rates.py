@@ -8,7 +8,8 @@ attention, 3 x output bytes for the rest, plus a fixed cost per op):
 - matmuls (`torch.nn.functional.linear`) per dtype: seconds = overhead + 3 x 2mnk / rate;
 - attention (`scaled_dot_product_attention`): seconds = overhead + 3 x 4 b h s^2 d / rate;
 - memory-bound ops (GELU): seconds = overhead + 3 x output bytes / bandwidth; its overhead, one small op's
-  forward and backward (the dispatcher, autograd, a kernel launch), is what every op of a plan pays.
+  forward and backward (the dispatcher, autograd, a kernel launch), is what every op of a plan pays: the forward
+  part (the same chain timed without autograd) on every op, the rest on ops whose output has a gradient.
 
 Sizes are small on a CPU and large on a GPU (CUDA events time the kernels there); the fit is least squares on
 the median of `repeats` timings of each size.
@@ -37,10 +38,10 @@ GPU_SIZES = {"matmul": [(1024, 1024, 1024), (2048, 4096, 4096), (4096, 8192, 409
 
 @dataclass(frozen=True)
 class ComputeRates:
-    """Fitted rates: matmul FLOP/s per dtype name, attention FLOP/s, bytes/s of memory-bound ops, and seconds a
-    small op's forward + backward takes whatever its size.
+    """Fitted rates: matmul FLOP/s per dtype name, attention FLOP/s, bytes/s of memory-bound ops, and the seconds a
+    small op's forward and its backward take whatever its size.
 
-    >>> ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5).to_json()["op_overhead_s"]
+    >>> ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5, 3e-5).to_json()["op_overhead_s"]
     2e-05
     """
 
@@ -48,16 +49,17 @@ class ComputeRates:
     attention_flops: float
     memory_bandwidth: float
     op_overhead_s: float
+    grad_op_overhead_s: float = 0.0
 
     def to_json(self) -> dict:
         """The rates as a JSON object (the HardwareProfile fields they become).
 
         >>> sorted(ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5).to_json())
-        ['attention_flops', 'dtype_flops', 'memory_bandwidth', 'op_overhead_s']
+        ['attention_flops', 'dtype_flops', 'grad_op_overhead_s', 'memory_bandwidth', 'op_overhead_s']
         """
         return {"dtype_flops": sorted([name, rate] for name, rate in self.matmul_flops.items()),
                 "attention_flops": self.attention_flops, "memory_bandwidth": self.memory_bandwidth,
-                "op_overhead_s": self.op_overhead_s}
+                "op_overhead_s": self.op_overhead_s, "grad_op_overhead_s": self.grad_op_overhead_s}
 
 
 def fit_affine(samples) -> tuple[float, float]:
@@ -103,9 +105,15 @@ def _median_seconds(fn, timed, repeats: int) -> float:
 DEPTH = 8  # ops chained in one forward + backward: one autograd engine start is shared by them, as in a model
 
 
-def _chain_step(op, first, leaves):
-    """A step running `op` DEPTH times, each on the last one's output, forward and backward."""
+def _chain_step(op, first, leaves, backward: bool = True):
+    """A step running `op` DEPTH times, each on the last one's output, forward and (`backward`) backward."""
     def step():
+        if not backward:
+            with torch.no_grad():
+                out = first
+                for _ in range(DEPTH):
+                    out = op(out)
+            return
         out = first
         for _ in range(DEPTH):
             out = op(out)
@@ -154,8 +162,10 @@ def attention_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: int
     return _per_op(samples)
 
 
-def elementwise_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: int) -> tuple[float, float]:
-    """(overhead s, bytes/s) of GELU's forward + backward (work: 3 x its output bytes).
+def elementwise_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: int,
+                     backward: bool = True) -> tuple[float, float]:
+    """(overhead s, bytes/s) of GELU's forward + backward (work: 3 x its output bytes), or of its forward alone
+    without autograd (`backward=False`; work: its output bytes).
 
     >>> elementwise_rate(torch.float32, torch.device("cpu"), [256, 4096], 3)[1] > 0
     True
@@ -163,7 +173,8 @@ def elementwise_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: i
     timed, samples = _timer(device), []
     for n in sizes:
         x = _leaf((n,), dtype, device)
-        samples.append((3.0 * n * x.element_size(), _median_seconds(_chain_step(F.gelu, x, [x]), timed, repeats)))
+        step = _chain_step(F.gelu, x, [x], backward)
+        samples.append(((3.0 if backward else 1.0) * n * x.element_size(), _median_seconds(step, timed, repeats)))
     return _per_op(samples)
 
 
@@ -183,4 +194,6 @@ def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 
     first = getattr(torch, dtypes[0])
     _, attention = attention_rate(first, device, sizes["attention"], repeats)
     overhead, bandwidth = elementwise_rate(first, device, sizes["elementwise"], repeats)
-    return ComputeRates(matmul, attention, bandwidth, overhead)
+    forward_overhead, _ = elementwise_rate(first, device, sizes["elementwise"], repeats, backward=False)
+    forward_overhead = min(forward_overhead, overhead)
+    return ComputeRates(matmul, attention, bandwidth, forward_overhead, overhead - forward_overhead)

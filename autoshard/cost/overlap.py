@@ -103,8 +103,8 @@ def step_works(state) -> list[Work]:
             forward.append(Work(kind, fwd, info["axis"], "C"))
             backward.append([Work(kind, comm.seconds - fwd, info["axis"], "C")])
         else:
-            forward.append(Work("compute", cost.seconds / 3, label="F"))  # NODE_COST: forward + 2x backward
-            backward.append([Work("compute", cost.seconds * 2 / 3, label="B")])
+            forward.append(Work("compute", cost.forward_seconds(), label="F"))
+            backward.append([Work("compute", cost.seconds - cost.forward_seconds(), label="B")])
         backward[-1] += released.pop(position[node], [])
     return forward + [w for works in reversed(backward) for w in works]
 

@@ -186,12 +186,26 @@ class NodeCost(FieldsMapping):
     sync seconds.
 
     >>> NodeCost(seconds=3e-6, memory_bytes=1024)
-    NodeCost(seconds=3e-06, memory_bytes=1024, sync_s=0.0)
+    NodeCost(seconds=3e-06, memory_bytes=1024, sync_s=0.0, forward_s=None)
+    >>> dict(NodeCost(seconds=3e-6))  # the dict form leaves out an unsplit forward
+    {'seconds': 3e-06, 'memory_bytes': 0, 'sync_s': 0.0}
     """
 
     seconds: float = 0.0
     memory_bytes: int = 0
     sync_s: float = 0.0
+    forward_s: float | None = None  # an op's forward part of `seconds` (None: a third, backward twice forward)
+
+    def _keys(self) -> tuple[str, ...]:
+        return tuple(key for key in _field_names(type(self)) if key != "forward_s" or self.forward_s is not None)
+
+    def forward_seconds(self) -> float:
+        """The forward part of `seconds`: `forward_s` where predict split it, else a third.
+
+        >>> NodeCost(seconds=3.0).forward_seconds(), NodeCost(seconds=3.0, forward_s=2.0).forward_seconds()
+        (1.0, 2.0)
+        """
+        return self.seconds / 3 if self.forward_s is None else self.forward_s
 
 
 NO_COST = NodeCost()  # what a node predict did not price costs (ops without a tensor output)
@@ -216,6 +230,6 @@ def node_cost(node) -> NodeCost:
 
     >>> import torch.fx
     >>> node_cost(torch.fx.Graph().placeholder("x"))
-    NodeCost(seconds=0.0, memory_bytes=0, sync_s=0.0)
+    NodeCost(seconds=0.0, memory_bytes=0, sync_s=0.0, forward_s=None)
     """
     return node.meta.get(NODE_COST, NO_COST)

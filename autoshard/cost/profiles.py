@@ -49,10 +49,11 @@ class HardwareProfile:
     fused_attention: bool = True
     # Measured by `calibrate` (autoshard/cost/compute_rates.py); the defaults keep the nominal figures above:
     # matmul FLOP/s per dtype name (a dtype not listed runs at peak_flops), attention's FLOP/s (0: peak_flops),
-    # and the seconds every op's forward + backward takes whatever its size (dispatch, autograd, kernel launch).
+    # and the seconds an op's forward takes whatever its size (dispatch, kernel launch), and its backward's.
     dtype_flops: tuple = field(default=())
     attention_flops: float = 0.0
     op_overhead_s: float = 0.0
+    grad_op_overhead_s: float = 0.0
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -66,7 +67,8 @@ class HardwareProfile:
                 "inter_node": [self.inter_node.alpha, self.inter_node.bandwidth],
                 "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links],
                 "fused_attention": self.fused_attention, "dtype_flops": [list(pair) for pair in self.dtype_flops],
-                "attention_flops": self.attention_flops, "op_overhead_s": self.op_overhead_s}
+                "attention_flops": self.attention_flops, "op_overhead_s": self.op_overhead_s,
+                "grad_op_overhead_s": self.grad_op_overhead_s}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:

@@ -26,8 +26,8 @@ def recompute_seconds(state, node) -> tuple[float, dict]:
     (True, {})
     """
     if node.meta.get(meta.KIND) != "comm":
-        # NODE_COST counts forward + backward (x3); ops without a tensor output (checks) have none
-        return node_cost(node).seconds / 3, {}
+        # NODE_COST counts forward + backward; ops without a tensor output (checks) have none
+        return node_cost(node).forward_seconds(), {}
     info, mesh = node.meta[meta.COMM], state.mesh
     axis = mesh.axis(info["axis"])
     link = state.options.profile.link(mesh.shape, axis)

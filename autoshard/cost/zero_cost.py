@@ -28,7 +28,7 @@ import torch
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.collective_time import (
     all_gather_time,
-    all_reduce_time,
+    grad_sync_time,
     reduce_scatter_time,
 )
 from autoshard.cost.profiles import DEFAULT_PROFILE
@@ -204,7 +204,7 @@ def apply_zero(state) -> None:
         extra = all_gather_time(padded, k, link)
         if zero.stage >= 2 and zero.axis in state.grad_reduce.get(node.meta[meta.PATH], ()):
             sent.sync += padded - kept  # a reduce-scatter of the padded gradient, not an all-reduce
-            extra += reduce_scatter_time(padded, k, link) - all_reduce_time(kept, k, link)
+            extra += reduce_scatter_time(padded, k, link) - grad_sync_time(kept, k, link)
         seconds += extra
         cost = node.meta.get(NODE_COST)
         if cost is not None:

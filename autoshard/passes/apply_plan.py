@@ -64,7 +64,10 @@ def resolve_plan(plan, mesh: Mesh, hints):
         raise UserInputError(f"plan= takes a Plan or the path of a plan file written by Plan.save, got {short(plan)}")
     if plan.mesh.shape != mesh.shape or plan.mesh.names != mesh.names or plan.mesh.named != mesh.named:
         axes = f"axis_names={plan.mesh.names!r}" if plan.mesh.named else "no axis_names"
-        raise PlanMismatchError(f"the plan was made for mesh {plan.mesh!r} but parallelize got {mesh!r}; pass "
+
+        def shown(m):  # an unnamed mesh prints like one named a0, a1, ...: say which it is
+            return repr(m) if m.named else f"{m!r} (unnamed: the planner chose each axis's role)"
+        raise PlanMismatchError(f"the plan was made for mesh {shown(plan.mesh)} but parallelize got {shown(mesh)}; pass "
                                 f"mesh={plan.mesh.shape!r} with {axes}, or re-plan without plan= for the new mesh")
     if hints is None:
         return plan, (plan.hints or None)

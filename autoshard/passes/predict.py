@@ -27,8 +27,11 @@ import math
 import torch
 
 from autoshard.cost.attention_cost import attention_terms
-from autoshard.cost.axis_cost import compute_time, held_bytes_factor, needs_grad
-from autoshard.cost.collective_time import all_reduce_time, collective_time
+from autoshard.cost.axis_cost import compute_parts, held_bytes_factor, needs_grad
+from autoshard.cost.collective_time import (
+    collective_time,
+    grad_sync_time,
+)
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.overlap import hidden_seconds
 from autoshard.cost.prediction import (
@@ -110,13 +113,14 @@ def predict(state) -> None:
             for axis_name in state.grad_reduce.get(node.meta.get(meta.PATH), ()):
                 axis = mesh.axis(axis_name)
                 per_axis[axis_name].sync += kept
-                sync += all_reduce_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis))
+                sync += grad_sync_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis))
             comm += sync
             node.meta[NODE_COST] = NodeCost(0.0, held, sync)
             continue
         choice = node.meta.get(meta.CHOICE, [])
         split = math.prod(mesh.shape[a] for a, c in enumerate(choice) if c.divides_compute)
-        seconds = compute_time(node, split, profile)
+        forward, backward = compute_parts(node, split, profile, bool(grad.get(node)))
+        seconds = forward + backward
         saved = int(kept * saved_per_byte.get(node, 0.0))
         if node.target is aten.scaled_dot_product_attention.default and choice:
             in_bytes = [local_bytes(p, s, mesh) for p, s in zip(tensor_inputs(node), node.meta[meta.IN_SPECS])]
@@ -130,10 +134,11 @@ def predict(state) -> None:
                 comm += terms.comm_s
             compute += terms.compute_s
             seconds += terms.comm_s
+            forward = None  # attention's own split (its ring's messages in both directions)
         else:
             compute += seconds
         memory += saved
-        node.meta[NODE_COST] = NodeCost(seconds, saved)
+        node.meta[NODE_COST] = NodeCost(seconds, saved, forward_s=forward)
     state.predicted = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory

@@ -60,9 +60,9 @@ def predicted_phases(prog) -> dict:
             forward += comm.seconds * share
             backward += comm.seconds * (1 - share)
         elif node.meta.get(meta.KIND) != "comm":
-            seconds = node_cost(node).seconds
-            forward += seconds / 3
-            backward += seconds * 2 / 3
+            cost = node_cost(node)
+            forward += cost.forward_seconds()
+            backward += cost.seconds - cost.forward_seconds()
     backward += predicted.recompute_s or 0.0
     sync = max(predicted.step_time_s - forward - backward, 0.0)
     return {"forward_s": forward, "backward_s": backward, "sync_s": sync, "optimizer_s": optimizer,

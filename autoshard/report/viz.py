@@ -474,7 +474,7 @@ def planned_events(plan, label: str = "rank 0"):
             total = (row.bytes_fwd + row.bytes_bwd) or 1
             steps.append((cost.seconds * row.bytes_fwd / total, cost.seconds * row.bytes_bwd / total, True))
         else:  # predict charges 3x the forward for forward + backward
-            steps.append((cost.seconds / 3, cost.seconds * 2 / 3, False))
+            steps.append((cost.forward_seconds(), cost.seconds - cost.forward_seconds(), False))
     events, t = [], 0.0
     for seconds, kind in [(f, "idle" if c else "F") for f, _, c in steps] + \
             [(b, "idle" if c else "B") for _, b, c in reversed(steps)] + \

@@ -407,17 +407,35 @@ class PipelineRankModule(_StagesModule):
                     param.grad.copy_(total)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient made contiguous backward (it is sent to the previous stage)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class OwnedOutputs(torch.nn.Module):
     """A stage module whose outputs own contiguous storage: the zero-bubble schedules detach stage outputs in
     place, which fails on views (e.g. a slice of a RoPE buffer carried to the next stage), and gloo sends only
-    contiguous tensors (a transposed activation at a cut: the automatic cut may fall inside attention).
+    contiguous tensors (a transposed activation at a cut: the automatic cut may fall inside attention); the
+    gradients of its inputs, sent back, are made contiguous too.
 
     >>> class Stage(torch.nn.Module):
     ...     def forward(self, x):
     ...         return (x.transpose(0, 1) * 2, x[:1])  # not contiguous; a view
-    >>> out = OwnedOutputs(Stage())(torch.ones(2, 3))
+    >>> x = torch.ones(2, 3, requires_grad=True)
+    >>> out = OwnedOutputs(Stage())(x)
     >>> [(o.is_contiguous(), o._base is None) for o in out]
     [(True, True), (True, True)]
+    >>> x_t = torch.ones(3, 2, requires_grad=True)  # a gradient that comes back strided
+    >>> (grad,) = torch.autograd.grad(OwnedOutputs(Stage())(x_t)[0].sum(), x_t)
+    >>> grad.is_contiguous()
+    True
     """
 
     def __init__(self, gm):
@@ -433,6 +451,7 @@ class OwnedOutputs(torch.nn.Module):
         >>> OwnedOutputs(Transpose())(torch.ones(3, 2))[0].stride()
         (3, 1)
         """
+        args = tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
         return tuple(o.clone(memory_format=torch.contiguous_format)
                      if isinstance(o, torch.Tensor) and (o._base is not None or not o.is_contiguous()) else o
                      for o in self.gm(*args))
