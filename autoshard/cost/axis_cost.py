@@ -33,7 +33,7 @@ from autoshard.cost.collective_time import (
     conversion_time,
     grad_sync_time,
 )
-from autoshard.cost.flops import is_matmul_like, node_bytes, node_flops
+from autoshard.cost.flops import is_matmul_like, is_view, node_bytes, node_flops
 from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard
@@ -71,12 +71,14 @@ class CostBreakdown:
 def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one op whose work is divided `split` ways: its forward's work (FLOPs over
     the matmul rate of its dtype, attention's rate for attention, for matmul-like ops; output bytes over the
-    memory bandwidth for the rest) plus the profile's fixed cost of an op; backward twice the work plus the fixed
-    cost of a backward op, when its output has a gradient (`has_grad`), else nothing.
+    memory bandwidth for the rest but views, which move none) plus the profile's fixed cost of an op; backward
+    twice the work plus the fixed cost of a backward op, when its output has a gradient (`has_grad`), else nothing.
 
     >>> compute_parts(linear, 1, HardwareProfile()) == (2 * 8 * 4 * 8 / 3e14, 2 * 2 * 8 * 4 * 8 / 3e14)
     True
     """
+    if is_view(node):  # a view moves no data: its dispatch, forward and (a view of the gradient) backward
+        return profile.op_overhead_s, profile.op_overhead_s if has_grad else 0.0
     if node.target is aten.scaled_dot_product_attention.default and profile.attention_flops:
         work = node_flops(node) / profile.attention_flops
     elif is_matmul_like(node):

@@ -57,6 +57,22 @@ def is_matmul_like(node) -> bool:
                            aten.convolution.default, aten.scaled_dot_product_attention.default)
 
 
+def is_view(node) -> bool:
+    """Whether the node's op returns a view of its first argument (its schema's alias annotation): no data moves,
+    only the op's dispatch is paid.
+
+    >>> graph = torch.fx.Graph()
+    >>> x = graph.placeholder("x")
+    >>> is_view(graph.call_function(torch.ops.aten.slice.Tensor, (x, 1, 1))), is_view(x)
+    (True, False)
+    """
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return out is not None and not out.is_write and first is not None and first.before_set == out.before_set
+
+
 def node_bytes(node) -> int:
     """Bytes of `node`'s output tensor(s), unsharded.
 

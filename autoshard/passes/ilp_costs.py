@@ -44,7 +44,7 @@ from autoshard.cost.collective_time import (
     grad_sync_time,
     redistribution_time,
 )
-from autoshard.cost.flops import node_bytes
+from autoshard.cost.flops import is_view, node_bytes
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.mixed_precision import cast_parameter
@@ -98,21 +98,6 @@ def mutated_positions(node) -> tuple[int, ...]:
     inputs = tensor_inputs(node)
     return tuple(pos for pos, value in enumerate(inputs) if value in written)
 
-
-
-def is_view(node) -> bool:
-    """Whether the node's op returns a view of its first argument (its schema's alias annotation).
-
-    >>> graph = torch.fx.Graph()
-    >>> x = graph.placeholder("x")
-    >>> is_view(graph.call_function(torch.ops.aten.slice.Tensor, (x, 1, 1))), is_view(x)
-    (True, False)
-    """
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None or not schema.returns or not schema.arguments:
-        return False
-    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-    return out is not None and not out.is_write and first is not None and first.before_set == out.before_set
 
 
 def written_through_views(graph) -> set:
