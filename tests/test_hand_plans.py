@@ -123,7 +123,7 @@ def test_unnamed_mesh_keeps_the_hand_plan_record():
     """On an unnamed mesh the pipeline search's record sits beside the hand plans the flat plan was compared with
     (it used to replace them)."""
     model, inputs, loss_fn = llama(n_layers=2)
-    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, memory_budget=1.5e6)
+    prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, memory_budget=1.2e6)  # the plan: 0.71 MB
     search = prog.plan.search
     assert search["candidates"][0]["axis"] is None
     names = [row["name"] for row in search["hand_plans"]]
