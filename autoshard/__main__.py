@@ -24,7 +24,7 @@ import sys
 import traceback
 
 from autoshard.api import parallelize
-from autoshard.cost.calibrate import CALIBRATION_SIZES, calibrate_command
+from autoshard.cost.calibrate import CALIBRATION_SIZES, DTYPES, calibrate_command
 from autoshard.cost.profiles import load_profile
 from autoshard.frontend.factory import make_case
 from autoshard.frontend.hints import Hints
@@ -130,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--output", default=None, help="write the profile JSON here")
     cal.add_argument("--sizes", default=",".join(map(str, CALIBRATION_SIZES)),
                      help="message sizes in bytes (default up to 16 MiB: gradient buckets are that large)")
+    cal.add_argument("--dtypes", type=_names, default=DTYPES,
+                     help=f"matmul dtypes to time (default {','.join(DTYPES)}; those you train in)")
     return parser
 
 

@@ -28,8 +28,9 @@ FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"  # fp16 through a pipeline
 
 
 def test_twenty_bf16_steps_follow_the_single_device_loss_curve():
+    """Twenty steps with AUTOSHARD_FULL_MATRIX=1, five by default (the suite's time: 13 s -> 4 s)."""
     report, program = verify_factory("autoshard.zoo:llama", (2, 2), ("dp", "tp"), hints=LLAMA_DP_TP, simulate=True,
-                                     dtype="float32", mixed_precision="bf16", steps=20)
+                                     dtype="float32", mixed_precision="bf16", steps=20 if FULL else 5)
     assert report.ok, str(report)
     assert report.max_diff["loss"] <= 2 * BF16_ULP, str(report)
     assert "bf16 mixed precision" in str(report)

@@ -34,7 +34,7 @@ DTYPE = {"mixtral_grouped_mm": "float32"}
 
 # The default run: every family with DP + Megatron TP hints, the automatic plan on one family of each
 # kind that the TP hints do not cover alike (encoder, encoder-decoder, mixture of experts), pure DP on one.
-AUTO_SUBSET = ("t5", "mixtral_grouped_mm")
+AUTO_SUBSET = ("t5",) + (("mixtral_grouped_mm",) if FULL else ())  # MoE: tests/test_transformers_moe.py
 DP_SUBSET = ("vit",)
 DEFAULT = [(f, "dp_tp") for f in families.FAMILIES] + [(f, "auto") for f in AUTO_SUBSET] + [(f, "dp") for f in DP_SUBSET]
 CASES = [(f, m) for f in families.FAMILIES for m in MODES] if FULL else DEFAULT

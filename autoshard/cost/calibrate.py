@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from autoshard.cost.compute_rates import ComputeRates, measure_compute
 from autoshard.cost.profiles import CPU_PROFILE, HardwareProfile, Link
+from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.launch import communicator_for, run_distributed
 
@@ -92,7 +93,7 @@ def calibrate_command(args) -> int:
     example does not run here:
 
     >>> import argparse
-    >>> args = argparse.Namespace(mesh=(2,), axis_names=("dp",), sizes="4096,65536", output=None)
+    >>> args = argparse.Namespace(mesh=(2,), axis_names=("dp",), sizes="4096,65536", dtypes=("float32",), output=None)
     >>> calibrate_command(args)  # doctest: +SKIP
     axis dp (size 2): alpha 41.3 us, bandwidth 1.127 GB/s
     matmul float32 61.2 GFLOP/s, ...
@@ -101,7 +102,11 @@ def calibrate_command(args) -> int:
     """
     mesh = Mesh.of(args.mesh, args.axis_names)
     sizes = [int(s) for s in args.sizes.split(",")]
-    profile = calibrated_profile(mesh, sizes)
+    dtypes = tuple(getattr(args, "dtypes", None) or DTYPES)
+    unknown = [name for name in dtypes if not isinstance(getattr(torch, name, None), torch.dtype)]
+    if unknown:
+        raise UserInputError(f"--dtypes {','.join(unknown)}: not torch dtypes; give names such as float32,bfloat16")
+    profile = calibrated_profile(mesh, sizes, dtypes)
     text = json.dumps(profile.to_json(), indent=1)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
