@@ -21,9 +21,8 @@ FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
 WIDE = {"gpt2": {"batch": 8, "seq": 16, "dim": 512, "n_heads": 8},
         "llama": {"batch": 8, "seq": 16, "dim": 512, "n_heads": 8, "n_kv_heads": 8, "ffn_dim": 1024}}
 # zoo models under a budget a share of their unbounded plan's memory
-SHARED = [("mlp", (2, 2), 0.35), ("mlp", (2, 4), 0.35), ("vit", (2, 4), 0.35)]  # gpt2: the test above
-SHARED += [("gpt2", (2, 2), 0.6), ("bert", (2, 2), 0.6), ("vit", (2, 2), 0.6), ("resnet", (2, 2), 0.6),
-           ("llama", (2, 4), 0.6)] if FULL else []
+SHARED = [("mlp", (2, 2), 0.35), ("mlp", (2, 4), 0.35), ("vit", (2, 4), 0.35), ("gpt2", (2, 2), 0.6)]
+SHARED += [("bert", (2, 2), 0.6), ("vit", (2, 2), 0.6), ("resnet", (2, 2), 0.6), ("llama", (2, 4), 0.6)] if FULL else []
 
 
 def _check(prog, budget):
@@ -34,7 +33,9 @@ def _check(prog, budget):
         assert predicted - 8 <= row <= 1.01 * predicted, (row, predicted)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"] if FULL else ["gpt2"])
+@pytest.mark.skipif(not FULL, reason="AUTOSHARD_FULL_MATRIX=1 runs it (28 s; gpt2 under a binding budget on (2, 2) "
+                                     "runs by default)")
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_the_automatic_plan_fits_benchmark_1s_budget(name):
     axes = ("dp", "tp")
     model, inputs, loss_fn = getattr(zoo, name)(**WIDE[name])
