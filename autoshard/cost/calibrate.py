@@ -35,10 +35,13 @@ DTYPES = ("float32", "float64", "bfloat16")  # the matmul rates measured (what t
 
 
 def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
-    """This rank's link timings (`_time_axis_task`) and then, every rank at once, its compute rates (as JSON)."""
+    """This rank's link timings (`_time_axis_task`) and then, every rank at once, its compute rates (as JSON) on
+    the device it trains on: its GPU where the host has them (CUDA events time the kernels), else the CPU."""
     links = _time_axis_task(rank, world, mesh_json, sizes)
     dist.barrier()
-    return links, measure_compute("cpu", dtypes).to_json()
+    device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    memory = torch.cuda.get_device_properties(device).total_memory if device != "cpu" else None
+    return links, measure_compute(device, dtypes).to_json(), memory
 
 
 def slowest_rates(per_rank: list) -> ComputeRates:
@@ -140,8 +143,10 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
               + f", attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memory-bound ops "
               f"{rates.memory_bandwidth / 1e9:.2f} GB/s, {rates.op_overhead_s * 1e6:.1f} us per op forward and "
               f"{rates.grad_op_overhead_s * 1e6:.1f} us backward")
+    memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
     return HardwareProfile(name="calibrated", peak_flops=rates.matmul_flops.get("float32", CPU_PROFILE.peak_flops),
-                           memory_bandwidth=rates.memory_bandwidth, memory_bytes=CPU_PROFILE.memory_bytes,
+                           memory_bandwidth=rates.memory_bandwidth,
+                           memory_bytes=float(min(memories)) if memories else CPU_PROFILE.memory_bytes,
                            devices_per_node=max(mesh.size, 1), axis_links=tuple(links),
                            dtype_flops=tuple(sorted(rates.matmul_flops.items())),
                            attention_flops=rates.attention_flops, op_overhead_s=rates.op_overhead_s,
