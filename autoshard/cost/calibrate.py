@@ -61,18 +61,20 @@ def slowest_rates(per_rank: list) -> ComputeRates:
 
 
 def _time_axis_task(rank, world, mesh_json, sizes):
+    """Seconds of one all-reduce of each size on each axis, as the runtime runs it: the communicator's (on gloo
+    gathered and summed in a fixed order, bitwise reproducible: (k-1) x the bytes where a ring moves 2(k-1)/k, so
+    the fitted bandwidth is what the runtime's reductions get; NCCL's ring elsewhere)."""
     mesh = Mesh.from_json(mesh_json)
     comm = communicator_for(mesh)
     out = {}
     for axis in mesh.names:
-        group = comm.groups[axis]
         for size in sizes:
             tensor = torch.ones(max(size // 4, 1), dtype=torch.float32)
-            dist.all_reduce(tensor, group=group)  # warm up the connection
+            comm.all_reduce(tensor, axis)  # warm up the connection
             dist.barrier()
             start = time.perf_counter()
             for _ in range(REPEATS):
-                dist.all_reduce(tensor, group=group)
+                comm.all_reduce(tensor, axis)
             out[(axis, size)] = (time.perf_counter() - start) / REPEATS
     return out
 
