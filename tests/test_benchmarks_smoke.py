@@ -10,6 +10,7 @@ from benchmarks import (
     planning,
     planning_moe,
     planning_scale,
+    prediction_accuracy,
     runtime_overhead,
     tp_modes,
     zero_memory,
@@ -76,6 +77,17 @@ def test_planning_moe_smallest():
     assert result["verify"]["ok"], result["verify"]["report"]
     rows, headers, csv_rows, csv_headers, _ = planning_moe.report([result])
     assert len(rows[0]) == len(headers) and len(csv_rows[0]) == len(csv_headers)
+
+
+@pytest.mark.skipif(not FULL, reason="calibrate and train the zoo GPT-2 on 1 and 2 gloo ranks (about 60 s); "
+                                     "AUTOSHARD_FULL_MATRIX=1 runs it")
+def test_prediction_accuracy_smallest():
+    rows = prediction_accuracy.measure(quick=True)
+    measured = [r for r in rows if "error" not in r]
+    assert {r["world"] for r in measured} == {1, 2} and all(r["measured"]["step_s"] > 0 for r in measured)
+    assert all(r["bytes"] == {a: r["sent"][a] for a in r["bytes"]} for r in measured)  # the plan's bytes, sent
+    body, headers, csv_rows = prediction_accuracy.report(rows)
+    assert "Step time:" in body and len(csv_rows) == len(rows) and len(headers) == len(csv_rows[0])
 
 
 @pytest.mark.skipif(not FULL, reason="ZeRO-3 measured on simulated ranks (about 5 s; tests/passes/test_zero_verify.py "
