@@ -36,6 +36,7 @@ from autoshard.cost.collective_time import (
 from autoshard.cost.flops import is_matmul_like, is_view, node_bytes, node_flops
 from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.ir import meta
+from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Shard
 from autoshard.strategies import tensor_inputs
 
@@ -99,6 +100,19 @@ def compute_time(node, split: int, profile, has_grad: bool = True) -> float:
     True
     """
     return sum(compute_parts(node, split, profile, has_grad))
+
+
+def partial_grad_time(producer, nbytes: float, k: int, link) -> float:
+    """Seconds of reducing a gradient partial over `k` ranks at `producer`'s output: a parameter's (or its per-use
+    cast's, reduced on the master) in the runtime's buckets (`grad_sync_time`), an activation's by its own
+    all-reduce (the ILP's charges and the breakdown `explain` shows use this one rule).
+
+    >>> link = HardwareProfile().intra_node
+    >>> partial_grad_time(linear.args[1], 1e3, 4, link) < partial_grad_time(linear, 1e3, 4, link)  # a bucket's share
+    True
+    """
+    synced = producer.op == "placeholder" or cast_parameter(producer) is not None
+    return (grad_sync_time if synced else all_reduce_time)(nbytes, k, link)
 
 
 def held_bytes_factor(node, grad: dict, optimizer_state_factor: float) -> float:
@@ -210,8 +224,7 @@ class AxisCostModel:
         if cand.splits_work:
             for pos, producer in enumerate(tensor_inputs(node)):
                 if cand.partial_grad(pos) and self.grad.get(producer, False):
-                    reduce = grad_sync_time if producer.op == "placeholder" else all_reduce_time
-                    t = reduce(self.input_bytes(producer, pos, other), self.k, self.link)
+                    t = partial_grad_time(producer, self.input_bytes(producer, pos, other), self.k, self.link)
                     if producer.op == "placeholder":
                         sync += t
                     else:

@@ -36,12 +36,11 @@ from typing import NamedTuple
 
 import torch
 
+from autoshard.cost.axis_cost import partial_grad_time
 from autoshard.cost.collective_time import (
     INF,
-    all_reduce_time,
     fused_gather_change,
     fused_gather_saving,
-    grad_sync_time,
     redistribution_time,
 )
 from autoshard.cost.flops import is_view, node_bytes
@@ -199,9 +198,8 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
                         triggers[t] = triggers[t] & excluded if t in triggers else set(excluded)
     merged: dict = {}
     for (u, axis, nbytes), consumers in charges.items():
-        synced = u.op == "placeholder" or cast_parameter(u) is not None  # a parameter's gradient: bucketed sync
-        cost = (grad_sync_time if synced else all_reduce_time)(nbytes, models[axis].k, models[axis].link) * SCALE
-        cost *= sync_share if synced else 1.0
+        cost = partial_grad_time(u, nbytes, models[axis].k, models[axis].link) * SCALE
+        cost *= sync_share if u.op == "placeholder" or cast_parameter(u) is not None else 1.0
         # Copies of u in repeated layers are tied: their identical charges merge into one, paid per copy.
         merged_key = (class_of[u], axis, nbytes, _triggers(u, consumers, combos, class_of, edges))
         merged[merged_key] = merged.get(merged_key, 0.0) + cost * copies(u)

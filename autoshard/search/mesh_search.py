@@ -35,6 +35,7 @@ from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import Shard
+from autoshard.report.accuracy import predicted_memory_bytes
 from autoshard.solver.errors import MemoryBudgetError
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
             continue
         step = predicted_step_s(prog)
         rows.append({"mesh": list(shape), "predicted_step_s": step,
-                     "memory_bytes_per_rank": _memory(prog), "plan": describe_roles(prog),
+                     "memory_bytes_per_rank": predicted_memory_bytes(prog), "plan": describe_roles(prog),
                      "seconds": round(time.perf_counter() - started, 3)})
         if step < best_step:
             best, best_step = prog, step
@@ -156,13 +157,6 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
                         "why_mesh": why}
     log.info(why)
     return best
-
-
-def _memory(prog) -> float:
-    pipeline = prog.plan.pipeline
-    if pipeline and pipeline.get("memory_bytes_per_pp_rank"):
-        return max(pipeline["memory_bytes_per_pp_rank"])
-    return prog.plan.predicted.memory_bytes_per_rank
 
 
 def describe_roles(prog) -> str:
