@@ -318,7 +318,7 @@ def _search_axes(request: CompileRequest, opts: dict):
     # The flat plan's record (the hand plans it was compared with) is kept beside the pipeline candidates; for a
     # pipelined plan only the rows, as the no-pipeline candidate's alternatives.
     kept = {} if flat is None else flat.plan.search if target is flat else \
-        {k: v for k, v in flat.plan.search.items() if k == "hand_plans"}
+        {k: v for k, v in flat.plan.search.items() if k in ("hand_plans", "hand_plans_deferred")}
     target.plan.search = {**kept, "candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
     return target
 
