@@ -22,6 +22,7 @@ output's storage (autoshard/cost/saved_tensors.py, the formula predict shares).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -72,14 +73,19 @@ class CostBreakdown:
 def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one op whose work is divided `split` ways: its forward's work (FLOPs over
     the matmul rate of its dtype, attention's rate for attention, for matmul-like ops; output bytes over the
-    memory bandwidth for the rest but views, which move none) plus the profile's fixed cost of an op; backward
-    twice the work plus the fixed cost of a backward op, when its output has a gradient (`has_grad`), else nothing.
+    memory bandwidth for the rest) plus the profile's fixed cost of the op (`HardwareProfile.fixed_costs`), and of
+    autograd recording it when its output has a gradient (`has_grad`); backward then twice the work plus the fixed
+    cost of its backward, else nothing. A view moves no data: it costs the profile's fixed costs of a view; an item of a multi-output op
+    (`operator.getitem`, Python indexing in the rank program) costs nothing.
 
     >>> compute_parts(linear, 1, HardwareProfile()) == (2 * 8 * 4 * 8 / 3e14, 2 * 2 * 8 * 4 * 8 / 3e14)
     True
     """
+    if node.target is operator.getitem:
+        return 0.0, 0.0
     if is_view(node):  # a view moves no data: its dispatch, forward and (a view of the gradient) backward
-        return profile.op_overhead_s, profile.op_overhead_s if has_grad else 0.0
+        return profile.view_overhead_s, profile.view_grad_overhead_s if has_grad else 0.0
+    fixed, recorded, backward = profile.fixed_costs(node.target)
     if node.target is aten.scaled_dot_product_attention.default and profile.attention_flops:
         work = node_flops(node) / profile.attention_flops
     elif is_matmul_like(node):
@@ -88,8 +94,9 @@ def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[flo
                                    else profile.peak_flops)
     else:
         work = node_bytes(node) / profile.memory_bandwidth
-    forward = work / split + profile.op_overhead_s
-    return forward, (2 * work / split + profile.grad_op_overhead_s) if has_grad else 0.0
+    if not has_grad:
+        return work / split + fixed, 0.0
+    return work / split + fixed + recorded, 2 * work / split + backward
 
 
 def compute_time(node, split: int, profile, has_grad: bool = True) -> float:

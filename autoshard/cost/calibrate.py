@@ -52,12 +52,18 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     >>> fast = ComputeRates({"float32": 4e10}, 2e10, 8e9, 1e-5, 2e-5).to_json()
     >>> slow = ComputeRates({"float32": 2e10}, 3e10, 6e9, 3e-5, 1e-5).to_json()
     >>> slowest_rates([fast, slow])
-    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05)
+    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05, recorded_op_overhead_s=0.0, view_overhead_s=0.0, view_grad_overhead_s=0.0, op_overheads=())
     """
     names = [name for name, _ in per_rank[0]["dtype_flops"]]
+    slowest = {key: max(r[key] for r in per_rank) for key in ("op_overhead_s", "grad_op_overhead_s",
+                                                               "recorded_op_overhead_s", "view_overhead_s",
+                                                               "view_grad_overhead_s")}
+    tables = [{name: costs for name, *costs in r["op_overheads"]} for r in per_rank]
+    ops = sorted(set.intersection(*(set(table) for table in tables)))  # an op timed on every rank
+    slowest["op_overheads"] = tuple((op, *(max(table[op][i] for table in tables) for i in range(3))) for op in ops)
     return ComputeRates({name: min(dict(r["dtype_flops"])[name] for r in per_rank) for name in names},
                         min(r["attention_flops"] for r in per_rank), min(r["memory_bandwidth"] for r in per_rank),
-                        max(r["op_overhead_s"] for r in per_rank), max(r["grad_op_overhead_s"] for r in per_rank))
+                        **slowest)
 
 
 def _time_axis_task(rank, world, mesh_json, sizes):
@@ -143,8 +149,10 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
     if not quiet:
         print(", ".join(f"matmul {name} {rate / 1e9:.1f} GFLOP/s" for name, rate in rates.matmul_flops.items())
               + f", attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memory-bound ops "
-              f"{rates.memory_bandwidth / 1e9:.2f} GB/s, {rates.op_overhead_s * 1e6:.1f} us per op forward and "
-              f"{rates.grad_op_overhead_s * 1e6:.1f} us backward")
+              f"{rates.memory_bandwidth / 1e9:.2f} GB/s, {rates.op_overhead_s * 1e6:.1f} us per op forward (+ "
+              f"{rates.recorded_op_overhead_s * 1e6:.1f} us when autograd records it) and "
+              f"{rates.grad_op_overhead_s * 1e6:.1f} us backward, {rates.view_overhead_s * 1e6:.1f} us per view "
+              f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward")
     memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
     return HardwareProfile(name="calibrated", peak_flops=rates.matmul_flops.get("float32", CPU_PROFILE.peak_flops),
                            memory_bandwidth=rates.memory_bandwidth,
@@ -152,4 +160,7 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            devices_per_node=max(mesh.size, 1), axis_links=tuple(links),
                            dtype_flops=tuple(sorted(rates.matmul_flops.items())),
                            attention_flops=rates.attention_flops, op_overhead_s=rates.op_overhead_s,
-                           grad_op_overhead_s=rates.grad_op_overhead_s)
+                           grad_op_overhead_s=rates.grad_op_overhead_s,
+                           recorded_op_overhead_s=rates.recorded_op_overhead_s,
+                           view_overhead_s=rates.view_overhead_s, view_grad_overhead_s=rates.view_grad_overhead_s,
+                           op_overheads=rates.op_overheads)

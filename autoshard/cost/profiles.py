@@ -49,11 +49,19 @@ class HardwareProfile:
     fused_attention: bool = True
     # Measured by `calibrate` (autoshard/cost/compute_rates.py); the defaults keep the nominal figures above:
     # matmul FLOP/s per dtype name (a dtype not listed runs at peak_flops), attention's FLOP/s (0: peak_flops),
-    # and the seconds an op's forward takes whatever its size (dispatch, kernel launch), and its backward's.
+    # the seconds an op's forward takes whatever its size (dispatch, kernel launch), what autograd adds to a
+    # forward it records (ops whose output has a gradient), and their backward's; a view's forward (recorded) and
+    # backward (it moves no data: only these).
     dtype_flops: tuple = field(default=())
     attention_flops: float = 0.0
     op_overhead_s: float = 0.0
     grad_op_overhead_s: float = 0.0
+    recorded_op_overhead_s: float = 0.0
+    view_overhead_s: float = 0.0
+    view_grad_overhead_s: float = 0.0
+    # Per op (ATen name): (forward, what recording adds, backward) seconds, for the ops calibrate times one by one;
+    # the others pay the three figures above (the median of the timed ones).
+    op_overheads: tuple = field(default=())
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -68,7 +76,9 @@ class HardwareProfile:
                 "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links],
                 "fused_attention": self.fused_attention, "dtype_flops": [list(pair) for pair in self.dtype_flops],
                 "attention_flops": self.attention_flops, "op_overhead_s": self.op_overhead_s,
-                "grad_op_overhead_s": self.grad_op_overhead_s}
+                "grad_op_overhead_s": self.grad_op_overhead_s, "recorded_op_overhead_s": self.recorded_op_overhead_s,
+                "view_overhead_s": self.view_overhead_s, "view_grad_overhead_s": self.view_grad_overhead_s,
+                "op_overheads": [list(row) for row in self.op_overheads]}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
@@ -89,7 +99,33 @@ class HardwareProfile:
             fields["axis_links"] = tuple(Link(*pair) for pair in fields["axis_links"])
         if "dtype_flops" in fields:
             fields["dtype_flops"] = tuple((str(name), float(rate)) for name, rate in fields["dtype_flops"])
+        if "op_overheads" in fields:
+            fields["op_overheads"] = tuple((str(name), *map(float, costs)) for name, *costs in fields["op_overheads"])
         return cls(**fields)
+
+    def fixed_costs(self, target) -> tuple[float, float, float]:
+        """(forward, added when autograd records it, backward) seconds an op `target` (an OpOverload) takes whatever
+        its size: its row of `op_overheads`, else the profile's figures for any op.
+
+        >>> import torch
+        >>> profile = HardwareProfile(op_overhead_s=3e-6, op_overheads=(("aten.gelu.default", 1e-5, 1e-6, 2e-5),))
+        >>> profile.fixed_costs(torch.ops.aten.gelu.default), profile.fixed_costs(torch.ops.aten.add.Tensor)
+        ((1e-05, 1e-06, 2e-05), (3e-06, 0.0, 0.0))
+        """
+        default = (self.op_overhead_s, self.recorded_op_overhead_s, self.grad_op_overhead_s)
+        if not self.op_overheads:
+            return default
+        cache = self.__dict__.get("_fixed_by_target")
+        if cache is None:  # by target: str(target) per call would cost the planner seconds
+            cache = self.__dict__["_fixed_by_target"] = {}
+        found = cache.get(target)
+        if found is None:
+            found = cache[target] = next((tuple(costs) for name, *costs in self.op_overheads if name == str(target)),
+                                         default)
+        return found
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_fixed_by_target"}
 
     def matmul_flops(self, dtype) -> float:
         """FLOP/s of a matmul in `dtype` (a torch.dtype or its name): the calibrated rate, else `peak_flops`.

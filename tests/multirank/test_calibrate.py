@@ -26,13 +26,14 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
     rates = dict(profile.dtype_flops)
     assert sorted(rates) == ["float32", "float64"] and all(r > 0 for r in rates.values()), rates
     assert profile.attention_flops > 0 and profile.memory_bandwidth > 0
-    assert profile.op_overhead_s >= 0 and profile.grad_op_overhead_s >= 0
+    assert profile.op_overhead_s >= 0 and profile.grad_op_overhead_s >= 0 and profile.recorded_op_overhead_s >= 0
     model, inputs, loss_fn = mlp(n_layers=1)
     inputs = tuple(x.double() for x in inputs)
     prog = autoshard.parallelize(model.double(), (2,), inputs, loss_fn=loss_fn, profile=str(out), pipeline=False)
     assert prog.plan.predicted["step_time_s"] > 0
-    # a float64 matmul is priced at the measured float64 rate, plus the measured cost of an op and its backward
+    # a float64 matmul is priced at the measured float64 rate, plus linear's measured fixed costs (forward, recording, backward)
     linear = next(n for n in prog.state.gm.graph.nodes if n.target is torch.ops.aten.linear.default)
     assert linear.meta["val"].dtype == torch.float64
-    expected = 3 * node_flops(linear) / rates["float64"] + profile.op_overhead_s + profile.grad_op_overhead_s
+    assert {name: costs for name, *costs in profile.op_overheads}["aten.linear.default"]  # timed on its own
+    expected = 3 * node_flops(linear) / rates["float64"] + sum(profile.fixed_costs(linear.target))
     assert abs(compute_time(linear, 1, profile) - expected) <= 1e-12 * expected
