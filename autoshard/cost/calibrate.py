@@ -1,8 +1,8 @@
 """`python -m autoshard calibrate`: measure what the cost model uses on this machine, on prod(mesh) ranks at once.
 
 Spawns prod(mesh) gloo ranks. Each times all_reduce of several message sizes on each axis's groups, and
-time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the cost model uses) is fitted by least
-squares: alpha (latency) and bandwidth per axis. Then every rank at once times matmuls per dtype, attention and
+time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the cost model uses) gives alpha (latency:
+the smallest message) and bandwidth (the slope over the larger ones) per axis (`fit_link`). Then every rank at once times matmuls per dtype, attention and
 a memory-bound op, forward and backward (autoshard/cost/compute_rates.py), so the rates include the contention
 of ranks sharing the machine, as training on it has; the slowest rank's figures are kept. Prints the fitted
 figures and writes a HardwareProfile JSON usable with `--profile` / `profile=`.
@@ -28,6 +28,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.runtime.launch import communicator_for, run_distributed
 
 REPEATS = 5
+SMALL_REPEATS = 50
 # Message sizes timed per axis: latency-bound to bandwidth-bound, up to a gradient bucket's order (grad_sync.py's
 # BUCKET_BYTES): a fit over small messages only extrapolates the bandwidth of the sync's large ones.
 CALIBRATION_SIZES = (4096, 65536, 1048576, 16777216)
@@ -77,25 +78,34 @@ def _time_axis_task(rank, world, mesh_json, sizes):
         for size in sizes:
             tensor = torch.ones(max(size // 4, 1), dtype=torch.float32)
             comm.all_reduce(tensor, axis)  # warm up the connection
+            repeats = max(REPEATS, min(SMALL_REPEATS, 2**24 // size))  # small messages: cheap, and noisier
             dist.barrier()
             start = time.perf_counter()
-            for _ in range(REPEATS):
+            for _ in range(repeats):
                 comm.all_reduce(tensor, axis)
-            out[(axis, size)] = (time.perf_counter() - start) / REPEATS
+            out[(axis, size)] = (time.perf_counter() - start) / repeats
     return out
 
 
 def fit_link(samples, k: int) -> Link:
-    """Least-squares alpha, bandwidth from [(bytes, seconds)] of ring all-reduces over k ranks.
+    """Alpha and bandwidth of the ring model from [(bytes, seconds)] of all-reduces over k ranks: the bandwidth
+    from the least-squares slope over the sizes but the smallest, alpha from the smallest message's time less its
+    bytes' share. (An intercept fitted under 16 MiB messages is their noise: a run put gloo's alpha at 0.1 us,
+    and ZeRO-3's per-parameter gathers at a tenth of their measured time.)
 
     >>> link = fit_link([(b, 2 * 1e-5 + b / 1e9) for b in (4096, 65536, 1048576)], k=2)  # 10 us, 1 GB/s
     >>> round(link.alpha * 1e6, 3), round(link.bandwidth / 1e9, 3)
     (10.0, 1.0)
     """
-    a = np.array([[2 * (k - 1), 2 * (k - 1) / k * b] for b, _ in samples], dtype=np.float64)
-    t = np.array([s for _, s in samples], dtype=np.float64)
-    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
-    return Link(max(float(alpha), 1e-7), 1.0 / max(float(beta), 1e-13))
+    samples = sorted(samples)
+    steps, share = 2 * (k - 1), 2 * (k - 1) / k
+    large = samples[1:] if len(samples) > 2 else samples
+    a = np.array([[1.0, share * b] for b, _ in large], dtype=np.float64)
+    t = np.array([s for _, s in large], dtype=np.float64)
+    (_, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    beta = max(float(beta), 1e-13)
+    smallest, seconds = samples[0]
+    return Link(max((seconds - share * smallest * beta) / steps, 1e-7), 1.0 / beta)
 
 
 def calibrate_command(args) -> int:
