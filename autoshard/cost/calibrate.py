@@ -96,7 +96,11 @@ def fit_link(samples, k: int) -> Link:
     >>> link = fit_link([(b, 2 * 1e-5 + b / 1e9) for b in (4096, 65536, 1048576)], k=2)  # 10 us, 1 GB/s
     >>> round(link.alpha * 1e6, 3), round(link.bandwidth / 1e9, 3)
     (10.0, 1.0)
+    >>> fit_link([(4096, 1e-6), (65536, 2e-6)], k=1)
+    Link(alpha=1e-07, bandwidth=10000000000000.0)
     """
+    if k < 2:  # nothing crosses an axis of one rank
+        return Link(1e-7, 1e13)
     samples = sorted(samples)
     steps, share = 2 * (k - 1), 2 * (k - 1) / k
     large = samples[1:] if len(samples) > 2 else samples
