@@ -15,6 +15,7 @@ Link(alpha=..., bandwidth=...)
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import numpy as np
@@ -39,10 +40,62 @@ def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
     """This rank's link timings (`_time_axis_task`) and then, every rank at once, its compute rates (as JSON) on
     the device it trains on: its GPU where the host has them (CUDA events time the kernels), else the CPU."""
     links = _time_axis_task(rank, world, mesh_json, sizes)
+    action = pipeline_action_seconds(rank, world) if world > 1 else 0.0
     dist.barrier()
     device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     memory = torch.cuda.get_device_properties(device).total_memory if device != "cpu" else None
-    return links, measure_compute(device, dtypes).to_json(), memory
+    return links, measure_compute(device, dtypes).to_json(), memory, action
+
+
+PIPELINE_COUNTS = (2, 8)  # micro-batches of the two timed steps
+
+
+def pipeline_action_seconds(rank: int, world: int, repeats: int = 9) -> float:
+    """The seconds torch.distributed.pipelining spends per schedule action besides compute and transfer, on this
+    rank of a `world`-stage 1F1B pipeline of one small Linear per stage: the step's growth per micro-batch
+    (a forward, a backward and their two messages on the critical path) less a message's round trip, halved.
+    Measured on 2 ranks of this 2-core machine: 0.3-0.55 ms (a small Linear's forward and backward take 0.02).
+    Every rank of the default process group calls it (calibrate's ranks do):
+
+    >>> pipeline_action_seconds(dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
+    0.00044
+    """
+    from torch.distributed.pipelining import (  # the runtime's; not at import: heavy
+        PipelineStage,
+        Schedule1F1B,
+    )
+
+    steps = {}
+    for m in PIPELINE_COUNTS:
+        stage = PipelineStage(torch.nn.Linear(16, 16), rank, world, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.sum())
+        x = torch.ones(4 * m, 16)
+        times = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            started = time.perf_counter()
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=x)
+            else:
+                schedule.step()
+            times.append(time.perf_counter() - started)
+        steps[m] = statistics.median(times[2:])
+    message, trips = torch.ones(64), []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(message, 1)
+            dist.recv(message, 1)
+        elif rank == 1:
+            dist.recv(message, 0)
+            dist.send(message, 0)
+        trips.append(time.perf_counter() - started)
+    low, high = PIPELINE_COUNTS
+    growth = (steps[high] - steps[low]) / (high - low)
+    return max(growth - statistics.median(trips), 0.0) / 2
 
 
 def slowest_rates(per_rank: list) -> ComputeRates:
@@ -53,7 +106,7 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     >>> fast = ComputeRates({"float32": 4e10}, 2e10, 8e9, 1e-5, 2e-5).to_json()
     >>> slow = ComputeRates({"float32": 2e10}, 3e10, 6e9, 3e-5, 1e-5).to_json()
     >>> slowest_rates([fast, slow])
-    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05, recorded_op_overhead_s=0.0, view_overhead_s=0.0, view_grad_overhead_s=0.0, op_overheads=())
+    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05, recorded_op_overhead_s=0.0, view_overhead_s=0.0, view_grad_overhead_s=0.0, op_overheads=(), split_backward_factor=1.0)
     """
     names = [name for name, _ in per_rank[0]["dtype_flops"]]
     slowest = {key: max(r[key] for r in per_rank) for key in ("op_overhead_s", "grad_op_overhead_s",
@@ -62,6 +115,7 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     tables = [{name: costs for name, *costs in r["op_overheads"]} for r in per_rank]
     ops = sorted(set.intersection(*(set(table) for table in tables)))  # an op timed on every rank
     slowest["op_overheads"] = tuple((op, *(max(table[op][i] for table in tables) for i in range(3))) for op in ops)
+    slowest["split_backward_factor"] = max(r["split_backward_factor"] for r in per_rank)
     return ComputeRates({name: min(dict(r["dtype_flops"])[name] for r in per_rank) for name in names},
                         min(r["attention_flops"] for r in per_rank), min(r["memory_bandwidth"] for r in per_rank),
                         **slowest)
@@ -167,6 +221,10 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
               f"{rates.recorded_op_overhead_s * 1e6:.1f} us when autograd records it) and "
               f"{rates.grad_op_overhead_s * 1e6:.1f} us backward, {rates.view_overhead_s * 1e6:.1f} us per view "
               f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward")
+    action = max(r[3] for r in results.values())
+    if not quiet and mesh.size > 1:
+        print(f"pipeline runtime: {action * 1e3:.3f} ms per schedule action, a backward split in two (zero bubble) "
+              f"{rates.split_backward_factor:.2f} x the fused one")
     memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
     return HardwareProfile(name="calibrated", peak_flops=rates.matmul_flops.get("float32", CPU_PROFILE.peak_flops),
                            memory_bandwidth=rates.memory_bandwidth,
@@ -177,4 +235,5 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            grad_op_overhead_s=rates.grad_op_overhead_s,
                            recorded_op_overhead_s=rates.recorded_op_overhead_s,
                            view_overhead_s=rates.view_overhead_s, view_grad_overhead_s=rates.view_grad_overhead_s,
-                           op_overheads=rates.op_overheads)
+                           op_overheads=rates.op_overheads, pipeline_action_s=action,
+                           split_backward_factor=rates.split_backward_factor)

@@ -62,6 +62,11 @@ class HardwareProfile:
     # Per op (ATen name): (forward, what recording adds, backward) seconds, for the ops calibrate times one by one;
     # the others pay the three figures above (the median of the timed ones).
     op_overheads: tuple = field(default=())
+    # The seconds torch.distributed.pipelining's runtime spends on one action of a schedule (a stage's forward or
+    # backward of one micro-batch) besides its compute and its messages' transfer.
+    pipeline_action_s: float = 0.0
+    # A zero-bubble schedule's backward split in two (input gradients, then weight gradients) over the fused one.
+    split_backward_factor: float = 1.0
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -78,7 +83,8 @@ class HardwareProfile:
                 "attention_flops": self.attention_flops, "op_overhead_s": self.op_overhead_s,
                 "grad_op_overhead_s": self.grad_op_overhead_s, "recorded_op_overhead_s": self.recorded_op_overhead_s,
                 "view_overhead_s": self.view_overhead_s, "view_grad_overhead_s": self.view_grad_overhead_s,
-                "op_overheads": [list(row) for row in self.op_overheads]}
+                "op_overheads": [list(row) for row in self.op_overheads], "pipeline_action_s": self.pipeline_action_s,
+                "split_backward_factor": self.split_backward_factor}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:

@@ -60,6 +60,8 @@ class PipelineConfig:
     virtual: int = 1
     annotations: StageAnnotations | None = None
     link: Link = _DEFAULT_LINK
+    action_s: float = 0.0  # the runtime's fixed cost per schedule action (HardwareProfile.pipeline_action_s)
+    split_backward: float = 1.0  # a backward split in I and W over the fused one (HardwareProfile's factor)
 
     @property
     def num_stages(self) -> int:
@@ -166,7 +168,8 @@ def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, p
         raise UserInputError(f"schedule {schedule} needs the micro-batches ({m}) to be a multiple of the pp axis "
                              f"size ({p})")
     link = profile.link(mesh.shape, mesh.axis(axis))
-    return PipelineConfig(axis, p, m, schedule, virtual, annotations, link)
+    return PipelineConfig(axis, p, m, schedule, virtual, annotations, link, profile.pipeline_action_s,
+                          profile.split_backward_factor)
 
 
 def batch_size(example_inputs) -> int:

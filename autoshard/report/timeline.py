@@ -118,7 +118,9 @@ class Timeline:
 def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
     """Run the per-rank action orders as early as their dependencies allow.
 
-    `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split).
+    `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split), times the split's
+    cost over a fused backward (`config.split_backward`); every action also takes the runtime's fixed cost per
+    action (`config.action_s`).
 
     >>> from autoshard.program.pipeline import PipelineConfig
     >>> even = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}}
@@ -159,7 +161,8 @@ def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
             t = ready(stage, kind, mb)
             if t is None:
                 continue
-            seconds = durations[stage]["F"] if kind == "F" else durations[stage]["B"] * (1.0 if kind == "B" else 0.5)
+            seconds = config.action_s + (durations[stage]["F"] if kind == "F" else
+                                         durations[stage]["B"] * (1.0 if kind == "B" else 0.5 * config.split_backward))
             start = max(t, free[r])
             done[(stage, kind, mb)] = free[r] = start + seconds
             events.append((r, stage, kind, mb, start, start + seconds))

@@ -201,9 +201,10 @@ def _finer_counts(p: int, batch: int, ways: int) -> list[int]:
     return [m for m in range(p, batch + 1, p) if batch % m == 0 and (batch // m) % ways == 0]
 
 
-def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> float:
+def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link, action_s: float = 0.0) -> float:
     """The predicted step with `m` micro-batches from stage times measured at `m0`: the bandwidth and
-    compute parts scale with the micro-batch size, the latencies (collectives, stage sends) do not.
+    compute parts scale with the micro-batch size, the latencies (collectives, stage sends, the runtime's
+    `action_s` per forward and backward) do not.
 
     >>> from autoshard.cost.profiles import Link
     >>> stages = [{"seconds": 1.0, "sync_s": 0.0}, {"seconds": 1.0, "sync_s": 0.0}]
@@ -213,7 +214,7 @@ def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link) -> fl
     scaled = []
     for row in stages:
         fixed = row.get("latency_s", 0.0) + 4 * link.alpha
-        scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed))
+        scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed + 2 * action_s))
     return predicted_step(scaled, m, virtual)
 
 
@@ -243,10 +244,11 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
     expected = {}  # count -> (expected step, the planned count it is estimated from)
     for m0, prog in planned.items():
         config, stages = prog.config, prog.state.pipeline_stages
-        own = estimate_step(stages, m0, m0, config.virtual, config.link)
+        own = estimate_step(stages, m0, m0, config.virtual, config.link, config.action_s)
         for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
             # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
-            step = estimate_step(stages, m0, m, config.virtual, config.link) * prog.plan.pipeline["predicted_step_s"] \
+            step = estimate_step(stages, m0, m, config.virtual, config.link, config.action_s) \
+                * prog.plan.pipeline["predicted_step_s"] \
                 / own if m != m0 else prog.plan.pipeline["predicted_step_s"]
             if m not in expected or step < expected[m][0]:
                 expected[m] = (step, m0)
