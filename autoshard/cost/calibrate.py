@@ -47,7 +47,7 @@ def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
     return links, measure_compute(device, dtypes).to_json(), memory, action
 
 
-PIPELINE_COUNTS = (2, 8)  # micro-batches of the two timed steps
+PIPELINE_COUNTS = (1, 4)  # micro-batches of the two timed steps, per stage (1F1B needs at least one per stage)
 
 
 def pipeline_action_seconds(rank: int, world: int, repeats: int = 9) -> float:
@@ -65,8 +65,8 @@ def pipeline_action_seconds(rank: int, world: int, repeats: int = 9) -> float:
         Schedule1F1B,
     )
 
-    steps = {}
-    for m in PIPELINE_COUNTS:
+    steps, counts = {}, [world * count for count in PIPELINE_COUNTS]
+    for m in counts:
         stage = PipelineStage(torch.nn.Linear(16, 16), rank, world, torch.device("cpu"))
         schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.sum())
         x = torch.ones(4 * m, 16)
@@ -93,7 +93,7 @@ def pipeline_action_seconds(rank: int, world: int, repeats: int = 9) -> float:
             dist.recv(message, 0)
             dist.send(message, 0)
         trips.append(time.perf_counter() - started)
-    low, high = PIPELINE_COUNTS
+    low, high = counts
     growth = (steps[high] - steps[low]) / (high - low)
     return max(growth - statistics.median(trips), 0.0) / 2
 
