@@ -122,48 +122,65 @@ def slowest_rates(per_rank: list) -> ComputeRates:
 
 
 def _time_axis_task(rank, world, mesh_json, sizes):
-    """Seconds of one all-reduce of each size on each axis, as the runtime runs it: the communicator's (on gloo
-    gathered and summed in a fixed order, bitwise reproducible: (k-1) x the bytes where a ring moves 2(k-1)/k, so
-    the fitted bandwidth is what the runtime's reductions get; NCCL's ring elsewhere)."""
+    """Seconds of one all-reduce of each size on each axis, and of one all-gather of that output size, as the
+    runtime runs them: the communicator's (on gloo gathered in a fixed order and summed, bitwise reproducible:
+    (k-1) x the bytes where a ring moves 2(k-1)/k, so the fitted bandwidth is what the runtime's reductions get,
+    and an all-gather pays the whole latency an all-reduce pays; NCCL's rings elsewhere). Keys (collective, axis,
+    bytes)."""
     mesh = Mesh.from_json(mesh_json)
     comm = communicator_for(mesh)
     out = {}
     for axis in mesh.names:
+        k = mesh.shape[mesh.axis(axis)]
         for size in sizes:
-            tensor = torch.ones(max(size // 4, 1), dtype=torch.float32)
-            comm.all_reduce(tensor, axis)  # warm up the connection
+            reduced = torch.ones(max(size // 4, 1), dtype=torch.float32)
+            gathered = torch.ones(max(size // 4 // k, 1), dtype=torch.float32)
+            runs = {"all_reduce": lambda x=reduced, a=axis: comm.all_reduce(x, a),
+                    "all_gather": lambda x=gathered, a=axis: comm.all_gather(x, a, 0)}
             repeats = max(REPEATS, min(SMALL_REPEATS, 2**24 // size))  # small messages: cheap, and noisier
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                comm.all_reduce(tensor, axis)
-            out[(axis, size)] = (time.perf_counter() - start) / repeats
+            for name, run in runs.items():
+                run()  # warm up the connection
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    run()
+                out[(name, axis, size)] = (time.perf_counter() - start) / repeats
     return out
 
 
-def fit_link(samples, k: int) -> Link:
-    """Alpha and bandwidth of the ring model from [(bytes, seconds)] of all-reduces over k ranks: the bandwidth
-    from the least-squares slope over the sizes but the smallest, alpha from the smallest message's time less its
-    bytes' share. (An intercept fitted under 16 MiB messages is their noise: a run put gloo's alpha at 0.1 us,
+def fit_link(samples, k: int, gathers=None) -> Link:
+    """Alpha and bandwidth of the ring model from [(bytes, seconds)] of all-reduces over k ranks (and, from
+    `gathers`, all-gathers' [(output bytes, seconds)], the link's `gather` figures): the bandwidth from the
+    least-squares slope over the sizes but the smallest, alpha from the smallest message's time less its bytes'
+    share. (An intercept fitted under 16 MiB messages is their noise: a run put gloo's alpha at 0.1 us,
     and ZeRO-3's per-parameter gathers at a tenth of their measured time.)
 
     >>> link = fit_link([(b, 2 * 1e-5 + b / 1e9) for b in (4096, 65536, 1048576)], k=2)  # 10 us, 1 GB/s
     >>> round(link.alpha * 1e6, 3), round(link.bandwidth / 1e9, 3)
     (10.0, 1.0)
     >>> fit_link([(4096, 1e-6), (65536, 2e-6)], k=1)
-    Link(alpha=1e-07, bandwidth=10000000000000.0)
+    Link(alpha=1e-07, bandwidth=10000000000000.0, gather=None)
+    >>> gather = fit_link([(b, 2e-5 + b / 1e9) for b in (4096, 65536)], 2,
+    ...                   [(b, 4e-5 + b / 2e9) for b in (4096, 65536)]).gather  # one 40 us step, half the bytes
+    >>> round(gather[0] * 1e6, 3), round(gather[1] / 1e9, 3)
+    (40.0, 1.0)
     """
     if k < 2:  # nothing crosses an axis of one rank
         return Link(1e-7, 1e13)
+    link = Link(*_fit_ring(samples, 2 * (k - 1), 2 * (k - 1) / k))
+    return link if gathers is None else Link(link.alpha, link.bandwidth, _fit_ring(gathers, k - 1, (k - 1) / k))
+
+
+def _fit_ring(samples, steps: int, share: float) -> tuple[float, float]:
+    """(alpha, bandwidth) of time = steps x alpha + share x bytes / bandwidth (see fit_link)."""
     samples = sorted(samples)
-    steps, share = 2 * (k - 1), 2 * (k - 1) / k
     large = samples[1:] if len(samples) > 2 else samples
     a = np.array([[1.0, share * b] for b, _ in large], dtype=np.float64)
     t = np.array([s for _, s in large], dtype=np.float64)
     (_, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
     beta = max(float(beta), 1e-13)
     smallest, seconds = samples[0]
-    return Link(max((seconds - share * smallest * beta) / steps, 1e-7), 1.0 / beta)
+    return max((seconds - share * smallest * beta) / steps, 1e-7), 1.0 / beta
 
 
 def calibrate_command(args) -> int:
@@ -208,11 +225,14 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
     slowest = {key: max(r[0][key] for r in results.values()) for key in results[0][0]}
     links = []
     for axis, name in enumerate(mesh.names):
-        link = fit_link([(size, slowest[(name, size)]) for size in sizes], mesh.shape[axis])
+        link = fit_link([(size, slowest[("all_reduce", name, size)]) for size in sizes], mesh.shape[axis],
+                        [(size, slowest[("all_gather", name, size)]) for size in sizes])
         links.append(link)
         if not quiet:
+            gather = link.gathering()
             print(f"axis {name} (size {mesh.shape[axis]}): alpha {link.alpha * 1e6:.1f} us, "
-                  f"bandwidth {link.bandwidth / 1e9:.3f} GB/s")
+                  f"bandwidth {link.bandwidth / 1e9:.3f} GB/s; all-gathers: alpha {gather.alpha * 1e6:.1f} us, "
+                  f"bandwidth {gather.bandwidth / 1e9:.3f} GB/s")
     rates = slowest_rates([r[1] for r in results.values()])
     if not quiet:
         print(", ".join(f"matmul {name} {rate / 1e9:.1f} GFLOP/s" for name, rate in rates.matmul_flops.items())

@@ -53,6 +53,7 @@ def all_gather_time(out_bytes: float, k: int, link: Link) -> float:
     >>> all_gather_time(1e6, 4, Link(1e-5, 1e9))
     0.00078
     """
+    link = link.gathering()
     return 0.0 if k == 1 else (k - 1) / k * out_bytes / link.bandwidth + (k - 1) * link.alpha
 
 
@@ -65,6 +66,7 @@ def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
     >>> all_to_all_time(1e6, 4, Link(1e-5, 1e9))
     0.00078
     """
+    link = link.gathering()
     return 0.0 if k == 1 else (k - 1) / k * local_bytes / link.bandwidth + (k - 1) * link.alpha
 
 

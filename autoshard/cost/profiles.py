@@ -15,15 +15,46 @@ from autoshard.ir.errors import UserInputError
 
 @dataclass(frozen=True)
 class Link:
-    """One collective link: per-message latency (s) and bandwidth (bytes/s).
+    """One collective link: per-message latency (s) and bandwidth (bytes/s); `gather` the figures of gathers,
+    reduce-scatters and all-to-alls when they differ from the all-reduce's (calibrate measures both: gloo's
+    exact all-reduce is a gather and a sum, not a ring).
 
     >>> link = Link(alpha=1e-5, bandwidth=1e9)   # 10 us per message, 1 GB/s
     >>> link.alpha + 1e6 / link.bandwidth  # one message of 1 MB (cost/collective_time.py has the ring formulas)
     0.00101
+    >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).gathering().alpha
+    2e-05
     """
 
     alpha: float
     bandwidth: float
+    gather: tuple | None = None  # (alpha, bandwidth) of the gathering collectives
+
+    def gathering(self) -> Link:
+        """The link's figures for all-gather, reduce-scatter and all-to-all.
+
+        >>> Link(1e-5, 1e9).gathering() == Link(1e-5, 1e9)
+        True
+        """
+        return Link(*self.gather) if self.gather is not None else self
+
+    def to_json(self) -> list:
+        """[alpha, bandwidth] (and the gathers' two when measured).
+
+        >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).to_json()
+        [1e-05, 1000000000.0, 2e-05, 2000000000.0]
+        """
+        return [self.alpha, self.bandwidth, *(self.gather or ())]
+
+    @classmethod
+    def from_json(cls, values) -> Link:
+        """The inverse of `to_json`.
+
+        >>> Link.from_json([1e-5, 1e9, 2e-5, 2e9]).gather
+        (2e-05, 2000000000.0)
+        """
+        alpha, bandwidth, *gather = values
+        return cls(alpha, bandwidth, tuple(gather) if gather else None)
 
 
 @dataclass(frozen=True)
@@ -76,9 +107,8 @@ class HardwareProfile:
         """
         return {"name": self.name, "peak_flops": self.peak_flops, "memory_bandwidth": self.memory_bandwidth,
                 "memory_bytes": self.memory_bytes, "devices_per_node": self.devices_per_node,
-                "intra_node": [self.intra_node.alpha, self.intra_node.bandwidth],
-                "inter_node": [self.inter_node.alpha, self.inter_node.bandwidth],
-                "axis_links": [[link.alpha, link.bandwidth] for link in self.axis_links],
+                "intra_node": self.intra_node.to_json(), "inter_node": self.inter_node.to_json(),
+                "axis_links": [link.to_json() for link in self.axis_links],
                 "fused_attention": self.fused_attention, "dtype_flops": [list(pair) for pair in self.dtype_flops],
                 "attention_flops": self.attention_flops, "op_overhead_s": self.op_overhead_s,
                 "grad_op_overhead_s": self.grad_op_overhead_s, "recorded_op_overhead_s": self.recorded_op_overhead_s,
@@ -100,9 +130,9 @@ class HardwareProfile:
         fields = dict(data)
         for key in ("intra_node", "inter_node"):
             if key in fields:
-                fields[key] = Link(*fields[key])
+                fields[key] = Link.from_json(fields[key])
         if "axis_links" in fields:
-            fields["axis_links"] = tuple(Link(*pair) for pair in fields["axis_links"])
+            fields["axis_links"] = tuple(Link.from_json(values) for values in fields["axis_links"])
         if "dtype_flops" in fields:
             fields["dtype_flops"] = tuple((str(name), float(rate)) for name, rate in fields["dtype_flops"])
         if "op_overheads" in fields:

@@ -23,6 +23,7 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
     profile = load_profile(str(out))
     (link,) = profile.axis_links
     assert link.alpha > 0 and link.bandwidth > 0
+    assert link.gathering().alpha > 0 and link.gathering().bandwidth > 0  # all-gathers timed on their own
     rates = dict(profile.dtype_flops)
     assert sorted(rates) == ["float32", "float64"] and all(r > 0 for r in rates.values()), rates
     assert profile.attention_flops > 0 and profile.memory_bandwidth > 0
