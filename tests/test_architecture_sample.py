@@ -9,9 +9,9 @@ plan on an unnamed (2, 2, 2) cells, in this process; the (2, 2) cell under a mem
 import json
 import os
 import random
-import time
 
 import pytest
+from run_seed import SEED
 
 from autoshard.zoo import architectures
 from benchmarks import architectures as sweep
@@ -33,10 +33,6 @@ def _passing() -> list[str]:
     return list(sweep.QUICK)
 
 
-# One seed per run, the same in every pytest-xdist worker (they collect separately and must collect the same
-# tests: a seed from each worker's clock made the workers disagree when they started in different seconds).
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-SEED = int(os.environ.get("AUTOSHARD_ARCH_SEED") or (int(_RUN, 16) if _RUN else int(time.time())) % 100_000)
 CHOSEN = (os.environ["AUTOSHARD_ARCH_FAMILIES"].split(",") if os.environ.get("AUTOSHARD_ARCH_FAMILIES")
           else random.Random(SEED).sample(_passing(), SAMPLE))
 print(f"[architecture sample] seed {SEED}: {', '.join(CHOSEN)} (AUTOSHARD_ARCH_SEED={SEED} repeats it)")
