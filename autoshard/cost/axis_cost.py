@@ -85,7 +85,9 @@ def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[flo
         return 0.0, 0.0
     if is_view(node):  # a view moves no data: its dispatch, forward and (a view of the gradient) backward
         return profile.view_overhead_s, profile.view_grad_overhead_s if has_grad else 0.0
-    fixed, recorded, backward = profile.fixed_costs(node.target)
+    # dropout that drops nothing (p = 0, as models built for inference and tests set it) draws no mask: a copy
+    target = aten.clone.default if node.target is aten.dropout.default and not _dropout_p(node) else node.target
+    fixed, recorded, backward = profile.fixed_costs(target)
     if node.target is aten.scaled_dot_product_attention.default and profile.attention_flops:
         work = node_flops(node) / profile.attention_flops
     elif is_matmul_like(node):
@@ -97,6 +99,11 @@ def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[flo
     if not has_grad:
         return work / split + fixed, 0.0
     return work / split + fixed + recorded, 2 * work / split + backward
+
+
+def _dropout_p(node) -> float:
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    return p if isinstance(p, (int, float)) else 1.0  # a traced p: assume it draws
 
 
 def compute_time(node, split: int, profile, has_grad: bool = True) -> float:
