@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -101,7 +102,12 @@ def run_family(family: str, cells=CELLS) -> dict:
 
     def export():
         model, inputs, loss_fn = state["case"]
-        trace(model, inputs, loss_fn)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trace(model, inputs, loss_fn)
+        custom = [str(w.message) for w in caught if "torch.autograd.Function" in str(w.message)]
+        if custom:  # its own backward is not what autoshard differentiates: verify will differ (see FAILURES)
+            record["notes"]["custom_backward"] = custom[0].splitlines()[0]
 
     def verify(options):
         """verify_simulated with `options(dtype)`, in float64 or, where the model cannot run in it, float32."""
@@ -155,7 +161,6 @@ def run_family(family: str, cells=CELLS) -> dict:
 
 def _worker(family: str, out: str) -> None:
     """`python -m benchmarks.architectures --worker FAMILY --out FILE`: one family's record as JSON."""
-    import warnings
     warnings.filterwarnings("ignore")  # tiny random models warn about their own configs; the table says what failed
     record = run_family(family)
     Path(out).write_text(json.dumps(record))
@@ -336,6 +341,11 @@ FAILURES = [
      "expert); autoshard's strategies and cost model need static shapes (autoshard/strategies/base.py `_divides`, "
      "autoshard/strategies/views.py)"), ("use a static-shape variant of the layer (capacity-based experts, as "
      "autoshard.zoo.moe); planning over unbacked sizes is an open gap")),
+    ("verify: the model's own backward", ("dp2", "dp_tp"), r"^custom backward: mismatch",
+     ("the model applies a torch.autograd.Function whose backward is not its forward's derivative (YOSO's is an "
+     "approximation); torch.export traces the forward and autoshard differentiates it, so the gradients differ from "
+     "the model's own (autoshard warns when it traces such a model)"), ("expected: the parallel program is exact for "
+     "the forward; to train with the approximation, express it in the forward (e.g. `x + (approx - x).detach()`)")),
     ("verify: results differ", ("dp2", "dp_tp"), r"^mismatch", ("the parallel program's loss, gradients or "
      "parameters differ from the single device's beyond the tolerance"), ("report it with the family's factory "
      "(`autoshard.zoo.architectures:<family>`): this is an autoshard bug")),
@@ -363,6 +373,8 @@ def failure_class(record: dict):
             continue
         kind = "timeout" if text.startswith("timeout") else "crash" if text.startswith(("out of memory", "worker")) \
             else cell
+        if text.startswith("mismatch") and record.get("notes", {}).get("custom_backward"):
+            text = f"custom backward: {text}"
         for name, cells, pattern, _, _ in FAILURES:
             if kind in cells and re.search(pattern, text):
                 return name, cell, text
