@@ -36,7 +36,7 @@ from autoshard.zoo.hints import plan_hints
 from .report import table, write_section
 
 WORLDS = (1, 2, 4)
-WARMUP, STEPS = 2, 6
+WARMUP, STEPS = 3, 12  # 12 measured steps: two runs of 6 differed by up to 20% on this VM
 MODELS = {
     "gpt2 (zoo)": lambda: gpt2(batch=8, seq=64, dim=256, n_heads=8, n_layers=4, vocab_size=512),
     "llama (zoo)": lambda: llama(batch=8, seq=64, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=512, n_layers=4,
