@@ -50,8 +50,10 @@ def run_cli(factory: str, args: list[str]) -> dict:
     plan = json.loads(done.stdout)
     search = plan.get("search", {})
     pipeline = plan.get("pipeline") or {}
-    return {"mesh": "x".join(str(n) for n in search.get("chosen_mesh", plan["mesh"]["shape"])), "wall_s": wall, "cpu_s": (after.children_user + after.children_system) - (cpu.children_user +
-                                                                                     cpu.children_system),
+    # the mesh kept (devices=) or given: a pipelined plan's JSON holds its inner mesh
+    mesh = search.get("chosen_mesh") or [int(n) for n in args[args.index("--mesh") + 1].split(",")]
+    cpu_s = (after.children_user + after.children_system) - (cpu.children_user + cpu.children_system)
+    return {"mesh": "x".join(str(n) for n in mesh), "wall_s": wall, "cpu_s": cpu_s,
             "step_s": pipeline.get("predicted_step_s", plan["predicted"]["step_time_s"]), "memory_gib": plan["predicted"]["memory_bytes_per_rank"] / 2**30,
             "pipeline": plan.get("pipeline", {}).get("axis") or "-", "candidates": len(search.get("candidates", [])) or 1,
             "recomputed": len(plan["hints"].get("recompute", [])), "zero": plan["hints"].get("zero") or "-",
@@ -81,6 +83,8 @@ def main(quick: bool = False) -> None:
     body = (f"Targets: {', '.join(f'{n} <= {t:.0f} s' for n, _, t in timed)} — "
             + (f"**NOT met: {', '.join(missed)}**" if missed else "**met on every row**")
             + f". Load average (1 min) when the runs ended: {load:.1f} (the CPU column is the planner's own time; "
+            "this VM's speed varies from day to day: on 2026-11-26 the 8B (8,8) dp,tp plan took 7.3 s at 3cbfb38 and "
+            "9.5 s at 6c4d82d the next day; "
             "on this VM's two hyperthreads another busy process inflates both columns, by about 20% beside one other "
             "planning process, and two quiet runs differ by up to 10%).\n\n" + table(headers, rows))
     body += ("\n\nMemory (issue 17 item 1): every plan fits the default budget, the device's 80 GB less 10% headroom "
