@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from autoshard.cost.axis_cost import compute_parts
 from autoshard.cost.profiles import HardwareProfile
+from autoshard.ir.warn_once import warn_once
 
 # (m, n, k) of the matmuls, (batch, heads, sequence, head dim) of attention, elements of the memory-bound op
 CPU_SIZES = {"matmul": [(64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 1024, 512)],
@@ -349,10 +350,15 @@ def split_backward_factor(dtype: torch.dtype, device: torch.device, repeats: int
     True
     """
     # private to torch, but what its zero-bubble schedules call: the split priced is the one that runs
-    from torch.distributed.pipelining._backward import (
-        stage_backward_input,
-        stage_backward_weight,
-    )
+    try:
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
+    except ImportError:  # a torch without them: the split is priced as the fused backward (the default)
+        warn_once("autoshard: this torch has no torch.distributed.pipelining._backward: calibrate prices a "
+                  "zero-bubble schedule's split backward as the fused one")
+        return 1.0
 
     layers = [torch.nn.Linear(128, 128) for _ in range(4)]
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())]).to(device, dtype)
