@@ -351,6 +351,10 @@ FAILURES = [
      "(`autoshard.zoo.architectures:<family>`): this is an autoshard bug")),
     ("planning: memory budget", ("dp_tp", "plan222"), r"MemoryBudget|memory budget", ("no plan fits 0.6 x the "
      "unbudgeted plan's memory"), "raise the budget or add devices"),
+    ("planning: the ILP's time limit", ("dp2", "dp_tp", "plan222"), r"IlpTimeLimitError", ("under the memory budget "
+     "the sharding ILP found no plan within its time limit (scaled to its size; on a loaded machine HiGHS gets less "
+     "of it)"), ("raise `ilp_time_limit=` (`--ilp-time-limit`), or loosen the budget, or give ZeRO / `checkpoint=` "
+     "instead of having them searched (the message lists these)")),
     ("planning: too slow", ("timeout",), r"timeout", ("planning under the budget took longer than the sweep's "
      "timeout per family"), "raise `--timeout`; pass `ilp_time_limit=` to bound each sharding ILP"),
     ("worker out of memory", ("crash",), r"out of memory", ("the tiny model still used more than the worker's "
