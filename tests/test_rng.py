@@ -115,6 +115,31 @@ def test_recomputed_regions_replay_their_masks():
     assert all(torch.equal(plain[r][k], recomputed[r][k]) for r in plain for k in plain[r])
 
 
+class NoisyRouter(nn.Module):
+    """A router that adds exponential noise drawn in place (PhiMoE's sparse mixer): the exported graph holds the
+    functional sampler aten.exponential."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 8)
+
+    def forward(self, x):
+        scores = self.gate(x)
+        noise = torch.empty_like(scores).exponential_().log()
+        return (scores.softmax(-1) * (scores - noise).softmax(-1)).sum()
+
+
+@pytest.mark.parametrize("names", [("dp",), ("tp",)])
+def test_exact_rng_reproduces_in_place_samplers(names):
+    """rng="exact" draws an in-place sampler's whole tensor as the single device does, so the step verifies."""
+    x = torch.randn(8, 4)
+    hints = {"input:0": {"dp": "S(0)"}} if names == ("dp",) else {"gate.weight": {"tp": "S(0)"}}
+    report, program = verify_simulated(NoisyRouter(), (x,), lambda out, *_: out, mesh=(2,), axis_names=names,
+                                       hints=hints)
+    assert report.ok, str(report)
+    assert [op.target for op in program.random_ops] == [torch.ops.aten.exponential.default]
+
+
 def test_bad_random_number_options_are_named():
     x = torch.ones(8, 64)
     with pytest.raises(UserInputError, match=r"rng='bogus' is not a random-number mode"):

@@ -62,6 +62,10 @@ EXACT_KINDS = {
     aten.randn_like.default: "fresh", aten.rand.default: "creation", aten.randn.default: "creation",
     aten.randint.default: "creation", aten.randint.low: "creation", aten.randperm.default: "creation",
     aten.scaled_dot_product_attention.default: "attention",
+    # the functional forms of the in-place samplers (`torch.empty_like(x).exponential_()`: a MoE router's noise)
+    # draw a tensor shaped like their input whatever its values
+    aten.exponential.default: "fresh", aten.uniform.default: "fresh", aten.normal_functional.default: "fresh",
+    aten.geometric.default: "fresh", aten.log_normal.default: "fresh", aten.cauchy.default: "fresh",
 }
 
 
