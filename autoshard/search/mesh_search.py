@@ -204,7 +204,11 @@ def _with_hand_plans(request: CompileRequest, kept):
     mesh's flat plan planned again with them)."""
     search = {k: v for k, v in kept.plan.search.items() if k != "hand_plans_deferred"}
     if kept.plan.pipeline:
-        flat = plan_with_hand_plans(request)
+        try:
+            flat = plan_with_hand_plans(request)
+        except AutoshardError:  # planned before, so not expected; the pipeline stands
+            kept.plan.search = search
+            return kept
         if predicted_step_s(flat) >= predicted_step_s(kept):
             kept.plan.search = dict(search, hand_plans=flat.plan.search.get("hand_plans", []))
             return kept
