@@ -95,5 +95,7 @@ def test_megatron_hints_place_every_parameter_once(family):
 def test_default_run_covers_every_mode_and_rotates():
     """Every mode runs by default; the families verified with hints change from run to run (the seed)."""
     assert {m for _, m in DEFAULT} == set(MODES) and len(SAMPLED) == SAMPLE
-    other = sorted(random.Random(SEED + 1).sample(sorted(families.FAMILIES), SAMPLE))
-    assert set(SAMPLED) <= set(families.FAMILIES) and (other != SAMPLED or SAMPLE == len(families.FAMILIES))
+    assert set(SAMPLED) <= set(families.FAMILIES)
+    # the rotation reaches every family: over 100 runs' seeds each is sampled (deterministic, not left to chance)
+    reached = {f for seed in range(100) for f in random.Random(seed).sample(sorted(families.FAMILIES), SAMPLE)}
+    assert reached == set(families.FAMILIES)
