@@ -8,11 +8,14 @@ import torch
 import autoshard
 from autoshard.cost.profiles import HardwareProfile
 from autoshard.ir.errors import UserInputError
+from autoshard.ir.warn_once import warn_once
 from autoshard.search.mesh_search import (
     candidate_shapes,
     describe_roles,
     predicted_step_s,
 )
+from autoshard.search.planning_workers import WORKERS_ENV, run_tasks
+from autoshard.solver.errors import MemoryBudgetError
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2, mlp
 
@@ -98,3 +101,51 @@ def test_an_axis_that_splits_only_activations_is_named_as_such():
     prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("sp",),
                                  hints={"input:0": {"sp": "S(1)"}})
     assert describe_roles(prog) == "activations split on ['sp']"
+
+
+def _without_timings(prog) -> tuple:
+    """What a devices= plan decided, without the seconds each candidate took to plan."""
+    plan = prog.plan.to_json()
+    search = plan.pop("search")
+    rows = [{k: v for k, v in row.items() if k != "seconds"} for row in search.pop("mesh_candidates")]
+    return plan, rows, search, str(prog.rank_program.param_specs), prog.state.ilp_stats
+
+
+@pytest.mark.parametrize("budget_share", [None, 0.5])  # 0.5: a pipelined plan is kept (applied from a worker's plan)
+def test_shapes_planned_in_worker_processes_give_the_plan_planned_in_one(monkeypatch, budget_share):
+    model, inputs, loss_fn = mlp(n_layers=8)
+    budget = None
+    if budget_share is not None:
+        single = autoshard.parallelize(model, (1,), inputs, loss_fn=loss_fn, profile="cpu")
+        budget = budget_share * single.plan.predicted.memory_bytes_per_rank
+    decided = {}
+    for workers in ("1", "2"):  # the serial run solves first: the fork then follows HiGHS's threads (they must stop)
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=4, profile="cpu",
+                                     memory_budget=budget)
+        decided[workers] = _without_timings(prog)
+    for part, serial, forked in zip(("plan", "rows", "search", "parameter specs", "ILP stats"), *decided.values()):
+        assert serial == forked, part
+    if budget_share is not None:
+        assert decided["2"][0]["pipeline"], "the budget was meant to make a pipeline win"
+
+
+def test_a_refusal_in_the_workers_is_the_smallest_footprint_over_the_shapes(monkeypatch):
+    model, inputs, loss_fn = mlp(n_layers=3)
+    errors = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        with pytest.raises(MemoryBudgetError) as caught:
+            autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=4, memory_budget=1000)
+        errors[workers] = (str(caught.value), caught.value.minimum)
+    assert errors["1"] == errors["2"]
+
+
+def test_a_task_in_a_worker_tells_its_warnings_to_the_parent_once_each():
+    def warns(x):
+        warn_once("autoshard: the same warning")
+        warn_once("autoshard: the same warning")
+        return x
+    results = run_tasks(warns, [1, 2], workers=2)
+    assert [r for r, _ in results] == [1, 2]
+    assert all(caught == [("autoshard: the same warning", UserWarning)] for _, caught in results)

@@ -202,6 +202,20 @@ def reuse_normalized():
         _NORMALIZED.reset(token)
 
 
+def trace_ahead(request: CompileRequest) -> None:
+    """Inside `reuse_normalized()`: trace and normalize `request`'s model now, so that processes forked next (the
+    mesh search's workers, autoshard/search/planning_workers.py) start from the cached trace.
+
+    >>> with reuse_normalized():
+    ...     trace_ahead(CompileRequest(model, Mesh.of((2,), ("dp",)), inputs, loss_fn=loss_fn))
+    """
+    plan, hints = request.plan, request.hints
+    if plan is not None:
+        plan, hints = resolve_plan(plan, request.mesh, hints)
+    _normalized_trace(request, hints, CompileOptions.of(request.options),
+                      request.debug or os.environ.get("AUTOSHARD_DEBUG") == "1")
+
+
 def _normalized_trace(request: CompileRequest, hints, options: CompileOptions, debug: bool):
     """(Traced after normalize, Fold or None, normalize's History): from the call's cache when it holds this trace."""
     cache = _NORMALIZED.get()

@@ -26,6 +26,8 @@ than room, those of whole-node inner axes are spread evenly from the shallowest 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import time
@@ -37,11 +39,14 @@ from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import Shard
 from autoshard.report.accuracy import predicted_memory_bytes
+from autoshard.passes.pass_lists import trace_ahead
+from autoshard.plan.plan import Plan
 from autoshard.search.hand_plan_search import (
     compare_hand_plans,
     hand_plans_deferred,
     plan_with_hand_plans,
 )
+from autoshard.search.planning_workers import picklable, planning_workers, run_tasks, tell
 from autoshard.solver.errors import MemoryBudgetError
 
 log = logging.getLogger(__name__)
@@ -130,10 +135,27 @@ def predicted_step_s(prog) -> float:
     return pipeline["predicted_step_s"] if pipeline else prog.plan.predicted.step_time_s
 
 
+@dataclasses.dataclass
+class _ShapeResult:
+    """One candidate shape planned: its row of `plan.search["mesh_candidates"]`, its predicted step, the plan (a plan
+    file's content, which a worker process returns), the Program when planned in this process, the predicted step
+    of its flat automatic plan when the hand plans were deferred (`flat_step`), and its refusal when none plans."""
+    shape: tuple
+    row: dict
+    step: float = math.inf
+    plan: dict | None = None
+    program: object = None
+    flat_step: float | None = None
+    ilp_stats: list = dataclasses.field(default_factory=list)
+    ilp_stopped: list = dataclasses.field(default_factory=list)
+    error: AutoshardError | None = None
+
+
 def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     """The Program with the fastest predicted step over `candidate_shapes(devices, ...)`: `compile_on_mesh(request)`
     plans `request` on one candidate mesh (parallelize's own compile). A shape no plan fits is skipped; when none
-    fits, the refusal with the smallest footprint is raised.
+    fits, the refusal with the smallest footprint is raised. The shapes are planned side by side in worker processes
+    where there are cores for them (autoshard/search/planning_workers.py); the plan kept is applied here.
 
     >>> import autoshard
     >>> from autoshard.zoo import mlp
@@ -142,51 +164,119 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     >>> prog.mesh, [row["mesh"] for row in prog.plan.search["mesh_candidates"]]
     (Mesh(a0=4), [[4], [2, 2]])
     """
-    profile = request.options.profile
-    rows, best, best_step, errors = [], None, math.inf, []
-    deferred = {}  # shape -> its flat automatic plan's step when its hand plans were deferred, else None
-    with hand_plans_deferred():  # compared on the kept shape only (below)
-        for shape in candidate_shapes(devices, profile.devices_per_node):
-            started = time.perf_counter()
-            try:
-                prog = compile_on_mesh(request.replace(mesh=Mesh(shape)))
-            except AutoshardError as exc:
-                errors.append(exc)
-                rows.append({"mesh": list(shape), "error": str(exc).splitlines()[0],
-                             "seconds": round(time.perf_counter() - started, 3)})
-                continue
-            step = predicted_step_s(prog)
-            rows.append({"mesh": list(shape), "predicted_step_s": step,
-                         "memory_bytes_per_rank": predicted_memory_bytes(prog), "plan": describe_roles(prog),
-                         "seconds": round(time.perf_counter() - started, 3)})
-            deferred[shape] = _deferred_flat_step(prog)
-            if step < best_step:
-                best, best_step = prog, step
-    if best is None:
+    shapes = candidate_shapes(devices, request.options.profile.devices_per_node)
+    workers = planning_workers(len(shapes))
+    trace_ahead(request.replace(mesh=Mesh(shapes[0])))  # every shape (and worker) starts from this trace
+    with hand_plans_deferred():  # compared on the kept shape and those within reach (below)
+        planned = run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, workers == 1), shapes, workers)
+    results = [result for result, _ in planned]
+    fitting = [result for result in results if result.error is None]
+    if not fitting:
+        errors = [result.error for result in results]
         memory = [e for e in errors if isinstance(e, MemoryBudgetError)]
         raise min(memory, key=lambda e: e.minimum) if len(memory) == len(errors) else errors[0]
-    # The deferred hand plans: on the kept shape, then on each shape whose flat automatic plan is within reach.
-    kept = best.mesh.shape
-    for shape in sorted(deferred, key=lambda shape: shape != kept):
-        if deferred[shape] is None or (shape != kept and deferred[shape] > HAND_PLAN_REACH * best_step):
-            continue
-        started = time.perf_counter()
-        if shape == kept:
-            prog = _with_hand_plans(request.replace(mesh=best.mesh), best)
-        else:
-            prog = plan_with_hand_plans(request.replace(mesh=Mesh(shape)))
-        row = next(row for row in rows if row["mesh"] == list(shape))
-        if shape == kept or predicted_step_s(prog) < row["predicted_step_s"]:
-            row.update(predicted_step_s=predicted_step_s(prog), memory_bytes_per_rank=predicted_memory_bytes(prog),
-                       plan=describe_roles(prog))
-        row["seconds"] = round(row["seconds"] + time.perf_counter() - started, 3)
-        if shape == kept or predicted_step_s(prog) < predicted_step_s(best):
-            best = prog
-    why = _why(rows, list(best.mesh.shape))
-    best.plan.search = {**best.plan.search, "mesh_candidates": rows, "chosen_mesh": list(best.mesh.shape),
+    kept = min(fitting, key=lambda result: result.step)  # the first on a tie
+    caught = planned[results.index(kept)][1]
+    # The deferred hand plans: on the kept shape and on each shape whose flat automatic plan is within reach.
+    reach = [result for result in fitting if result.flat_step is not None
+             and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
+    reach.sort(key=lambda result: result is not kept)
+    compared = run_tasks(functools.partial(_plan_hand_plans, request, workers == 1), reach,
+                         planning_workers(len(reach)))
+    best, best_caught = kept, caught
+    for result, (hand, hand_caught) in zip(reach, compared):
+        result.row["seconds"] = round(result.row["seconds"] + hand.row["seconds"], 3)
+        chosen = _kept_or_hand(kept, hand) if result is kept else hand
+        if result is kept or chosen.step < result.step:
+            result.row.update(_figures(chosen))
+        if (result is kept and chosen is not kept) or chosen.step < best.step:
+            best, best_caught = chosen, hand_caught
+    rows = [result.row for result in results]
+    prog = best.program if best.program is not None else _applied(request, best, compile_on_mesh)
+    tell(best_caught)
+    why = _why(rows, list(prog.mesh.shape))
+    prog.plan.search = {**prog.plan.search, "mesh_candidates": rows, "chosen_mesh": list(prog.mesh.shape),
                         "why_mesh": why}
     log.info(why)
-    return best
+    return prog
+
+
+def _plan_shape(request: CompileRequest, compile_on_mesh, keep_program: bool, shape: tuple) -> _ShapeResult:
+    """`request` planned on the mesh `shape` (run_tasks' task: in a worker the Program stays behind)."""
+    started = time.perf_counter()
+    try:
+        prog = compile_on_mesh(request.replace(mesh=Mesh(shape)))
+    except AutoshardError as exc:
+        return _ShapeResult(shape, {"mesh": list(shape), "error": str(exc).splitlines()[0],
+                                   "seconds": round(time.perf_counter() - started, 3)}, error=picklable(exc))
+    return _result(shape, prog, started, keep_program, flat_step=_deferred_flat_step(prog))
+
+
+def _plan_hand_plans(request: CompileRequest, keep_program: bool, planned: _ShapeResult) -> _ShapeResult:
+    """The flat plan the hand plans and the ILP give on `planned`'s shape (run_tasks' task); a flat Program planned
+    in this process is compared with the hand plans as it is, not planned again."""
+    started = time.perf_counter()
+    on_shape = request.replace(mesh=Mesh(planned.shape))
+    prog = planned.program
+    if prog is not None and not prog.plan.pipeline:
+        prog.plan.search = {k: v for k, v in prog.plan.search.items() if k != "hand_plans_deferred"}
+        chosen = compare_hand_plans(on_shape, prog)
+        if chosen is not prog:  # a hand plan: the pipeline search's record (no axis pipelined) stays with it
+            chosen.plan.search = {**prog.plan.search, **chosen.plan.search}
+        return _result(planned.shape, chosen, started, keep_program)
+    try:
+        flat = plan_with_hand_plans(on_shape)
+    except AutoshardError:  # planned before, so not expected: the shape's plan stands
+        return _ShapeResult(planned.shape, {"seconds": round(time.perf_counter() - started, 3)})
+    return _result(planned.shape, flat, started, keep_program)
+
+
+def _result(shape: tuple, prog, started: float, keep_program: bool, flat_step: float | None = None) -> _ShapeResult:
+    plan = dict(prog.plan.to_json(), fingerprint=prog.plan.fingerprint)
+    return _ShapeResult(shape, {"mesh": list(shape), **_figures_of(prog),
+                               "seconds": round(time.perf_counter() - started, 3)},
+                       predicted_step_s(prog), plan, prog if keep_program else None, flat_step,
+                       list(prog.state.ilp_stats), list(prog.state.ilp_stopped))
+
+
+def _figures_of(prog) -> dict:
+    return {"predicted_step_s": predicted_step_s(prog), "memory_bytes_per_rank": predicted_memory_bytes(prog),
+            "plan": describe_roles(prog)}
+
+
+def _figures(result: _ShapeResult) -> dict:
+    return {k: result.row[k] for k in ("predicted_step_s", "memory_bytes_per_rank", "plan")}
+
+
+def _kept_or_hand(kept: _ShapeResult, hand: _ShapeResult) -> _ShapeResult:
+    """The kept shape's plan (planned with the hand plans deferred) or, when it pipelines and the flat plan of the
+    hand plans predicts a faster step, that one; the search records merged (its pipeline search's, the hand plans')."""
+    search = {k: v for k, v in kept.plan["search"].items() if k != "hand_plans_deferred"}
+    if hand.plan is None:  # the flat plans failed this time: the pipeline stands
+        chosen, merged = kept, search
+    elif not kept.plan.get("pipeline"):  # compared with the hand plans as it was (`_plan_hand_plans`)
+        return hand
+    elif hand.step >= kept.step:
+        chosen, merged = kept, dict(search, hand_plans=hand.plan["search"].get("hand_plans", []))
+    else:
+        why = f"{search.get('why', '')}; then the hand plans on this mesh: {hand.plan['search'].get('why_plan', '')}"
+        chosen, merged = hand, {**search, **hand.plan["search"], "chosen_pipeline_axis": None, "why": why}
+    chosen.plan["search"] = merged
+    if chosen.program is not None:
+        chosen.program.plan.search = merged
+    return chosen
+
+
+def _applied(request: CompileRequest, result: _ShapeResult, compile_on_mesh):
+    """The Program of a plan a worker made: its decisions applied on its mesh (no solving), its search records kept."""
+    # no fingerprint to check: its search records were merged here after the worker made it
+    plan = Plan.from_json(dict(result.plan, fingerprint=None), source=f"the plan for mesh {result.shape}")
+    # the plan carries the hints and ZeRO it was made with
+    prog = compile_on_mesh(request.replace(mesh=Mesh(result.shape), plan=plan, hints=None,
+                                           options=request.options.replace(zero=None)))
+    prog.plan.search = dict(result.plan.get("search", {}))
+    prog.state.ilp_stats, prog.state.ilp_stopped = result.ilp_stats, result.ilp_stopped  # the solves that made it
+    return prog
 
 
 def _deferred_flat_step(prog) -> float | None:
@@ -196,30 +286,6 @@ def _deferred_flat_step(prog) -> float | None:
     if not prog.plan.pipeline:
         return predicted_step_s(prog)
     return next(c["predicted_step_s"] for c in prog.plan.search["candidates"] if c["axis"] is None)
-
-
-def _with_hand_plans(request: CompileRequest, kept):
-    """The kept shape's Program `kept` (planned with the hand plans deferred), or the flat plan the hand plans give
-    on its mesh when that predicts a faster step (`kept` flat: the hand plans compared with it; pipelined: the
-    mesh's flat plan planned again with them)."""
-    search = {k: v for k, v in kept.plan.search.items() if k != "hand_plans_deferred"}
-    if kept.plan.pipeline:
-        try:
-            flat = plan_with_hand_plans(request)
-        except AutoshardError:  # planned before, so not expected; the pipeline stands
-            kept.plan.search = search
-            return kept
-        if predicted_step_s(flat) >= predicted_step_s(kept):
-            kept.plan.search = dict(search, hand_plans=flat.plan.search.get("hand_plans", []))
-            return kept
-        why = f"{search.get('why', '')}; then the hand plans on this mesh: {flat.plan.search.get('why_plan', '')}"
-        flat.plan.search = {**search, **flat.plan.search, "chosen_pipeline_axis": None, "why": why}
-        return flat
-    kept.plan.search = search
-    chosen = compare_hand_plans(request, kept)
-    if chosen is not kept:  # a hand plan: the pipeline search's record (no axis pipelined) stays with it
-        chosen.plan.search = {**search, **chosen.plan.search}
-    return chosen
 
 
 def describe_roles(prog) -> str:

@@ -33,6 +33,9 @@ class IlpTimeLimitError(PlanError):
                          "easier: hints that fix placements, a looser memory_budget, ZeRO or checkpoint= given rather "
                          "than searched.")
 
+    def __reduce__(self):  # a planning worker returns it to the parent process
+        return type(self), (self.problem, self.time_limit, self.seconds, self.variables, self.constraints, self.where)
+
     def at(self, where: str) -> IlpTimeLimitError:
         """The same error, saying where it happened.
 
@@ -54,7 +57,7 @@ class MemoryBudgetError(PlanError):
     """
 
     def __init__(self, problem: IlpProblem, searched: str = "", advice: str = ""):
-        self.problem = problem
+        self.problem, self.searched, self.advice = problem, searched, advice
         memory = problem.memory or []
         choice = [min(range(len(per)), key=per.__getitem__) for per in memory]
         cheapest = [per[s] for per, s in zip(memory, choice)]
@@ -84,6 +87,9 @@ class MemoryBudgetError(PlanError):
         super().__init__(f"no plan fits the memory budget of {_gib(problem.budget / problem.later_ways)} per "
                          f"device: the smallest footprint the sharding search can reach{how} is "
                          f"{_gib(self.minimum)}{later}{dominant}. {advice}")
+
+    def __reduce__(self):  # a planning worker returns it to the parent process
+        return type(self), (self.problem, self.searched, self.advice)
 
 
 def _readable(nbytes) -> str:

@@ -1,5 +1,5 @@
 """A HiGHS instance fit for a compiler's process: its copyright banner kept off stdout (it would corrupt
-`plan --json`) and its worker threads stopped before the process exits.
+`plan --json`) and its worker threads stopped before the process exits or forks.
 
 >>> quiet_highs().getNumCol()
 0
@@ -38,7 +38,16 @@ def quiet_highs():
     _banner_shown = True
     # HiGHS's worker threads live in a static scheduler; a process that exits with them running aborts
     # ("terminate called without an active exception", seen under torchrun): stop them first.
+    atexit.register(stop_solver_threads)
+    return h
+
+
+def stop_solver_threads() -> None:
+    """Stop HiGHS's worker threads (the next solve starts them again): before the process exits, and before it
+    forks (a child would inherit a scheduler whose threads it does not have, and spin on them for ever).
+
+    >>> stop_solver_threads()
+    """
     stop = getattr(highspy.Highs, "resetGlobalScheduler", None)  # highspy >= 1.8
     if stop is not None:
-        atexit.register(stop, True)
-    return h
+        stop(True)
