@@ -38,15 +38,20 @@ from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import Shard
-from autoshard.report.accuracy import predicted_memory_bytes
 from autoshard.passes.pass_lists import trace_ahead
 from autoshard.plan.plan import Plan
+from autoshard.report.accuracy import predicted_memory_bytes
 from autoshard.search.hand_plan_search import (
     compare_hand_plans,
     hand_plans_deferred,
     plan_with_hand_plans,
 )
-from autoshard.search.planning_workers import picklable, planning_workers, run_tasks, tell
+from autoshard.search.planning_workers import (
+    picklable,
+    planning_workers,
+    run_tasks,
+    tell,
+)
 from autoshard.solver.errors import MemoryBudgetError
 
 log = logging.getLogger(__name__)
