@@ -103,7 +103,9 @@ def main(quick: bool = False) -> None:
     body += ("\n\nThe devices= rows plan every candidate mesh shape (`python -m autoshard plan ... --devices N`; the "
              "mesh column is the shape kept; 'plans compared' counts the pipeline candidates on it) and print why "
              "that shape; the ILP, the pipeline search and the memory ladder run on each, the hand plans on the kept "
-             "one (and shapes within reach of it).")
+             "one (and shapes within reach of it). The shapes are planned side by side in worker processes, one per "
+             f"core ({os.cpu_count()} here: the CPU column is the work, the wall column what it took; "
+             "autoshard/search/planning_workers.py).")
     write_section("planning_cli", "9. Planning time at scale through the CLI: Llama 3 8B, 70B, 405B", body, headers,
                   rows)
     write_csv("planning_cli", headers, rows)
