@@ -1,8 +1,10 @@
 """`python -m autoshard calibrate`: measure what the cost model uses on this machine, on prod(mesh) ranks at once.
 
-Spawns prod(mesh) gloo ranks. Each times all_reduce of several message sizes on each axis's groups, and
+Spawns prod(mesh) gloo ranks. Each times all_reduce of several message sizes on each axis's groups (between
+compute, as training calls them), and
 time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the cost model uses) gives alpha (latency:
-the smallest message) and bandwidth (the slope over the larger ones) per axis (`fit_link`). Then every rank at once times matmuls per dtype, attention and
+the smallest message) and bandwidth (the slope over the larger ones) per axis (`fit_link`); how much of an
+asynchronous collective compute hides meanwhile (`comm_overlap_share`). Then every rank at once times matmuls per dtype, attention and
 a memory-bound op, forward and backward (autoshard/cost/compute_rates.py), so the rates include the contention
 of ranks sharing the machine, as training on it has; the slowest rank's figures are kept. Prints the fitted
 figures and writes a HardwareProfile JSON usable with `--profile` / `profile=`.
@@ -37,14 +39,73 @@ DTYPES = ("float32", "float64", "bfloat16")  # the matmul rates measured (what t
 
 
 def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
-    """This rank's link timings (`_time_axis_task`) and then, every rank at once, its compute rates (as JSON) on
-    the device it trains on: its GPU where the host has them (CUDA events time the kernels), else the CPU."""
+    """This rank's link timings (`_time_axis_task`), the overlap of an asynchronous collective with compute, and
+    then, every rank at once, its compute rates (as JSON) on the device it trains on: its GPU where the host has
+    them (CUDA events time the kernels), else the CPU."""
     links = _time_axis_task(rank, world, mesh_json, sizes)
     action = pipeline_action_seconds(rank, world) if world > 1 else 0.0
+    overlap = comm_overlap_share(Mesh.from_json(mesh_json)) if world > 1 else 1.0
     dist.barrier()
     device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     memory = torch.cuda.get_device_properties(device).total_memory if device != "cpu" else None
-    return links, measure_compute(device, dtypes).to_json(), memory, action
+    return links, measure_compute(device, dtypes).to_json(), memory, action, overlap
+
+
+OVERLAP_BYTES = 4 * 2**20  # a gradient bucket's order (grad_sync.py's buckets, ZeRO-3's layer gathers)
+
+
+def comm_overlap_share(mesh: Mesh, repeats: int = 5) -> float:
+    """The share of an asynchronous all-reduce's time that compute running meanwhile hides, as the runtime overlaps
+    gradient buckets and ZeRO-3's gathers (the communicator's `start_all_reduce` on the mesh's first axis): with
+    `m` the collective alone, `c` a matmul chain of about as long alone and `b` both (started, computed, waited),
+    (c + m - b) / min(c, m), between 0 (nothing hidden: the plain sum) and 1 (hidden whole). Every rank calls it.
+
+    >>> comm_overlap_share(Mesh((2,), ("dp",)))  # doctest: +SKIP
+    0.4
+    """
+    comm = communicator_for(mesh)
+    axis = mesh.names[0]
+    message = torch.ones(OVERLAP_BYTES // 4)
+    a = torch.randn(256, 256)
+
+    def collective():
+        return comm.start_all_reduce(message.clone(), axis).wait()
+
+    def chain(n):
+        y = a
+        for _ in range(n):
+            y = torch.tanh(y @ a)
+        return y
+
+    def timed(run) -> float:
+        run()
+        seconds = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
+    m = timed(collective)
+    n = max(1, round(m / max(timed(lambda: chain(8)) / 8, 1e-9)))
+    n = _world_max(n)
+    c = timed(lambda: chain(n))
+
+    def both():
+        pending = comm.start_all_reduce(message.clone(), axis)
+        chain(n)
+        pending.wait()
+
+    b = timed(both)
+    return min(max((c + m - b) / min(c, m), 0.0), 1.0)
+
+
+def _world_max(value: int) -> int:
+    """The largest `value` over the ranks (every rank must run the same chain: the collective pairs them)."""
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())
 
 
 PIPELINE_COUNTS = (1, 4)  # micro-batches of the two timed steps, per stage (1F1B needs at least one per stage)
@@ -123,7 +184,7 @@ def slowest_rates(per_rank: list) -> ComputeRates:
 
 def _time_axis_task(rank, world, mesh_json, sizes):
     """Seconds of one all-reduce of each size on each axis, and of one all-gather of that output size, as the
-    runtime runs them: the communicator's (on gloo gathered in a fixed order and summed, bitwise reproducible:
+    runtime runs them, between compute (`between_compute_seconds`): the communicator's (on gloo gathered in a fixed order and summed, bitwise reproducible:
     (k-1) x the bytes where a ring moves 2(k-1)/k, so the fitted bandwidth is what the runtime's reductions get,
     and an all-gather pays the whole latency an all-reduce pays; NCCL's rings elsewhere). Keys (collective, axis,
     bytes)."""
@@ -140,12 +201,41 @@ def _time_axis_task(rank, world, mesh_json, sizes):
             repeats = max(REPEATS, min(SMALL_REPEATS, 2**24 // size))  # small messages: cheap, and noisier
             for name, run in runs.items():
                 run()  # warm up the connection
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    run()
-                out[(name, axis, size)] = (time.perf_counter() - start) / repeats
+                out[(name, axis, size)] = between_compute_seconds(run, repeats)
     return out
+
+
+def _layer_compute(n: int = 16):
+    """About half a millisecond of matmuls (on this machine): what a layer computes between two of training's
+    collectives."""
+    chain = torch.full((128, 128), 0.01)
+    y = chain
+    for _ in range(n):
+        y = torch.tanh(y @ chain)
+    return y
+
+
+def between_compute_seconds(run, repeats: int, compute=_layer_compute) -> float:
+    """Seconds of one `run()` (a collective) as training meets it: after some compute, not back to back. On gloo a
+    small message then costs about twice what back-to-back calls take (measured on 2 ranks of this 2-core machine:
+    4 KiB all-gathers 480 us back to back, 920-1280 us between matmuls: the peers' threads sleep between calls and
+    their compute ends at different times). Every rank of the collective's group calls it.
+
+    >>> between_compute_seconds(lambda: None, 3) >= 0.0  # doctest: +SKIP
+    True
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        compute()
+        run()
+    both = time.perf_counter() - start
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        compute()
+    alone = time.perf_counter() - start
+    return max(both - alone, 0.0) / repeats
 
 
 def fit_link(samples, k: int, gathers=None) -> Link:
@@ -242,9 +332,11 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
               f"{rates.grad_op_overhead_s * 1e6:.1f} us backward, {rates.view_overhead_s * 1e6:.1f} us per view "
               f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward")
     action = max(r[3] for r in results.values())
+    overlap = min(r[4] for r in results.values())
     if not quiet and mesh.size > 1:
         print(f"pipeline runtime: {action * 1e3:.3f} ms per schedule action, a backward split in two (zero bubble) "
-              f"{rates.split_backward_factor:.2f} x the fused one")
+              f"{rates.split_backward_factor:.2f} x the fused one; compute hides {overlap:.0%} of an asynchronous "
+              "collective")
     memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
     return HardwareProfile(name="calibrated", peak_flops=rates.matmul_flops.get("float32", CPU_PROFILE.peak_flops),
                            memory_bandwidth=rates.memory_bandwidth,
@@ -256,4 +348,4 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            recorded_op_overhead_s=rates.recorded_op_overhead_s,
                            view_overhead_s=rates.view_overhead_s, view_grad_overhead_s=rates.view_grad_overhead_s,
                            op_overheads=rates.op_overheads, pipeline_action_s=action,
-                           split_backward_factor=rates.split_backward_factor)
+                           split_backward_factor=rates.split_backward_factor, comm_overlap=overlap)

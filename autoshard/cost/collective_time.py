@@ -32,9 +32,9 @@ def grad_sync_time(nbytes: float, k: int, link: Link) -> float:
     """Seconds of one parameter's gradient all-reduce over `k` ranks in the runtime's buckets (grad_sync.py: up to
     BUCKET_BYTES a message): its bytes as `all_reduce_time` prices them, the latencies shared by the parameters of
     a bucket in proportion to their bytes (a parameter of a bucket's size or more pays them whole). Linear in the
-    parameters, so the ILP, predict and ZeRO price the sync alike. A model smaller than one bucket pays less than
-    the one bucket's latencies it really waits for (a constant per synced axis the linear ILP cannot carry; the
-    accuracy benchmark, section 18, shows the size of that gap on gloo).
+    parameters, so the ILP and ZeRO price the sync alike. A model smaller than one bucket pays less than the one
+    bucket's latencies it really waits for (a constant per synced axis the linear ILP cannot carry): predict adds
+    what the buckets' latencies come to beyond that (autoshard/cost/sync_buckets.py).
 
     >>> link = Link(1e-5, 1e9)
     >>> grad_sync_time(BUCKET_BYTES, 4, link) == all_reduce_time(BUCKET_BYTES, 4, link)

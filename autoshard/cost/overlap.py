@@ -47,14 +47,18 @@ class Work:
     label: str = ""
 
 
-def two_streams(works) -> tuple[float, list]:
+def two_streams(works, overlap: float = 1.0) -> tuple[float, list]:
     """(step seconds, events): the works run as the module docstring says; events are (stream, label, start,
-    end) with stream "compute" or a link's name.
+    end) with stream "compute" or a link's name. An async collective costs the compute stream (1 - `overlap`) of
+    its seconds (the profile's `comm_overlap`: ranks whose communication shares the cores with their compute hide
+    only part of it).
 
     >>> two_streams([Work("compute", 1.0, label="B"), Work("async", 3.0, "dp", "S"), Work("compute", 2.0)])[0]
     4.0
     >>> two_streams([Work("compute", 1.0), Work("blocking", 3.0, "tp", "C"), Work("compute", 2.0)])[0]  # a sum
     6.0
+    >>> two_streams([Work("async", 2.0, "dp", "S"), Work("compute", 2.0)], overlap=0.25)[0]  # 2 + 0.75 x 2
+    3.5
     """
     t, links, events = 0.0, {}, []
     for w in works:
@@ -69,6 +73,8 @@ def two_streams(works) -> tuple[float, list]:
         events.append((w.link, w.label, start, start + w.seconds))
         if w.kind == "blocking":
             t = links[w.link]
+        elif overlap < 1.0:  # the compute meanwhile is slowed by the share it cannot hide
+            t += (1.0 - overlap) * w.seconds
     return max([t, *links.values()]), events
 
 
@@ -116,4 +122,4 @@ def hidden_seconds(state) -> float:
     True
     """
     works = step_works(state)
-    return max(0.0, sum(w.seconds for w in works) - two_streams(works)[0])
+    return max(0.0, sum(w.seconds for w in works) - two_streams(works, state.options.profile.comm_overlap)[0])

@@ -98,6 +98,9 @@ class HardwareProfile:
     pipeline_action_s: float = 0.0
     # A zero-bubble schedule's backward split in two (input gradients, then weight gradients) over the fused one.
     split_backward_factor: float = 1.0
+    # The share of an asynchronous collective's time that compute running meanwhile does not pay (1: hidden whole,
+    # a GPU's copy engines and NICs; CPU ranks whose gloo threads share the cores with the compute get less).
+    comm_overlap: float = 1.0
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -114,7 +117,7 @@ class HardwareProfile:
                 "grad_op_overhead_s": self.grad_op_overhead_s, "recorded_op_overhead_s": self.recorded_op_overhead_s,
                 "view_overhead_s": self.view_overhead_s, "view_grad_overhead_s": self.view_grad_overhead_s,
                 "op_overheads": [list(row) for row in self.op_overheads], "pipeline_action_s": self.pipeline_action_s,
-                "split_backward_factor": self.split_backward_factor}
+                "split_backward_factor": self.split_backward_factor, "comm_overlap": self.comm_overlap}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:

@@ -23,6 +23,7 @@ The examples use Megatron's MLP on a 2-way tensor-parallel axis:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -43,6 +44,7 @@ from autoshard.cost.prediction import (
 )
 from autoshard.cost.recompute_cost import account_recompute
 from autoshard.cost.saved_tensors import kept_for_backward
+from autoshard.cost.sync_buckets import bucket_shortfall
 from autoshard.cost.zero_cost import apply_zero, gather_bytes, memory_breakdown
 from autoshard.ir import meta
 from autoshard.ir.collective_table import direction_bytes
@@ -142,6 +144,10 @@ def predict(state) -> None:
     state.predicted = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
+    if state.options.pipeline is None:  # a pipeline's stages bucket their own gradients: not known before the cut
+        for node, seconds in bucket_shortfall(state).items():  # one latency per bucket, not a linear share
+            node.meta[NODE_COST] = replace(node.meta[NODE_COST], sync_s=node.meta[NODE_COST].sync_s + seconds)
+            state.predicted.add_comm(seconds)
     account_recompute(state)  # activation checkpointing: recompute time, activations not kept
     state.predicted.memory = memory_parts(state)
     state.predicted.overlapped_step_s = state.predicted.step_time_s - hidden_seconds(state)

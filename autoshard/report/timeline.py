@@ -208,7 +208,7 @@ def overlap_timeline(state) -> Timeline:
     >>> [timeline.row_name(r) for r in timeline.ranks]
     ['compute', 'link dp']
     """
-    _, events = two_streams(step_works(state))
+    _, events = two_streams(step_works(state), state.options.profile.comm_overlap)
     names = ["compute"] + sorted({stream for stream, *_ in events} - {"compute"})
     rows = {i: name if i == 0 else f"link {name}" for i, name in enumerate(names)}
     index = {name: i for i, name in enumerate(names)}

@@ -24,6 +24,7 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
     (link,) = profile.axis_links
     assert link.alpha > 0 and link.bandwidth > 0
     assert link.gathering().alpha > 0 and link.gathering().bandwidth > 0  # all-gathers timed on their own
+    assert 0.0 <= profile.comm_overlap <= 1.0 and "of an asynchronous collective" in run.stdout
     rates = dict(profile.dtype_flops)
     assert sorted(rates) == ["float32", "float64"] and all(r > 0 for r in rates.values()), rates
     assert profile.attention_flops > 0 and profile.memory_bandwidth > 0

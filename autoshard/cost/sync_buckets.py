@@ -1,0 +1,68 @@
+"""The gradient sync's latencies as the runtime pays them: one per bucket and axis (autoshard/runtime/grad_sync.py
+cuts the synced gradients into buckets of up to BUCKET_BYTES), where the ILP's linear price (`grad_sync_time`) gives
+each parameter its bytes' share of a full bucket's latency. A model whose gradients fill less than a bucket waits
+one whole latency; the linear price charged it that fraction of one. predict adds the difference (`bucket_shortfall`)
+to each synced parameter's row, in proportion to its bytes, and to the step.
+
+The examples use a data-parallel MLP, whose gradients are one bucket:
+
+>>> import autoshard
+>>> from autoshard.zoo import mlp
+>>> model, inputs, loss_fn = mlp(n_layers=2)
+>>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+...                              hints={"input:0": {"dp": "S(0)"}})
+"""
+from __future__ import annotations
+
+from autoshard.cost.flops import local_bytes
+from autoshard.ir import meta
+from autoshard.runtime.grad_sync import BUCKET_BYTES, buckets
+
+
+class _Gradient:
+    """A synced gradient as `buckets` sees it: its bytes and dtype."""
+
+    def __init__(self, node, nbytes: int):
+        self.node, self.nbytes, self.dtype = node, nbytes, node.meta["val"].dtype
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+
+def bucket_shortfall(state) -> dict:
+    """{parameter node: seconds} the runtime's buckets add to each synced parameter's linear sync price: per bucket
+    and axis it reduces on, one latency (2 (k - 1) alpha, `all_reduce_time`'s) less the shares its parameters were
+    charged, spread over them by bytes. An axis where ZeRO-2/3 reduce-scatters the gradients is not bucketed.
+
+    >>> shortfall = bucket_shortfall(prog.state)
+    >>> link = prog.state.options.profile.link((2,), 0)
+    >>> synced = prog.plan.predicted.comm_bytes_per_step["dp"].sync  # under one bucket: one latency in all
+    >>> abs(sum(shortfall.values()) - 2 * link.alpha * (1 - synced / BUCKET_BYTES)) < 1e-12
+    True
+    """
+    mesh, profile, zero = state.mesh, state.options.profile, state.zero
+    scattered = zero.axis if zero is not None and zero.stage >= 2 else None
+    groups: dict = {}  # the axes a gradient is reduced on -> its gradients, in graph order
+    for node in state.gm.graph.nodes:
+        if node.op != "placeholder" or meta.SPEC not in node.meta:
+            continue
+        axes = tuple(a for a in state.grad_reduce.get(node.meta.get(meta.PATH), ()) if a != scattered)
+        if axes:
+            groups.setdefault(axes, []).append(_Gradient(node, local_bytes(node, node.meta[meta.SPEC], mesh)))
+    out: dict = {}
+    for axes, gradients in groups.items():
+        for bucket in buckets(reversed(gradients), lambda g: g):  # backward's order, as the runtime's layout
+            total = sum(g.nbytes for g in bucket)
+            charged = sum(min(1.0, g.nbytes / BUCKET_BYTES) for g in bucket)
+            if total <= 0 or charged >= 1.0:
+                continue
+            for name in axes:
+                axis = mesh.axis(name)
+                k = mesh.shape[axis]
+                missing = 2 * (k - 1) * profile.link(mesh.shape, axis).alpha * (1.0 - charged)
+                for g in bucket:
+                    out[g.node] = out.get(g.node, 0.0) + missing * g.nbytes / total
+    return out
