@@ -32,10 +32,11 @@ class _Gradient:
         return 1
 
 
-def bucket_shortfall(state) -> dict:
+def bucket_shortfall(state, within=None) -> dict:
     """{parameter node: seconds} the runtime's buckets add to each synced parameter's linear sync price: per bucket
     and axis it reduces on, one latency (2 (k - 1) alpha, `all_reduce_time`'s) less the shares its parameters were
     charged, spread over them by bytes. An axis where ZeRO-2/3 reduce-scatters the gradients is not bucketed.
+    `within`: only these parameters, bucketed on their own (a pipeline stage's, which its module syncs).
 
     >>> shortfall = bucket_shortfall(prog.state)
     >>> link = prog.state.options.profile.link((2,), 0)
@@ -47,7 +48,7 @@ def bucket_shortfall(state) -> dict:
     scattered = zero.axis if zero is not None and zero.stage >= 2 else None
     groups: dict = {}  # the axes a gradient is reduced on -> its gradients, in graph order
     for node in state.gm.graph.nodes:
-        if node.op != "placeholder" or meta.SPEC not in node.meta:
+        if node.op != "placeholder" or meta.SPEC not in node.meta or (within is not None and node not in within):
             continue
         axes = tuple(a for a in state.grad_reduce.get(node.meta.get(meta.PATH), ()) if a != scattered)
         if axes:

@@ -40,6 +40,7 @@ from autoshard.cost.pipeline_schedule import (
 )
 from autoshard.cost.prediction import MemoryParts, node_cost
 from autoshard.cost.recompute_cost import op_seconds
+from autoshard.cost.sync_buckets import bucket_shortfall
 from autoshard.frontend.cut_points import find_layers
 from autoshard.frontend.request import CompileOptions
 from autoshard.ir import meta
@@ -406,6 +407,7 @@ def stage_summary(state, config) -> list[dict]:
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
             "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0, "recompute_s": 0.0}
            for s in range(config.num_stages)]
+    held = [set() for _ in out]  # each stage's parameters
     for node in state.gm.graph.nodes:
         cost = node_cost(node)
         if node.op == "placeholder":
@@ -413,6 +415,7 @@ def stage_summary(state, config) -> list[dict]:
                 for s in sorted({u.meta[meta.STAGE] for u in node.users if meta.STAGE in u.meta}):
                     out[s]["param_bytes"] += cost.memory_bytes
                     out[s]["sync_s"] += cost.sync_s
+                    held[s].add(node)
             continue
         if node.op != "call_function":
             continue
@@ -434,6 +437,8 @@ def stage_summary(state, config) -> list[dict]:
         later = [u for u in node.users if u.meta.get(meta.STAGE, -1) > node.meta[meta.STAGE]]
         if later and isinstance(node.meta.get("val"), torch.Tensor):
             row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
+    for row, params in zip(out, held):  # a stage's module syncs its own gradients: its own buckets' latencies
+        row["sync_s"] += sum(bucket_shortfall(state, params).values())
     kept, _ = stage_activations(state, stage_nodes(state, config.num_stages))  # recomputed regions' less
     for row in out:
         once = row["seconds"] - row["recompute_s"]  # backward ~ 2x forward, and the recompute runs in backward

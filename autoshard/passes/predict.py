@@ -144,7 +144,7 @@ def predict(state) -> None:
     state.predicted = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
-    if state.options.pipeline is None:  # a pipeline's stages bucket their own gradients: not known before the cut
+    if state.options.pipeline is None:  # a pipeline's stages bucket their own gradients (cut_stages adds theirs)
         for node, seconds in bucket_shortfall(state).items():  # one latency per bucket, not a linear share
             node.meta[NODE_COST] = replace(node.meta[NODE_COST], sync_s=node.meta[NODE_COST].sync_s + seconds)
             state.predicted.add_comm(seconds)
