@@ -2,6 +2,7 @@
 the compiler; the chosen plan runs and equals the single device."""
 import json
 import math
+import os
 import re
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import autoshard
 from autoshard.cost.profiles import HardwareProfile
-from autoshard.ir.errors import UserInputError
+from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.warn_once import warn_once
 from autoshard.search.mesh_search import (
     candidate_shapes,
@@ -152,3 +153,8 @@ def test_a_task_in_a_worker_tells_its_warnings_to_the_parent_once_each():
     results = run_tasks(warns, [1, 2], workers=2)
     assert [r for r, _ in results] == [1, 2]
     assert all(caught == [("autoshard: the same warning", UserWarning)] for _, caught in results)
+
+
+def test_a_worker_that_dies_is_told_with_what_to_do():
+    with pytest.raises(PlanError, match="planning worker process died.*AUTOSHARD_PLAN_WORKERS=1"):
+        run_tasks(lambda x: os._exit(1), [1, 2], workers=2)

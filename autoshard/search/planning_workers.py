@@ -76,6 +76,10 @@ def run_tasks(task, items: list, workers: int) -> list[tuple]:
     try:  # an executor, not a Pool: a worker that dies (killed for memory) raises BrokenProcessPool, not a hang
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
             return list(pool.map(_run_in_worker, range(len(items))))
+    except concurrent.futures.process.BrokenProcessPool as exc:
+        raise PlanError(f"a planning worker process died before it finished ({exc}): the system may have killed "
+                        f"it for memory ({workers} plan side by side); set {WORKERS_ENV}=1 to plan in this "
+                        "process, or a smaller number") from None
     finally:
         _TASK = None
 
