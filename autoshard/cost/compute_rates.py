@@ -7,9 +7,7 @@ attention, 3 x output bytes for the rest, plus a fixed cost per op):
 
 - matmuls (`torch.nn.functional.linear`) per dtype: seconds = overhead + 3 x 2mnk / rate;
 - attention (`scaled_dot_product_attention`): seconds = overhead + 3 x 4 b h s^2 d / rate;
-- memory-bound ops (GELU): seconds = overhead + 3 x output bytes / bandwidth (the bandwidth is kept, divided by
-  how many times slower a mid-size exported language model's memory-bound ops run in its sequence than the chain
-  in isolation: `sequence_scale.memory_bound_scale`);
+- memory-bound ops (GELU): seconds = overhead + 3 x output bytes / bandwidth (the bandwidth is kept);
 - the fixed cost of an op whatever its size (the dispatcher, autograd, a kernel launch), which every op of a plan
   pays: ~40 ops timed one by one on small tensors and views apart (autoshard/cost/op_overheads.py; an op not timed
   pays their medians), scaled to what a small exported language model's measured sequence says
@@ -41,11 +39,7 @@ from autoshard.cost.op_overheads import (
     view_overheads,
 )
 from autoshard.cost.profiles import HardwareProfile
-from autoshard.cost.sequence_scale import (
-    STACK_REPEATS,
-    memory_bound_scale,
-    sequence_scales,
-)
+from autoshard.cost.sequence_scale import STACK_REPEATS, sequence_scales
 
 # (m, n, k) of the matmuls, (batch, heads, sequence, head dim) of attention, elements of the memory-bound op
 CPU_SIZES = {"matmul": [(64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 1024, 512)],
@@ -202,7 +196,4 @@ def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 
     rates = ComputeRates(matmul, attention, bandwidth, forward, backward, recorded, views[1], views[2],
                          tuple(sorted((name, *costs) for name, costs in per_op.items())),
                          split_backward_factor(first, device, max(repeats, STACK_REPEATS)))
-    rates = rates.scaled(*sequence_scales(device, first, rates, max(repeats, STACK_REPEATS)))
-    # the GELU chain's bandwidth, as the memory-bound ops of a model's sequence get it
-    scale = memory_bound_scale(device, first, rates, max(repeats, STACK_REPEATS))
-    return dataclasses.replace(rates, memory_bandwidth=rates.memory_bandwidth / scale)
+    return rates.scaled(*sequence_scales(device, first, rates, max(repeats, STACK_REPEATS)))

@@ -1,11 +1,7 @@
-"""How the costs of ops timed one by one scale to ops run in a model's sequence: the fixed costs (`op_overheads`)
-from a small language model exported to ATen, its forward and backward timed, less their work (`sequence_scales`);
-the memory-bound ops' bandwidth from a mid-size one, less its fixed costs and its matmuls (`memory_bound_scale`).
+"""How the fixed costs of ops timed one by one (`op_overheads`) scale to ops run in a model's sequence: a small
+language model exported to ATen, its forward and backward timed, less their work (`sequence_scales`).
 """
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
@@ -68,17 +64,6 @@ def _graph_grads(graph, params: set) -> dict:
     return flags
 
 
-def _exported_stack(g: dict, device: torch.device, dtype: torch.dtype):
-    """A `_Stack` of size `g` exported to ATen: (its module, its op nodes, node -> whether it has a gradient, a
-    batch of ids, its parameters)."""
-    model = _Stack(g["layers"], g["dim"], g["heads"], g["vocab"]).to(device, dtype)
-    x = torch.randint(0, g["vocab"], (g["batch"], g["seq"]), device=device)
-    exported = torch.export.export(model, (x,))
-    graph = exported.graph_module.graph
-    grads = _graph_grads(graph, set(exported.graph_signature.inputs_to_parameters))
-    return exported.module(), [n for n in graph.nodes if n.op == "call_function"], grads, x, list(model.parameters())
-
-
 def sequence_scales(device: torch.device, dtype: torch.dtype, rates, repeats: int) -> tuple:
     """(forward, backward) factors from the fixed costs of ops timed one by one to those of ops run in a model's
     sequence: a `_Stack` of STACK's size exported to ATen, its forward (autograd recording) and backward timed,
@@ -91,55 +76,29 @@ def sequence_scales(device: torch.device, dtype: torch.dtype, rates, repeats: in
     >>> forward >= 0 and backward >= 0  # 0 where the measured time is all work (noise on a loaded machine)
     True
     """
-    module, nodes, grads, x, params = _exported_stack(STACK, device, dtype)
+    g = STACK
+    model = _Stack(g["layers"], g["dim"], g["heads"], g["vocab"]).to(device, dtype)
+    x = torch.randint(0, g["vocab"], (g["batch"], g["seq"]), device=device)
+    exported = torch.export.export(model, (x,))
+    module, graph = exported.module(), exported.graph_module.graph
+    grads = _graph_grads(graph, set(exported.graph_signature.inputs_to_parameters))
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
     full, bare = rates.profile(), rates.scaled(0.0, 0.0).profile()  # bare: the work alone
     priced = [compute_parts(n, 1, full, grads[n]) for n in nodes]
     work = [compute_parts(n, 1, bare, grads[n]) for n in nodes]
     fixed_forward = sum(f for f, _ in priced) - sum(f for f, _ in work)
     fixed_backward = sum(b for _, b in priced) - sum(b for _, b in work)
-    timed = timer(device)
+    timed, params = timer(device), list(model.parameters())
 
     def forward():
         module(x)
 
-    forward_s = median_seconds(forward, timed, repeats)
-    backward_s = median_seconds(_train_step(module, x, params), timed, repeats) - forward_s
-    return (max(forward_s - sum(f for f, _ in work), 0.0) / max(fixed_forward, 1e-12),
-            max(backward_s - sum(b for _, b in work), 0.0) / max(fixed_backward, 1e-12))
-
-
-def _train_step(module, x, params):
     def train():
         module(x).backward()
         for p in params:
             p.grad = None
-    return train
 
-
-# A mid-size stack: its memory-bound ops' tensors (0.1-0.5 M elements) outgrow the caches the GELU chain that
-# measures `memory_bandwidth` keeps them in; GPUs run a size up (their caches and bandwidth are larger).
-WORK_STACK = {"cpu": {"layers": 2, "batch": 4, "seq": 128, "dim": 256, "heads": 4, "vocab": 256},
-              "cuda": {"layers": 2, "batch": 8, "seq": 1024, "dim": 1024, "heads": 8, "vocab": 4096}}
-MEMORY_SCALE_RANGE = (0.25, 8.0)  # a measurement outside this is noise, not the machine
-
-
-def memory_bound_scale(device: torch.device, dtype: torch.dtype, rates, repeats: int) -> float:
-    """How many times slower the memory-bound ops run in a model's sequence than the GELU chain that measured
-    `rates.memory_bandwidth`: a mid-size `_Stack` (WORK_STACK) exported and trained (forward and backward), less
-    what `rates` price its fixed costs and its matmuls and attention at, over what they price its memory-bound
-    ops at. Measured on this CPU: ~2 (mid-size activations and their gradients leave the caches).
-
-    >>> from autoshard.cost.compute_rates import ComputeRates
-    >>> rates = ComputeRates({"float32": 1e12}, 1e12, 1e12, 1e-6, 2e-6, 0.0, 1e-6, 2e-6)
-    >>> 0.25 <= memory_bound_scale(torch.device("cpu"), torch.float32, rates, 3) <= 8.0
-    True
-    """
-    module, nodes, grads, x, params = _exported_stack(WORK_STACK["cuda" if device.type == "cuda" else "cpu"],
-                                                      device, dtype)
-    full = rates.profile()
-    other = dataclasses.replace(rates, memory_bandwidth=math.inf).profile()  # all but the memory-bound work
-    priced = sum(sum(compute_parts(n, 1, full, grads[n])) for n in nodes)
-    without = sum(sum(compute_parts(n, 1, other, grads[n])) for n in nodes)
-    measured = median_seconds(_train_step(module, x, params), timer(device), repeats)
-    scale = (measured - without) / max(priced - without, 1e-12)
-    return min(max(scale, MEMORY_SCALE_RANGE[0]), MEMORY_SCALE_RANGE[1])
+    forward_s = median_seconds(forward, timed, repeats)
+    backward_s = median_seconds(train, timed, repeats) - forward_s
+    return (max(forward_s - sum(f for f, _ in work), 0.0) / max(fixed_forward, 1e-12),
+            max(backward_s - sum(b for _, b in work), 0.0) / max(fixed_backward, 1e-12))
