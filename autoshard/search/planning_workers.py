@@ -7,8 +7,8 @@ the one plan it keeps (`parallelize(..., plan=)`: decisions applied, no solving)
 and returned with its result, so the parent tells those of the plan it keeps, once.
 
 Fork is used only where it is safe and pays: on Linux, with more than one core this process may run on, outside
-torch.distributed (a process group's threads and sockets do not survive a fork). `AUTOSHARD_PLAN_WORKERS=1` plans
-in this process; another number caps the workers.
+torch.distributed (a process group's threads and sockets do not survive a fork) and before CUDA is initialised.
+`AUTOSHARD_PLAN_WORKERS=1` plans in this process; another number caps the workers.
 
 >>> [square for square, caught in run_tasks(lambda x: x * x, [1, 2, 3], workers=1)]
 [1, 4, 9]
@@ -44,6 +44,8 @@ def planning_workers(tasks: int) -> int:
     if tasks < 2 or not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
         return 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return 1
+    if torch.cuda.is_initialized():  # a forked child cannot use CUDA again (tracing a model on the GPU would)
         return 1
     cores = len(os.sched_getaffinity(0))
     limit = os.environ.get(WORKERS_ENV, "").strip()
