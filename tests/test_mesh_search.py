@@ -117,7 +117,7 @@ def _without_timings(prog) -> tuple:
 
 @pytest.mark.parametrize("budget_share", [None, 0.5])  # 0.5: a pipelined plan is kept (applied from a worker's plan)
 def test_shapes_planned_in_worker_processes_give_the_plan_planned_in_one(monkeypatch, budget_share):
-    model, inputs, loss_fn = mlp(n_layers=8)
+    model, inputs, loss_fn = mlp(n_layers=4)
     budget = None
     if budget_share is not None:
         single = autoshard.parallelize(model, (1,), inputs, loss_fn=loss_fn, profile="cpu")
