@@ -4,19 +4,25 @@ import json
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
 
 import autoshard
-from autoshard.cost.profiles import HardwareProfile
+from autoshard.cost.profiles import HardwareProfile, load_profile
+from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.ir.errors import PlanError, UserInputError
-from autoshard.ir.warn_once import warn_once
+from autoshard.ir.mesh import Mesh
+from autoshard.ir.warn_once import warn_once, warning_scope
+from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.mesh_search import (
     candidate_shapes,
     describe_roles,
+    plan_on_devices,
     predicted_step_s,
 )
+from autoshard.search.pipeline_search import choose_pipeline
 from autoshard.search.planning_workers import WORKERS_ENV, run_tasks
 from autoshard.solver.errors import MemoryBudgetError
 from autoshard.verify.verify import verify_simulated
@@ -158,3 +164,20 @@ def test_a_task_in_a_worker_tells_its_warnings_to_the_parent_once_each():
 def test_a_worker_that_dies_is_told_with_what_to_do():
     with pytest.raises(PlanError, match="planning worker process died.*AUTOSHARD_PLAN_WORKERS=1"):
         run_tasks(lambda x: os._exit(1), [1, 2], workers=2)
+
+
+def test_only_the_kept_shapes_warnings_are_told_and_once():
+    """Each shape's planning warnings are caught; those of the shape kept reach the user, once (with its hand
+    plans' when they are compared on it: a second round of tasks, which keeps the first round's)."""
+    model, inputs, loss_fn = mlp(n_layers=3)
+
+    def compile_on_mesh(request):
+        warnings.warn(f"autoshard: planned on {request.mesh.shape}")
+        return choose_pipeline(request, None, unnamed=True) or plan_with_hand_plans(request)
+
+    request = CompileRequest(model, Mesh((4,)), inputs, loss_fn=loss_fn, options=CompileOptions(profile=load_profile("cpu")))
+    with warnings.catch_warnings(record=True) as seen, warning_scope():
+        warnings.simplefilter("always")
+        prog = plan_on_devices(request, 4, compile_on_mesh)
+    told = [str(w.message) for w in seen if "planned on" in str(w.message)]
+    assert told == [f"autoshard: planned on {tuple(prog.mesh.shape)}"]

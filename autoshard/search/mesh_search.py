@@ -31,6 +31,7 @@ import functools
 import logging
 import math
 import time
+import warnings
 
 from autoshard.cost.profiles import HardwareProfile
 from autoshard.frontend.request import CompileRequest
@@ -38,6 +39,7 @@ from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import Shard
+from autoshard.ir.warn_once import warning_scope
 from autoshard.passes.pass_lists import trace_ahead
 from autoshard.plan.plan import Plan
 from autoshard.report.accuracy import predicted_memory_bytes
@@ -181,21 +183,21 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
         memory = [e for e in errors if isinstance(e, MemoryBudgetError)]
         raise min(memory, key=lambda e: e.minimum) if len(memory) == len(errors) else errors[0]
     kept = min(fitting, key=lambda result: result.step)  # the first on a tie
-    caught = planned[results.index(kept)][1]
+    caught = {result.shape: told for result, told in planned}  # each shape's warnings (tell those of the one kept)
     # The deferred hand plans: on the kept shape and on each shape whose flat automatic plan is within reach.
     reach = [result for result in fitting if result.flat_step is not None
              and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
     reach.sort(key=lambda result: result is not kept)
     compared = run_tasks(functools.partial(_plan_hand_plans, request, workers == 1), reach,
                          planning_workers(len(reach)))
-    best, best_caught = kept, caught
+    best, best_caught = kept, caught[kept.shape]
     for result, (hand, hand_caught) in zip(reach, compared):
         result.row["seconds"] = round(result.row["seconds"] + hand.row["seconds"], 3)
         chosen = _kept_or_hand(kept, hand) if result is kept else hand
         if result is kept or chosen.step < result.step:
             result.row.update(_figures(chosen))
-        if (result is kept and chosen is not kept) or chosen.step < best.step:
-            best, best_caught = chosen, hand_caught
+        if (result is kept and chosen is not kept) or chosen.step < best.step:  # the shape's warnings, then its
+            best, best_caught = chosen, caught[result.shape] + hand_caught      # hand plans' (told once each)
     rows = [result.row for result in results]
     prog = best.program if best.program is not None else _applied(request, best, compile_on_mesh)
     tell(best_caught)
@@ -276,9 +278,11 @@ def _applied(request: CompileRequest, result: _ShapeResult, compile_on_mesh):
     """The Program of a plan a worker made: its decisions applied on its mesh (no solving), its search records kept."""
     # no fingerprint to check: its search records were merged here after the worker made it
     plan = Plan.from_json(dict(result.plan, fingerprint=None), source=f"the plan for mesh {result.shape}")
-    # the plan carries the hints and ZeRO it was made with
-    prog = compile_on_mesh(request.replace(mesh=Mesh(result.shape), plan=plan, hints=None,
-                                           options=request.options.replace(zero=None)))
+    # the plan carries the hints and ZeRO it was made with; its warnings are the worker's (told by the caller)
+    with warnings.catch_warnings(record=True), warning_scope(fresh=True):
+        warnings.simplefilter("always")
+        prog = compile_on_mesh(request.replace(mesh=Mesh(result.shape), plan=plan, hints=None,
+                                               options=request.options.replace(zero=None)))
     prog.plan.search = dict(result.plan.get("search", {}))
     prog.state.ilp_stats, prog.state.ilp_stopped = result.ilp_stats, result.ilp_stopped  # the solves that made it
     return prog
