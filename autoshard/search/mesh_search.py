@@ -188,8 +188,8 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     reach = [result for result in fitting if result.flat_step is not None
              and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
     reach.sort(key=lambda result: result is not kept)
-    compared = run_tasks(functools.partial(_plan_hand_plans, request, workers == 1), reach,
-                         planning_workers(len(reach)))
+    hand_workers = planning_workers(len(reach))  # one task (the kept shape alone) runs here: its Program is kept
+    compared = run_tasks(functools.partial(_plan_hand_plans, request, hand_workers == 1), reach, hand_workers)
     best, best_caught = kept, caught[kept.shape]
     for result, (hand, hand_caught) in zip(reach, compared):
         result.row["seconds"] = round(result.row["seconds"] + hand.row["seconds"], 3)
