@@ -53,8 +53,8 @@ def planning_workers(tasks: int) -> int:
         try:
             cores = min(cores, max(int(limit), 1))
         except ValueError:
-            warnings.warn(f"autoshard: {WORKERS_ENV}={limit!r} is not a number of processes; using {cores}",
-                          stacklevel=2)
+            warn_once(f"autoshard: {WORKERS_ENV}={limit!r} is not a number of processes; using {cores}",
+                      stacklevel=2)
     return max(min(cores, tasks), 1)
 
 
