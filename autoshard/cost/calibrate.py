@@ -1,13 +1,13 @@
 """`python -m autoshard calibrate`: measure what the cost model uses on this machine, on prod(mesh) ranks at once.
 
 Spawns prod(mesh) gloo ranks. Each times all_reduce of several message sizes on each axis's groups (between
-compute, as training calls them), and
-time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the cost model uses) gives alpha (latency:
-the smallest message) and bandwidth (the slope over the larger ones) per axis (`fit_link`); how much of an
-asynchronous collective compute hides meanwhile (`comm_overlap_share`). Then every rank at once times matmuls per dtype, attention and
-a memory-bound op, forward and backward (autoshard/cost/compute_rates.py), so the rates include the contention
-of ranks sharing the machine, as training on it has; the slowest rank's figures are kept. Prints the fitted
-figures and writes a HardwareProfile JSON usable with `--profile` / `profile=`.
+compute, as training calls them), and time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the
+cost model uses) gives alpha (latency: the smallest message) and bandwidth (the slope over the larger ones) per
+axis (`fit_link`); then how much of an asynchronous collective compute hides meanwhile (`comm_overlap_share`).
+Then every rank at once times matmuls per dtype, attention and a memory-bound op, forward and backward
+(autoshard/cost/compute_rates.py), so the rates include the contention of ranks sharing the machine, as training
+on it has; the slowest rank's figures are kept. Prints the fitted figures and writes a HardwareProfile JSON usable
+with `--profile` / `profile=`.
 
     python -m autoshard calibrate --mesh 2,2 --axis-names dp,tp --output profile.json
 
@@ -66,16 +66,12 @@ def comm_overlap_share(mesh: Mesh, repeats: int = 5) -> float:
     comm = communicator_for(mesh)
     axis = mesh.names[0]
     message = torch.ones(OVERLAP_BYTES // 4)
-    a = torch.randn(256, 256)
 
     def collective():
         return comm.start_all_reduce(message.clone(), axis).wait()
 
     def chain(n):
-        y = a
-        for _ in range(n):
-            y = torch.tanh(y @ a)
-        return y
+        return _layer_compute(n, width=256)
 
     def timed(run) -> float:
         run()
@@ -184,10 +180,10 @@ def slowest_rates(per_rank: list) -> ComputeRates:
 
 def _time_axis_task(rank, world, mesh_json, sizes):
     """Seconds of one all-reduce of each size on each axis, and of one all-gather of that output size, as the
-    runtime runs them, between compute (`between_compute_seconds`): the communicator's (on gloo gathered in a fixed order and summed, bitwise reproducible:
-    (k-1) x the bytes where a ring moves 2(k-1)/k, so the fitted bandwidth is what the runtime's reductions get,
-    and an all-gather pays the whole latency an all-reduce pays; NCCL's rings elsewhere). Keys (collective, axis,
-    bytes)."""
+    runtime runs them, between compute (`between_compute_seconds`): the communicator's (on gloo gathered in a fixed
+    order and summed, bitwise reproducible: (k-1) x the bytes where a ring moves 2(k-1)/k, so the fitted bandwidth
+    is what the runtime's reductions get, and an all-gather pays the whole latency an all-reduce pays; NCCL's rings
+    elsewhere). Keys (collective, axis, bytes)."""
     mesh = Mesh.from_json(mesh_json)
     comm = communicator_for(mesh)
     out = {}
@@ -205,10 +201,10 @@ def _time_axis_task(rank, world, mesh_json, sizes):
     return out
 
 
-def _layer_compute(n: int = 16):
-    """About half a millisecond of matmuls (on this machine): what a layer computes between two of training's
-    collectives."""
-    chain = torch.full((128, 128), 0.01)
+def _layer_compute(n: int = 16, width: int = 128):
+    """`n` matmuls of `width` squared and a tanh each; the defaults about half a millisecond (on this machine): what
+    a layer computes between two of training's collectives."""
+    chain = torch.full((width, width), 0.01)
     y = chain
     for _ in range(n):
         y = torch.tanh(y @ chain)

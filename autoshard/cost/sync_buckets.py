@@ -14,9 +14,13 @@ The examples use a data-parallel MLP, whose gradients are one bucket:
 """
 from __future__ import annotations
 
+import math
+
+from autoshard.cost.collective_time import all_reduce_time, grad_sync_time
 from autoshard.cost.flops import local_bytes
+from autoshard.cost.profiles import Link
 from autoshard.ir import meta
-from autoshard.runtime.grad_sync import BUCKET_BYTES, buckets
+from autoshard.runtime.grad_sync import buckets
 
 
 class _Gradient:
@@ -38,6 +42,7 @@ def bucket_shortfall(state, within=None) -> dict:
     charged, spread over them by bytes. An axis where ZeRO-2/3 reduce-scatters the gradients is not bucketed.
     `within`: only these parameters, bucketed on their own (a pipeline stage's, which its module syncs).
 
+    >>> from autoshard.runtime.grad_sync import BUCKET_BYTES
     >>> shortfall = bucket_shortfall(prog.state)
     >>> link = prog.state.options.profile.link((2,), 0)
     >>> synced = prog.plan.predicted.comm_bytes_per_step["dp"].sync  # under one bucket: one latency in all
@@ -57,13 +62,12 @@ def bucket_shortfall(state, within=None) -> dict:
     for axes, gradients in groups.items():
         for bucket in buckets(reversed(gradients), lambda g: g):  # backward's order, as the runtime's layout
             total = sum(g.nbytes for g in bucket)
-            charged = sum(min(1.0, g.nbytes / BUCKET_BYTES) for g in bucket)
-            if total <= 0 or charged >= 1.0:
-                continue
             for name in axes:
                 axis = mesh.axis(name)
-                k = mesh.shape[axis]
-                missing = 2 * (k - 1) * profile.link(mesh.shape, axis).alpha * (1.0 - charged)
+                k, latency = mesh.shape[axis], Link(profile.link(mesh.shape, axis).alpha, math.inf)  # no bytes' time
+                missing = all_reduce_time(0.0, k, latency) - sum(grad_sync_time(g.nbytes, k, latency) for g in bucket)
+                if total <= 0 or missing <= 0:
+                    continue
                 for g in bucket:
                     out[g.node] = out.get(g.node, 0.0) + missing * g.nbytes / total
     return out

@@ -42,6 +42,21 @@ def warning_scope(fresh: bool = False):
         _SEEN.reset(token)
 
 
+@contextlib.contextmanager
+def caught_warnings():
+    """A candidate's warnings, kept rather than shown: every warning inside the block (each of `warn_once`'s told
+    in a fresh scope, whatever was told before) lands in the list it yields; the caller tells them or drops them.
+
+    >>> with caught_warnings() as caught:
+    ...     warn_once("autoshard: kept")
+    >>> [str(w.message) for w in caught]
+    ['autoshard: kept']
+    """
+    with warnings.catch_warnings(record=True) as caught, warning_scope(fresh=True):
+        warnings.simplefilter("always")
+        yield caught
+
+
 def warn_once(message: str, category=UserWarning, stacklevel: int = 3, key: str | None = None) -> None:
     """`warnings.warn(message)` unless the current scope gave the same `key` (default: the message) already.
 

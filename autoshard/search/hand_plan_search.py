@@ -32,7 +32,7 @@ from autoshard.cost.axis_cost import held_bytes_factor, needs_grad
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError
-from autoshard.ir.warn_once import warning_scope
+from autoshard.ir.warn_once import caught_warnings
 from autoshard.passes.pass_lists import compile_state, trace_for_plan
 from autoshard.program.program import Program
 
@@ -113,8 +113,7 @@ def _plan_quietly(request: CompileRequest, name: str, description: str, record: 
                   hand_plan: bool = True):
     """Plan one candidate, recording its row (or its error); its warnings are kept, not shown."""
     try:
-        with warnings.catch_warnings(record=True) as caught, warning_scope(fresh=True):  # all its own warnings
-            warnings.simplefilter("always")
+        with caught_warnings() as caught:  # all its own warnings
             prog = Program(*compile_state(request, hand_plan=hand_plan))
     except AutoshardError as exc:
         record.append({"name": name, "description": description, "error": str(exc).splitlines()[0]})

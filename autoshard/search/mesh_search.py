@@ -31,7 +31,6 @@ import functools
 import logging
 import math
 import time
-import warnings
 
 from autoshard.cost.profiles import HardwareProfile
 from autoshard.frontend.request import CompileRequest
@@ -39,7 +38,7 @@ from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.placement import Shard
-from autoshard.ir.warn_once import warning_scope
+from autoshard.ir.warn_once import caught_warnings
 from autoshard.passes.pass_lists import trace_ahead
 from autoshard.plan.plan import Plan
 from autoshard.report.accuracy import predicted_memory_bytes
@@ -195,7 +194,7 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
         result.row["seconds"] = round(result.row["seconds"] + hand.row["seconds"], 3)
         chosen = _kept_or_hand(kept, hand) if result is kept else hand
         if result is kept or chosen.step < result.step:
-            result.row.update(_figures(chosen))
+            result.row.update(_row_figures(chosen))
         if (result is kept and chosen is not kept) or chosen.step < best.step:  # the shape's warnings, then its
             best, best_caught = chosen, caught[result.shape] + hand_caught      # hand plans' (told once each)
     rows = [result.row for result in results]
@@ -251,7 +250,7 @@ def _figures_of(prog) -> dict:
             "plan": describe_roles(prog)}
 
 
-def _figures(result: _ShapeResult) -> dict:
+def _row_figures(result: _ShapeResult) -> dict:
     return {k: result.row[k] for k in ("predicted_step_s", "memory_bytes_per_rank", "plan")}
 
 
@@ -279,8 +278,7 @@ def _applied(request: CompileRequest, result: _ShapeResult, compile_on_mesh):
     # no fingerprint to check: its search records were merged here after the worker made it
     plan = Plan.from_json(dict(result.plan, fingerprint=None), source=f"the plan for mesh {result.shape}")
     # the plan carries the hints and ZeRO it was made with; its warnings are the worker's (told by the caller)
-    with warnings.catch_warnings(record=True), warning_scope(fresh=True):
-        warnings.simplefilter("always")
+    with caught_warnings():
         prog = compile_on_mesh(request.replace(mesh=Mesh(result.shape), plan=plan, hints=None,
                                                options=request.options.replace(zero=None)))
     prog.plan.search = dict(result.plan.get("search", {}))

@@ -20,12 +20,11 @@ import multiprocessing
 import os
 import pickle
 import sys
-import warnings
 
 import torch
 
 from autoshard.ir.errors import PlanError
-from autoshard.ir.warn_once import warn_once, warning_scope
+from autoshard.ir.warn_once import caught_warnings, warn_once
 from autoshard.solver.highs import stop_solver_threads
 
 WORKERS_ENV = "AUTOSHARD_PLAN_WORKERS"
@@ -62,6 +61,7 @@ def run_tasks(task, items: list, workers: int) -> list[tuple]:
     """[(task(item), the warnings it gave), ...] in the order of `items`: in this process when `workers` is 1, else
     in `workers` forked processes (each result must pickle; an exception a task raises is raised here).
 
+    >>> import warnings
     >>> def noisy(x):
     ...     warnings.warn(f"autoshard: task {x}")
     ...     return -x
@@ -94,8 +94,7 @@ def _run_in_worker(index: int) -> tuple:
 def _caught(task, item) -> tuple:
     """(task(item), [(message, category), ...] of the warnings it gave): each task tells its own warnings once
     (a fresh `warning_scope`), whatever the tasks before it told."""
-    with warnings.catch_warnings(record=True) as caught, warning_scope(fresh=True):
-        warnings.simplefilter("always")
+    with caught_warnings() as caught:
         result = task(item)
     return result, [(str(w.message), w.category) for w in caught]
 
@@ -103,6 +102,8 @@ def _caught(task, item) -> tuple:
 def tell(caught: list) -> None:
     """Give the warnings a task caught (`run_tasks`), each once in the current `warning_scope`.
 
+    >>> import warnings
+    >>> from autoshard.ir.warn_once import warning_scope
     >>> with warnings.catch_warnings(record=True) as seen, warning_scope():
     ...     warnings.simplefilter("always")
     ...     tell([("autoshard: once", UserWarning), ("autoshard: once", UserWarning)])
