@@ -120,3 +120,22 @@ def test_a_folded_copy_that_does_not_trace_is_traced_whole():
     report, program = verify_simulated(model, (x,), mesh=(2,), axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}})
     assert report.ok, report
     assert sum(r.kind == "param" for r in program.plan.rows) == 16  # every layer's weight and bias
+
+
+def test_a_running_load_balancing_loss_folds():
+    """The zoo's MoE sums its layers' load-balancing losses at the top level (`aux = aux + layer_aux`): the folded
+    trace carries that sum through its middle layer (mark_carried), so the model folds; its plan is the whole
+    model's, and the program trains like one device (the sum of every layer's loss, none dropped or doubled)."""
+    from autoshard.zoo.moe import moe_llama
+    shape = {"dim": 32, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 32, "n_experts": 4, "top_k": 2, "vocab_size": 64,
+             "n_layers": 8, "batch": 8, "seq": 8, "group_size": 8}
+    model, inputs, loss_fn = moe_llama(**shape)
+    kw = {"axis_names": ("dp", "ep"), "hints": {"input:0": {"dp": "S(0)"}, "layers.*.moe.w1": {"ep": "S(0)"}}}
+    folded = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, **kw)
+    whole = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, fold_layers=False, **kw)
+    assert folded.state.fold is not None
+    assert _rows(folded) == _rows(whole) and folded.plan.predicted == whole.plan.predicted
+    adds = [r for r in folded.plan.rows if r.path == "" and r.op == "add.Tensor"]
+    assert len(adds) == 8  # one per layer after the first, and the loss's own
+    report, _ = verify_simulated(model, inputs, loss_fn, mesh=(2, 2), **kw)
+    assert report.ok, report

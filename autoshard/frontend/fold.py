@@ -17,6 +17,12 @@ dtypes and requires_grad at every depth, the same plain attributes (a layer's ow
 hooks, and no parameter shared with another layer or module. Hints that name one layer by index (not
 `layers.*`) turn folding off, as does `parallelize(fold_layers=False)`.
 
+Nothing outside the layers may use a layer's values but the last layer's, with one exception: a running value
+the model carries through its layers at the top level, as mixture-of-experts models sum their load-balancing
+losses (`aux = aux + layer(x)[1]`). In the folded trace that is one op taking the first layer's value and the
+middle one's and the same op taking its result and the last layer's (`mark_carried`); the first op counts as the
+middle layer's (it stands for n_layers - 2 of them), the second as the last layer's.
+
 >>> from autoshard.zoo import llama
 >>> model, inputs, loss_fn = llama(n_layers=8, device="meta")
 >>> fold = fold_model(model)
@@ -113,6 +119,9 @@ class Fold:
         """
         if node.op not in ("placeholder", "call_function"):
             return 1
+        carried = node.meta.get(meta.FOLD_CARRIED)
+        if carried is not None:
+            return self.n_layers - 2 if carried[0] == self.middle else 1
         path, middle = node.meta.get(meta.PATH, ""), self.middle  # instance_of's test, inlined: the ILP asks often
         return self.n_layers - 2 if path.startswith(middle) and path[len(middle):len(middle) + 1] in ("", ".") else 1
 
@@ -147,22 +156,63 @@ def fold_model(model, hints=None) -> Fold | None:
     return fold
 
 
+def mark_carried(fold: Fold, gm: fx.GraphModule) -> int:
+    """Mark the running values the model carries through its layers at the top level (the module docstring): an op
+    `c = op(a, m)` outside the layers, `a` a value of the first layer and `m` its twin in the middle one (the same
+    position in its layer), used only by `op(c, l)`, `l` the twin in the last layer, the running value at the same
+    argument position. `c` is marked as the middle layer's and `op(c, l)` as the last layer's (meta FOLD_CARRIED:
+    (layer, position of the running value)). Returns how many were marked.
+
+    >>> mark_carried(fold, traced.gm)  # the zoo's llama carries nothing
+    0
+    """
+    groups = layer_nodes(fold, gm.graph)
+    first, middle, last = (groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, []))
+    if not first or not (len(first) == len(middle) == len(last)):
+        return 0
+    inside = set(first) | set(middle) | set(last)
+    marked = 0
+    for index, m in enumerate(middle):
+        outside = [u for u in m.users if u not in inside]
+        if len(outside) != 1 or m.op != "call_function":
+            continue
+        carry, a, tail = outside[0], first[index], last[index]
+        if carry.op != "call_function" or len(carry.users) != 1 or carry.kwargs or len(carry.args) != 2:
+            continue
+        end = next(iter(carry.users))
+        if {u for u in a.users if u not in inside} != {carry} or end.op != "call_function" \
+                or end.target != carry.target or end.kwargs or {u for u in tail.users if u not in inside} != {end}:
+            continue
+        position = next((i for i, arg in enumerate(carry.args) if arg is a), None)
+        if position is None or carry.args[1 - position] is not m or end.args != \
+                tuple(carry if i == position else tail for i in range(2)):
+            continue
+        carry.meta[meta.FOLD_CARRIED] = (fold.middle, position)
+        end.meta[meta.FOLD_CARRIED] = (fold.last, position)
+        marked += 1
+    return marked
+
+
 def check_folded_trace(fold: Fold, gm: fx.GraphModule) -> bool:
     """Whether the folded trace stands for the whole model: the three layers have the same nodes in the same
     order, each takes the one before it as the other takes its own predecessor, nothing outside them uses a
-    layer's values except the last layer's, and the middle layer's runs of nodes (its parameters; its casts,
-    under mixed precision; its ops) can be written out once per layer in place (unfold: each run's copies only
-    need earlier runs and the copy before).
+    layer's values except the last layer's and the running values `mark_carried` marked, and the middle layer's
+    runs of nodes (its parameters; its casts, under mixed precision; its ops) can be written out once per layer in
+    place (unfold: each run's copies only need earlier runs and the copy before).
 
     >>> check_folded_trace(fold, traced.gm)
     True
     """
     groups = layer_nodes(fold, gm.graph)
     first, middle, last = (groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, []))
-    signature = [[_role(fold, n) for n in group] for group in (first, middle, last)]
+    # the layers' own nodes (the carried ops, in the middle and last layers only, were checked when marked)
+    own = [[n for n in group if meta.FOLD_CARRIED not in n.meta] for group in (first, middle, last)]
+    if len(own[0]) != len(first) or len(middle) - len(own[1]) != len(last) - len(own[2]):
+        return False
+    signature = [[_role(fold, n) for n in group] for group in own]
     if not first or signature[0] != signature[1] or signature[1] != signature[2]:
         return False
-    if _edges(first, middle) != _edges(middle, last) or _edges(first, last):
+    if _edges(own[0], own[1]) != _edges(own[1], own[2]) or _edges(own[0], own[2]):
         return False
     run_of, run, previous = {}, -1, None
     for node in gm.graph.nodes:
@@ -171,7 +221,7 @@ def check_folded_trace(fold: Fold, gm: fx.GraphModule) -> bool:
             continue
         run += previous is None
         run_of[node] = previous = run
-    twin = dict(zip(first, middle))
+    twin = dict(zip(own[0], own[1]))
     if any(run_of[twin[a]] > run_of[v] for v in middle for a in v.all_input_nodes if a in twin):
         return False  # a layer would need its predecessor's value before that run is written out
     inside = set(first) | set(middle) | set(last)
@@ -201,6 +251,9 @@ def instance_of(fold: Fold, node) -> str:
     """
     if node.op not in ("placeholder", "call_function"):
         return ""
+    carried = node.meta.get(meta.FOLD_CARRIED)
+    if carried is not None:
+        return carried[0]
     path = node.meta.get(meta.PATH, "")
     if not path.startswith(fold.container + "."):
         return ""

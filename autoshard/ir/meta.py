@@ -19,6 +19,8 @@
   stage        the pipeline stage of a node (cut_stages)
   grad         whether the value carries a gradient (normalize, for every node; `needs_grad` derives it by the
                same rule for nodes added later)
+  fold_carried (layer, position) on a top-level op of a folded trace that carries a running value through the
+               layers, e.g. `aux = aux + layer_aux` (frontend/fold.py: mark_carried; unfold removes it)
 
 (The axes on which a parameter's gradient is reduced after backward are `state.grad_reduce`, by FQN.)
 
@@ -49,6 +51,7 @@ COMM_COST = "autoshard.comm_cost"
 NODE_COST = "autoshard.node_cost"
 STAGE = "autoshard.stage"
 GRAD = "autoshard.grad"
+FOLD_CARRIED = "autoshard.fold_carried"
 
 
 def module_path(node) -> str:

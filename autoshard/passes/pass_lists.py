@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.cost.pipeline_schedule import activation_share
-from autoshard.frontend.fold import check_folded_trace, fold_model
+from autoshard.frontend.fold import check_folded_trace, fold_model, mark_carried
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.trace import trace
 from autoshard.ir import meta
@@ -253,8 +253,10 @@ def trace_for_plan(request: CompileRequest, hints, options: CompileOptions):
             log.info("the folded copy of %s does not trace (%s); tracing all %d layers", fold.container,
                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__, fold.n_layers)
             traced = None
-        if traced is not None and check_folded_trace(fold, traced.gm):
-            return traced, fold
+        if traced is not None:
+            mark_carried(fold, traced.gm)  # a running value the layers feed (a summed load-balancing loss)
+            if check_folded_trace(fold, traced.gm):
+                return traced, fold
         log.info("the repeated layers of %s do not trace alike; tracing all %d", fold.container, fold.n_layers)
     return trace(request.model, request.example_inputs, request.loss_fn, options.mixed_precision), None
 

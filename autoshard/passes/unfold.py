@@ -54,9 +54,12 @@ def unfold(state) -> None:
     def copy_run(run):
         for k in range(1, fold.n_layers - 1):
             for node in run:
-                copies[k][node] = _copy(graph, node, fold, k, lambda a, k=k: lookup(a, k))
+                copies[k][node] = _copy(graph, node, fold, k, lambda a, k=k, node=node: lookup(a, k, node))
 
-    def lookup(value, k):
+    def lookup(value, k, consumer):
+        carried = consumer.meta.get(meta.FOLD_CARRIED)
+        if carried is not None and k > 1 and value is consumer.args[carried[1]]:
+            return copies[k - 1][consumer]  # the running value as the layer before left it
         if value in in_middle:
             return copies[k][value]
         if value in in_first and k > 1:
@@ -72,6 +75,8 @@ def unfold(state) -> None:
         into_last = node in in_last
         env[node] = copy_node(graph, node, lambda a, into_last=into_last: copies[-1][a] if into_last and a in in_middle
                                     else env[a])
+    for node in graph.nodes:  # the whole model's graph: its carried ops are top-level ops again
+        node.meta.pop(meta.FOLD_CARRIED, None)
     gm = lazy_graph_module(state.gm, graph)
     gm.graph.lint()
     state.gm = gm
@@ -103,6 +108,8 @@ def _copy(graph, node, fold, k, arg_transform):
             new.meta = dict(node.meta)
         else:
             new = copy_node(graph, node, arg_transform)
+        if meta.FOLD_CARRIED in node.meta:  # a top-level op: its path and module stack stay
+            return new
         path = node.meta.get(meta.PATH, "")
         new.meta[meta.PATH] = fold.instance(k) + path[len(fold.middle):]
         if "nn_module_stack" in node.meta:  # module paths as export wrote them (cut_stages reads them)
