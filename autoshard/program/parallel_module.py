@@ -210,8 +210,11 @@ class ParallelModule(torch.nn.Module):
         """
         if self._current is None:
             return AccuracyReport.of(None, None)
-        device = next((p.device for _, p in self._current[1].named_local_parameters()), torch.device("cpu"))
-        return AccuracyReport.of(self._current[0], self._clock.phases(), peak_memory_bytes(device))
+        rank_module = self._current[1]
+        device = next((p.device for _, p in rank_module.named_local_parameters()), torch.device("cpu"))
+        comm = getattr(rank_module, "comm", None)
+        return AccuracyReport.of(self._current[0], self._clock.phases(), peak_memory_bytes(device),
+                                 exact=bool(getattr(comm, "exact", False)), overlap=getattr(rank_module, "overlap", True))
 
     def when_planned(self, callback) -> None:
         """Call `callback(rank_module)` once this rank's module exists (now, when it does): how a ZeroOptimizer

@@ -29,6 +29,7 @@ from autoshard.cost.prediction import node_cost
 from autoshard.cost.zero_cost import optimizer_step_time
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST
+from autoshard.report.peak_memory import predicted_peak
 
 PHASES = ("forward_s", "backward_s", "sync_s", "optimizer_s")
 
@@ -234,9 +235,12 @@ class AccuracyReport:
         self.rows, self.steps, self.note = rows, steps, note
 
     @classmethod
-    def of(cls, prog, measured: dict | None, peak_bytes: int | None = None) -> AccuracyReport:
+    def of(cls, prog, measured: dict | None, peak_bytes: int | None = None, exact: bool = False,
+           overlap: bool = True) -> AccuracyReport:
         """The report of `prog`'s predictions against `measured` (a StepClock's phases, with "bytes" per axis when
-        counted) and the measured peak memory.
+        counted) and the measured peak memory: against the step's predicted peak (autoshard/report/peak_memory.py:
+        `exact` reductions, buckets started in backward with `overlap`, torch's foreach Adam on a GPU) where it is
+        modelled, else the footprint.
 
         >>> AccuracyReport.of(prog, None).steps
         0
@@ -251,7 +255,8 @@ class AccuracyReport:
             rows += accuracy_rows({f"{axis}_bytes": n for axis, n in predicted.items()},
                                   {f"{axis}_bytes": sent.get(axis, 0) for axis in predicted})
         if peak_bytes is not None:
-            rows += accuracy_rows({"peak_memory_bytes": predicted_memory_bytes(prog)},
+            peak = predicted_peak(prog, exact=exact, overlap=overlap, foreach=True)
+            rows += accuracy_rows({"peak_memory_bytes": peak["bytes"] if peak else predicted_memory_bytes(prog)},
                                   {"peak_memory_bytes": peak_bytes})
         note = "" if peak_bytes is not None else "peak memory: measured on CUDA devices only"
         return cls(rows, measured["steps"], note)
