@@ -139,3 +139,15 @@ def test_a_running_load_balancing_loss_folds():
     assert len(adds) == 8  # one per layer after the first, and the loss's own
     report, _ = verify_simulated(model, inputs, loss_fn, mesh=(2, 2), **kw)
     assert report.ok, report
+
+
+def test_mixed_precision_folds_whatever_order_exports_dtype_checks_take():
+    """Under bf16 every layer casts the rotary tables it is given; export's check of each cast lands where the
+    table is read next, so the first layer's checks sat elsewhere than the others' and the zoo's llama and MoE were
+    traced whole in mixed precision. The checks are not compared (nothing flows out of them)."""
+    model, inputs, loss_fn = llama(n_layers=8, **WIDE)
+    kw = {"axis_names": ("dp", "tp"), "mixed_precision": "bf16"}
+    folded = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, **kw)
+    whole = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, fold_layers=False, **kw)
+    assert folded.state.fold is not None
+    assert _rows(folded) == _rows(whole) and folded.plan.predicted == whole.plan.predicted

@@ -167,10 +167,11 @@ def mark_carried(fold: Fold, gm: fx.GraphModule) -> int:
     0
     """
     groups = layer_nodes(fold, gm.graph)
-    first, middle, last = (groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, []))
+    groups = [groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, [])]
+    inside = {n for group in groups for n in group}
+    first, middle, last = (_layer_ops(group) for group in groups)
     if not first or not (len(first) == len(middle) == len(last)):
         return 0
-    inside = set(first) | set(middle) | set(last)
     marked = 0
     for index, m in enumerate(middle):
         outside = [u for u in m.users if u not in inside]
@@ -205,9 +206,10 @@ def check_folded_trace(fold: Fold, gm: fx.GraphModule) -> bool:
     """
     groups = layer_nodes(fold, gm.graph)
     first, middle, last = (groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, []))
-    # the layers' own nodes (the carried ops, in the middle and last layers only, were checked when marked)
-    own = [[n for n in group if meta.FOLD_CARRIED not in n.meta] for group in (first, middle, last)]
-    if len(own[0]) != len(first) or len(middle) - len(own[1]) != len(last) - len(own[2]):
+    # the layers' own ops (the carried ops, in the middle and last layers only, were checked when marked)
+    own = [_layer_ops(group) for group in (first, middle, last)]
+    carried = [sum(meta.FOLD_CARRIED in n.meta for n in group) for group in (first, middle, last)]
+    if carried[0] or carried[1] != carried[2]:
         return False
     signature = [[_role(fold, n) for n in group] for group in own]
     if not first or signature[0] != signature[1] or signature[1] != signature[2]:
@@ -227,6 +229,16 @@ def check_folded_trace(fold: Fold, gm: fx.GraphModule) -> bool:
     inside = set(first) | set(middle) | set(last)
     # e.g. every layer's hidden states returned: the whole model has n of them
     return not any(u not in inside for n in (*first, *middle) for u in n.users)
+
+
+# export's dtype checks (`x.to(dtype)` traces one): no value flows out of them, and where the canonical order puts
+# one depends on where its operand is read next (a rotary table every layer casts), so layers are compared without
+_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def _layer_ops(group: list) -> list:
+    """A layer's nodes that layers must have alike: its own ops, not export's checks nor the carried ops."""
+    return [n for n in group if n.target not in _CHECKS and meta.FOLD_CARRIED not in n.meta]
 
 
 def layer_nodes(fold: Fold, graph: fx.Graph) -> dict:
