@@ -296,3 +296,30 @@ def test_a_custom_autograd_function_is_named_because_export_drops_its_backward()
         trace(Model(), (torch.ones(3),), lambda out, x: out)
     assert any("torch.autograd.Function" in str(w.message) and "Twice" in str(w.message) for w in caught)
     assert "apply" in torch.autograd.Function.__dict__  # the hook is gone after the trace
+
+
+class _NormThenNorm(torch.nn.Module):
+    """A BatchNorm straight into another (MobileViT's reduce_1x1 before its transformer): the first one's bias has
+    a gradient of exactly zero, which float64 computes as the round-off of large terms."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+        self.first, self.second = torch.nn.BatchNorm1d(16), torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.second(self.first(self.proj(x))))).square().mean() * 100.0
+
+
+def test_a_gradient_zero_in_exact_arithmetic_is_compared_at_the_models_gradient_scale():
+    """verify compares such a gradient, and the parameter it moves, at a millionth of the model's largest gradient
+    (autoshard/verify/report.py: ZERO_GRAD_SHARE), not relative to its own round-off."""
+    torch.manual_seed(0)
+    model, x = _NormThenNorm(), torch.randn(16, 8)
+    report, _ = verify_simulated(model, (x,), mesh=(2,), axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}})
+    assert report.ok, report
+    model.double()
+    model(x.double()).backward()
+    bias, scale = model.first.bias.grad.abs().max(), model.head.weight.grad.abs().max()
+    assert 1e-16 < bias < 1e-9 * scale  # round-off, not a signal (two steps of it moved the bias by 1e-5 of 1e-9)
