@@ -140,6 +140,28 @@ def test_exact_rng_reproduces_in_place_samplers(names):
     assert [op.target for op in program.random_ops] == [torch.ops.aten.exponential.default]
 
 
+class InPlaceDropout(nn.Module):
+    """nn.Dropout(inplace=True) between two layers (MobileNet's classifier): the exported graph holds dropout_."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(4, 16), nn.Linear(16, 1), nn.Dropout(0.5, inplace=True)
+
+    def forward(self, x):  # on a view (MobileNet's flattened pooling), export keeps the in-place op
+        return self.b(self.drop(self.a(x).view(-1, 4, 4).flatten(1))).square().mean()
+
+
+@pytest.mark.parametrize("names", [("dp",), ("tp",)])
+def test_exact_rng_reproduces_in_place_dropout(names):
+    """Its mask is the single device's (the same kernel's draw, written into its input), so the step verifies."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    hints = {"input:0": {"dp": "S(0)"}} if names == ("dp",) else {"a.weight": {"tp": "S(0)"}}
+    report, program = verify_simulated(InPlaceDropout(), (x,), mesh=(2,), axis_names=names, hints=hints)
+    assert report.ok, str(report)
+    assert [op.target for op in program.random_ops] == [torch.ops.aten.dropout_.default]
+
+
 def test_bad_random_number_options_are_named():
     x = torch.ones(8, 64)
     with pytest.raises(UserInputError, match=r"rng='bogus' is not a random-number mode"):

@@ -58,8 +58,11 @@ _GENERATOR_LOCK = threading.RLock()
 # their size arguments say (they are replicated), "attention" draws the attention weights' dropout.
 EXACT_KINDS = {
     aten.dropout.default: "noise", aten.native_dropout.default: "noise", aten.feature_dropout.default: "noise",
-    aten.alpha_dropout.default: None, aten.bernoulli.p: "fresh", aten.rand_like.default: "fresh",
-    aten.randn_like.default: "fresh", aten.rand.default: "creation", aten.randn.default: "creation",
+    aten.alpha_dropout.default: None,
+    # nn.Dropout(inplace=True) (MobileNet's classifier): the same kernel and draw, written into its input
+    aten.dropout_.default: "noise", aten.feature_dropout_.default: "noise",
+    aten.bernoulli.p: "fresh", aten.rand_like.default: "fresh", aten.randn_like.default: "fresh",
+    aten.rand.default: "creation", aten.randn.default: "creation",
     aten.randint.default: "creation", aten.randint.low: "creation", aten.randperm.default: "creation",
     aten.scaled_dot_product_attention.default: "attention",
     # the functional forms of the in-place samplers (`torch.empty_like(x).exponential_()`: a MoE router's noise)
@@ -108,7 +111,8 @@ def is_random(node_target, args=(), kwargs=None) -> bool:
 
 
 _DROPOUTS = (aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
-             aten.alpha_dropout.default)
+             aten.alpha_dropout.default, aten.dropout_.default, aten.feature_dropout_.default)
+_IN_PLACE = (aten.dropout_.default, aten.feature_dropout_.default)
 
 
 def _attention_dropout(args, kwargs) -> float:
@@ -416,6 +420,8 @@ def _apply(op: RandomOp, block, args, kwargs):
         if op.target is aten.native_dropout.default:
             noise, mask = block
             return args[0] * noise, mask
+        if op.target in _IN_PLACE:
+            return args[0].mul_(block)
         return args[0] * block
     if kind == "attention":
         return _attention(*args, **kwargs, noise=block)
