@@ -19,8 +19,10 @@ from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
 from autoshard.ir.graph_utils import copy_node
 from autoshard.ir.meta import RECOMPUTE
+from autoshard.passes.ilp_costs import mutated_positions
 from autoshard.runtime.collectives import current, use_communicator
 from autoshard.runtime.rng import at_position, current_position
+from autoshard.strategies.base import tensor_inputs
 
 
 def wrap_regions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -49,10 +51,11 @@ class Recomputed(torch.nn.Module):
     ('Recomputed', 'layers.1')
     """
 
-    def __init__(self, body: fx.GraphModule, region: str):
+    def __init__(self, body: fx.GraphModule, region: str, snapshot: tuple = ()):
         super().__init__()
         self.body = body
         self.region = region
+        self.snapshot = snapshot  # positions of inputs written in place after the region (see _written_later)
 
     def forward(self, *inputs):
         """The region's outputs; run by the rank module (its communicator is current), as here:
@@ -70,6 +73,9 @@ class Recomputed(torch.nn.Module):
         # The whole region re-runs (no early stop), so every rank repeats every collective in it.
         # Random ops draw from the rank's stream at the captured position, not from torch's generator, so
         # its state need not be kept (restoring it would race with simulated ranks' seeded draws).
+        # an input the graph writes in place later (a BatchNorm's running statistics, updated at the step's end) is
+        # saved as it was here: the recompute must see what the forward saw, and autograd refuses a changed input
+        inputs = tuple(x.clone() if i in self.snapshot else x for i, x in enumerate(inputs))
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             return torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False)
 
@@ -85,12 +91,20 @@ class Recomputed(torch.nn.Module):
 def _wrap_one(gm, region, stage, name):
     graph = gm.graph
     inside = [n for n in graph.nodes if n.meta.get(RECOMPUTE) == region and n.meta.get(meta.STAGE) == stage]
+    # In-place writes into values from outside the region (a BatchNorm's running statistics) run once, after it:
+    # replayed in backward they would update the statistics twice
+    region_nodes = set(inside)
+    writes = [n for n in inside if n.op == "call_function" and not n.users
+              and any(tensor_inputs(n)[pos] not in region_nodes for pos in mutated_positions(n))]
+    inside = [n for n in inside if n not in writes]
+    if not inside:
+        return
     members = set(inside)
     inputs = list(dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in members))
     outputs = [n for n in inside if any(u not in members for u in n.users)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     first, last = order[inside[0]], inside[-1]
-    between = [n for n in graph.nodes if first < order[n] < order[last] and n not in members]
+    between = [n for n in graph.nodes if first < order[n] < order[last] and n not in members and n not in writes]
     if any(a in members for n in between for a in n.all_input_nodes):
         raise PlanError(f"checkpoint region {region!r} is not contiguous in the graph (an op outside it uses its "
                         "values before it ends); checkpoint a smaller or a larger module")
@@ -102,7 +116,8 @@ def _wrap_one(gm, region, stage, name):
     for node in inside:
         env[node] = copy_node(body, node, lambda n: env[n])
     body.output(tuple(env[n] for n in outputs))
-    gm.add_submodule(name, Recomputed(fx.GraphModule(gm, body, class_name="Region"), region))
+    module = Recomputed(fx.GraphModule(gm, body, class_name="Region"), region)
+    gm.add_submodule(name, module)
     with graph.inserting_after(last):
         call = graph.call_module(name, tuple(inputs))
     if stage is not None:
@@ -113,8 +128,24 @@ def _wrap_one(gm, region, stage, name):
             anchor = graph.call_function(_item, (call, i))
         anchor.meta = dict(out.meta)
         out.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in members)
+    for write in writes:  # after the region's outputs they read
+        anchor.append(write)
+        anchor = write
     for node in reversed(inside):
         graph.erase_node(node)
+    written = _written_later(graph, call)
+    module.snapshot = tuple(i for i, value in enumerate(inputs) if value in written)
+
+
+def _written_later(graph: fx.Graph, last: fx.Node) -> set:
+    """The values an op after `last` writes in place (e.g. `copy_` of a buffer's new running statistics)."""
+    after, written = False, set()
+    for node in graph.nodes:
+        if after and node.op == "call_function":
+            inputs = tensor_inputs(node)
+            written.update(inputs[pos] for pos in mutated_positions(node))
+        after = after or node is last
+    return written
 
 
 def _item(values, index):
