@@ -289,7 +289,8 @@ def summary(results: dict, names) -> tuple[str, list, list]:
     all_ok = [n for n in exportable if all(status(families[n], c) == "ok" for c in CELLS)]
     share = f"{100 * len(all_ok) / len(exportable):.0f}%" if exportable else "n/a"
     text = [(f"transformers {results.get('transformers')}: {len(names)} families with a trainable head; "
-            f"**{len(done)} of {len(names)} run** (the rest not yet: the sweep resumes where it stopped)."),
+            f"**{len(done)} of {len(names)} run**" +
+             (" (the rest not yet: the sweep resumes where it stopped)." if len(done) < len(names) else ".")),
             "",
             "Passing each cell (of the families run): " + ", ".join(f"{c} {passed[c]}" for c in CELLS) + ".",
             f"Of the {len(exportable)} families torch.export traced, **{len(all_ok)} ({share}) pass every cell**.",
