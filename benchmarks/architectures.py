@@ -364,6 +364,15 @@ FAILURES = [
      "timeout per family"), "raise `--timeout`; pass `ilp_time_limit=` to bound each sharding ILP"),
     ("worker out of memory", ("crash",), r"out of memory", ("the tiny model still used more than the worker's "
      "memory limit"), "shrink the config further"),
+    ("verify: the model cannot be copied", ("dp2", "dp_tp"), r"deepcopy protocol",
+     ("verify trains a copy of the model (copy.deepcopy) and the model keeps a tensor computed from its parameters "
+      "as a plain attribute (not a leaf: RecurrentGemma's), which torch cannot copy"),
+     ("compare the parallel program with a single-device run of your own model (prog.module / run_ranks), or keep "
+      "such a tensor as a non-persistent buffer computed without gradients")),
+    ("config: per-layer attributes", ("build",), (r"AmbiguousGlobalPerLayerAttribute|explicit intermediate size "
+     r"for every layer"), ("the family's config gives some sizes per layer (head_dim, sliding_window, intermediate_size "
+     "per layer); the generic size rules shrink one global value"), ("build the model from a config of your own "
+     "with consistent per-layer sizes; nothing in autoshard is involved yet")),
     ("other", CELLS + ("crash", "timeout"), r".", "see the error's first line", "see the message"),
 ]
 

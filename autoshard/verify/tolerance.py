@@ -138,7 +138,9 @@ def tolerance_for(noise: float, dtype: torch.dtype) -> float:
     return SAFETY * max(noise, torch.finfo(dtype).eps)
 
 
-_NO_FLOAT64 = re.compile(r"\bDouble\b|float64")
+# "expected Double", "float != double" (a matmul of the model's own float32 tensor), a float32 fill value that a
+# float64 extreme overflows
+_NO_FLOAT64 = re.compile(r"\b[Dd]ouble\b|float64|cannot be converted to type float without overflow")
 
 
 def float64_unsupported(exc: BaseException, model_name: str) -> UserInputError | None:
@@ -150,6 +152,8 @@ def float64_unsupported(exc: BaseException, model_name: str) -> UserInputError |
     the model MoE cannot run in float64, verify's default: RuntimeError: expected Float, got Double
     >>> float64_unsupported(RuntimeError("out of memory"), "MoE") is None
     True
+    >>> float64_unsupported(RuntimeError("expected m1 and m2 to have the same dtype: float != double"), "M") is None
+    False
     """
     text = str(exc).strip()
     if not isinstance(exc, (RuntimeError, NotImplementedError, TypeError)) or not _NO_FLOAT64.search(text):
