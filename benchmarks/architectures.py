@@ -326,7 +326,8 @@ def write_report(names) -> None:
 # Failure classes of the sweep: (name, cells, pattern of the error, cause, what the user can do). A family's class is
 # that of its first failing cell; docs/error_catalogue.md's section "Architectures sweep" is written from these.
 FAILURES = [
-    ("build: the generic size rules do not fit the config", ("build",), r"BuildError|parameters after shrinking",
+    ("build: the generic size rules do not fit the config", ("build",),
+     r"BuildError|parameters after shrinking|ValidationError|ValueError",
      ("the family's config ties sizes together in a way the field-name rules (autoshard/zoo/architectures.py) do "
      "not know (e.g. a width that must equal expand x heads x head_dim), or its forward needs inputs the synthetic "
      "batch does not give"), ("build the model from a config of your own (any consistent small sizes) and pass it "
