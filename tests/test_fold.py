@@ -151,3 +151,10 @@ def test_mixed_precision_folds_whatever_order_exports_dtype_checks_take():
     whole = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, fold_layers=False, **kw)
     assert folded.state.fold is not None
     assert _rows(folded) == _rows(whole) and folded.plan.predicted == whole.plan.predicted
+    # and the layers are wired as the whole model's: twins matched without the checks (a misplaced one would shift
+    # every later twin), so a bf16 program trains like one bf16 device
+    small, small_inputs, small_loss = llama(n_layers=8)
+    report, prog = verify_simulated(small, small_inputs, small_loss, mesh=(2,), axis_names=("dp",),
+                                    hints={"input:0": {"dp": "S(0)"}}, mixed_precision="bf16")
+    assert report.ok, report
+    assert prog.state.fold is not None

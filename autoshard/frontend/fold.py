@@ -169,7 +169,7 @@ def mark_carried(fold: Fold, gm: fx.GraphModule) -> int:
     groups = layer_nodes(fold, gm.graph)
     groups = [groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, [])]
     inside = {n for group in groups for n in group}
-    first, middle, last = (_layer_ops(group) for group in groups)
+    first, middle, last = (layer_ops(group) for group in groups)
     if not first or not (len(first) == len(middle) == len(last)):
         return 0
     marked = 0
@@ -207,7 +207,7 @@ def check_folded_trace(fold: Fold, gm: fx.GraphModule) -> bool:
     groups = layer_nodes(fold, gm.graph)
     first, middle, last = (groups.get(fold.instance(0), []), groups.get(fold.middle, []), groups.get(fold.last, []))
     # the layers' own ops (the carried ops, in the middle and last layers only, were checked when marked)
-    own = [_layer_ops(group) for group in (first, middle, last)]
+    own = [layer_ops(group) for group in (first, middle, last)]
     carried = [sum(meta.FOLD_CARRIED in n.meta for n in group) for group in (first, middle, last)]
     if carried[0] or carried[1] != carried[2]:
         return False
@@ -236,8 +236,14 @@ def check_folded_trace(fold: Fold, gm: fx.GraphModule) -> bool:
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
-def _layer_ops(group: list) -> list:
-    """A layer's nodes that layers must have alike: its own ops, not export's checks nor the carried ops."""
+def layer_ops(group: list) -> list:
+    """A layer's nodes that layers must have alike, twin by twin: its own ops, not export's checks nor the carried
+    ops (`layer_nodes` gives the group).
+
+    >>> groups = layer_nodes(fold, traced.gm.graph)
+    >>> len(layer_ops(groups["layers.0"])) == len(layer_ops(groups["layers.1"]))
+    True
+    """
     return [n for n in group if n.target not in _CHECKS and meta.FOLD_CARRIED not in n.meta]
 
 

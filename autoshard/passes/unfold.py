@@ -26,7 +26,7 @@ import dataclasses
 
 from torch import fx
 
-from autoshard.frontend.fold import layer_nodes
+from autoshard.frontend.fold import layer_nodes, layer_ops
 from autoshard.ir import meta
 from autoshard.ir.graph_utils import copy_node, lazy_graph_module
 from autoshard.passes.contract import compiler_pass
@@ -46,7 +46,7 @@ def unfold(state) -> None:
     old = state.gm.graph
     groups = layer_nodes(fold, old)
     first, middle = groups[fold.instance(0)], groups[fold.middle]
-    previous = dict(zip(first, middle))  # a first-layer value -> the middle layer's value in its place
+    previous = dict(zip(layer_ops(first), layer_ops(middle)))  # a first-layer value -> its twin in the middle
     in_middle, in_first, in_last = set(middle), set(first), set(groups[fold.last])
     copies: list[dict] = [{} for _ in range(fold.n_layers - 1)]  # copies[k]: middle node -> its copy in layer k
     graph, env = fx.Graph(), {}
