@@ -64,9 +64,9 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
     for p in trained:
         appears.setdefault(max(uses[p]), []).append(p)
     layout = _bucket_layout(prog, trained, size)
-    complete = {}  # position -> buckets whose gradients are complete there (their first uses in forward)
+    complete = {}  # position -> buckets whose gradients are all complete there (the earliest first use in forward)
     for bucket in layout:
-        complete.setdefault(max(min(uses[p]) for p in bucket["params"]), []).append(bucket)
+        complete.setdefault(min(min(uses[p]) for p in bucket["params"]), []).append(bucket)
     gradients = sum(size.values())
     activations = parts.activations + parts.gathered
     phases = {"forward's end": activations}
