@@ -49,7 +49,31 @@ def bucket_shortfall(state, within=None) -> dict:
     >>> abs(sum(shortfall.values()) - 2 * link.alpha * (1 - synced / BUCKET_BYTES)) < 1e-12
     True
     """
-    mesh, profile, zero = state.mesh, state.options.profile, state.zero
+    mesh, profile = state.mesh, state.options.profile
+    out: dict = {}
+    for axes, bucket in bucket_layout(state, within):
+        total = sum(g.nbytes for g in bucket)
+        for name in axes:
+            axis = mesh.axis(name)
+            k, latency = mesh.shape[axis], Link(profile.link(mesh.shape, axis).alpha, math.inf)  # no bytes' time
+            missing = all_reduce_time(0.0, k, latency) - sum(grad_sync_time(g.nbytes, k, latency) for g in bucket)
+            if total <= 0 or missing <= 0:
+                continue
+            for g in bucket:
+                out[g.node] = out.get(g.node, 0.0) + missing * g.nbytes / total
+    return out
+
+
+def bucket_layout(state, within=None) -> list[tuple[tuple, list]]:
+    """The runtime's gradient buckets as the plan predicts them (autoshard/runtime/grad_sync.py: gradients grouped by
+    the axes they are reduced on, in backward's order, cut by `buckets`): [(axes, [gradient])], each gradient with
+    its parameter's `node` and local `nbytes`. An axis where ZeRO-2/3 reduce-scatters the gradients is not
+    bucketed; `within`: only these parameters.
+
+    >>> [(axes, [g.node.meta["autoshard.path"] for g in bucket]) for axes, bucket in bucket_layout(prog.state)]
+    [(('dp',), ['layers.1.bias', 'layers.1.weight', 'layers.0.bias', 'layers.0.weight'])]
+    """
+    mesh, zero = state.mesh, state.zero
     scattered = zero.axis if zero is not None and zero.stage >= 2 else None
     groups: dict = {}  # the axes a gradient is reduced on -> its gradients, in graph order
     for node in state.gm.graph.nodes:
@@ -58,16 +82,5 @@ def bucket_shortfall(state, within=None) -> dict:
         axes = tuple(a for a in state.grad_reduce.get(node.meta.get(meta.PATH), ()) if a != scattered)
         if axes:
             groups.setdefault(axes, []).append(_Gradient(node, local_bytes(node, node.meta[meta.SPEC], mesh)))
-    out: dict = {}
-    for axes, gradients in groups.items():
-        for bucket in buckets(reversed(gradients), lambda g: g):  # backward's order, as the runtime's layout
-            total = sum(g.nbytes for g in bucket)
-            for name in axes:
-                axis = mesh.axis(name)
-                k, latency = mesh.shape[axis], Link(profile.link(mesh.shape, axis).alpha, math.inf)  # no bytes' time
-                missing = all_reduce_time(0.0, k, latency) - sum(grad_sync_time(g.nbytes, k, latency) for g in bucket)
-                if total <= 0 or missing <= 0:
-                    continue
-                for g in bucket:
-                    out[g.node] = out.get(g.node, 0.0) + missing * g.nbytes / total
-    return out
+    # backward's order, as the runtime's layout
+    return [(axes, bucket) for axes, gradients in groups.items() for bucket in buckets(reversed(gradients), lambda g: g)]

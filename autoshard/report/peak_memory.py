@@ -30,12 +30,10 @@ copies), pipelines (the runtime counts a pp rank's in-flight micro-batches itsel
 """
 from __future__ import annotations
 
-import torch
-
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import local_bytes
+from autoshard.cost.sync_buckets import bucket_layout
 from autoshard.ir import meta
-from autoshard.runtime.grad_sync import buckets
 
 ADAM_STATE_FACTOR = 2  # optimizer_state_factor of Adam (two moments): the optimizer with temporaries
 
@@ -63,7 +61,7 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
     appears = {}  # reverse walk position -> gradients allocated there (a parameter's last use in forward)
     for p in trained:
         appears.setdefault(max(uses[p]), []).append(p)
-    layout = _bucket_layout(prog, trained, size)
+    layout = _bucket_layout(state)
     complete = {}  # position -> buckets whose gradients are all complete there (the earliest first use in forward)
     for bucket in layout:
         complete.setdefault(min(min(uses[p]) for p in bucket["params"]), []).append(bucket)
@@ -107,25 +105,12 @@ def not_modelled(prog) -> str | None:
     return None
 
 
-def _bucket_layout(prog, trained: list, size: dict) -> list[dict]:
-    """The runtime's gradient buckets (runtime/grad_sync.grad_buckets' grouping and `buckets`' cut), each
-    {"params", "bytes", "k": ranks of its first axis}."""
-    by_path = {p.meta[meta.PATH]: p for p in trained}
-    reduce = prog.state.grad_reduce
-    groups: dict = {}
-    for path in reversed(list(by_path)):  # the module's parameter order, reversed (backward's order)
-        axes = tuple(reduce.get(path, ()))
-        if axes:
-            groups.setdefault(axes, []).append(by_path[path])
-    mesh = prog.state.mesh
-    layout = []
-    for axes, params in groups.items():
-        shaped = {p: torch.empty(size[p] // p.meta["val"].element_size(), dtype=p.meta["val"].dtype, device="meta")
-                  for p in params}
-        for bucket in buckets(params, shaped.__getitem__):
-            layout.append({"params": bucket, "bytes": sum(size[p] for p in bucket),
-                           "k": mesh.shape[mesh.axis(axes[0])]})
-    return layout
+def _bucket_layout(state) -> list[dict]:
+    """The runtime's gradient buckets (cost/sync_buckets.bucket_layout), each {"params", "bytes", "k": ranks of its
+    first axis}."""
+    mesh = state.mesh
+    return [{"params": [g.node for g in bucket], "bytes": sum(g.nbytes for g in bucket),
+             "k": mesh.shape[mesh.axis(axes[0])]} for axes, bucket in bucket_layout(state)]
 
 
 def _started_bytes(bucket: dict, exact: bool) -> int:
