@@ -138,22 +138,27 @@ def fold_model(model, hints=None) -> Fold | None:
     """
     if not isinstance(model, torch.nn.Module) or isinstance(model, fx.GraphModule):
         return None
+    folds = _FOLDS.get()
+    # within one planning call the model does not change: its fold (or that it has none) is looked for once (the
+    # search compiles it dozens of times, and comparing its layers costs more than a pass)
+    fold = folds.get(model, False) if folds is not None else False
+    if fold is False:
+        fold = _new_fold(model)
+        if folds is not None:
+            folds[model] = fold
+    if fold is None or _hints_name_one_layer(hints, fold.container):
+        return None
+    return fold
+
+
+def _new_fold(model) -> Fold | None:
     found = _container(model)
     if found is None:
         return None
     path, layers = found
-    if _hints_name_one_layer(hints, path):
-        return None
-    folds = _FOLDS.get()
-    cached = folds.get(model) if folds is not None else None
-    if cached is not None and cached.container == path and cached.n_layers == len(layers):
-        return cached
     n = len(layers)
     kept = {"0": layers[0], "1": layers[1], str(n - 1): layers[n - 1]}
-    fold = Fold(path, n, _with_replaced(model, path.split("."), kept))
-    if folds is not None:
-        folds[model] = fold
-    return fold
+    return Fold(path, n, _with_replaced(model, path.split("."), kept))
 
 
 def mark_carried(fold: Fold, gm: fx.GraphModule) -> int:
