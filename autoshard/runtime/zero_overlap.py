@@ -10,8 +10,9 @@ backward and finished in `sync_grads` (FSDP2's two overlaps).
 - re-gathers in backward: the order in which the last backward re-gathered parameters is remembered; each
   re-gather starts those up to the end of the next layer in that order (one layer ahead in backward).
 - gradients: the reduce-scatter of a parameter's partial gradient is started in backward, one collective
-  per layer (`start_reduce_scatters`, when backward moves on to the next layer), and the shard reaches
-  `param.grad` in `finish` (called first in `sync_grads`), summed per backward pass in arrival order
+  per layer (`start_reduce_scatters`, when backward moves on to the next layer), at most
+  REDUCE_SCATTERS_IN_FLIGHT layers' at once (the oldest is then waited for and only its shards kept), and the
+  shards reach `param.grad` in `finish` (called first in `sync_grads`), summed per backward pass in arrival order
   and added to the gradient already there exactly as autograd would. Only parameters used by nothing but
   their gathers are deferred so (another use would reach the gradient through autograd in between).
 With `module.overlap = False` nothing is prefetched and the same per-layer reduce-scatters start in
@@ -176,6 +177,30 @@ class _Started:
     def __init__(self, items):
         self.items = items
 
+    def settle(self) -> None:
+        """Wait for the collectives and keep only this rank's shards: the layer's gradient rows and the buffers
+        the reduce-scatter gathered are freed now, not at `finish`."""
+        self.items = [(param, _Settled(compact(started.wait()))) for param, started in self.items]
+
+
+class _Settled:
+    """A reduce-scatter waited for: its shard."""
+
+    __slots__ = ("shard",)
+
+    def __init__(self, shard):
+        self.shard = shard
+
+    def wait(self) -> torch.Tensor:
+        return self.shard
+
+
+# Layers whose reduce-scatters may be in flight at once: backward computes the next layer while the last one's
+# travels (FSDP2 bounds them likewise). Each holds the layer's gradient rows and, on the exact path, every rank's
+# copy of them: left in flight until `sync_grads`, all layers' would be alive at once (the unsharded gradient of
+# the whole model, (1 + k) times over on gloo).
+REDUCE_SCATTERS_IN_FLIGHT = 2
+
 
 def _start_group(waiting) -> _Started:
     """One collective for the gradients that split evenly over the axis, one each for the others."""
@@ -222,6 +247,7 @@ class Zero3Overlap:
         self.position: dict = {}  # call index -> its position in regather_order
         self.order_now: list = []
         self.started: list = []  # handles whose re-gather was started ahead
+        self.in_flight: list = []  # started reduce-scatter groups not waited for yet, oldest first
 
     def gather(self, x, shard, comm, axis, dim, dtype):
         """`x`'s gathered value (shard `shard`): the prefetched one when this call was started earlier, then
@@ -312,8 +338,25 @@ class Zero3Overlap:
     def _flush(self) -> None:
         """Close the waiting gradients' group (a layer's) and, when overlapping, start it now."""
         if self.waiting:
-            self.passes[-1].append(self.waiting if not self.overlap else _start_group(self.waiting))
+            self.passes[-1].append(self.waiting if not self.overlap else self._start(self.waiting))
             self.waiting = []
+
+    def _start(self, waiting) -> _Started:
+        """Start a group's reduce-scatters, then settle the oldest in flight beyond REDUCE_SCATTERS_IN_FLIGHT
+        (every rank starts and waits for the groups in the same order). After backward, before `sync_grads`:
+
+        >>> def unsettled(module):
+        ...     module(*module.local_inputs(*inputs))[0].backward()
+        ...     groups = [g for p in module._zero3.passes for g in p]
+        ...     return len(groups), sum(any(not isinstance(s, _Settled) for _, s in g.items) for g in groups)
+        >>> run_ranks(prog, unsettled)[0]  # (layer groups, still in flight): the first was waited for
+        (3, 2)
+        """
+        started = _start_group(waiting)
+        self.in_flight.append(started)
+        while len(self.in_flight) > REDUCE_SCATTERS_IN_FLIGHT:
+            self.in_flight.pop(0).settle()
+        return started
 
     def _open_pass(self) -> None:
         if not self.pass_open:  # the pass's end closes its group (summed as autograd sums one pass)
@@ -344,7 +387,8 @@ class Zero3Overlap:
                 handle.pending.wait()
                 handle.pending = None
         self.started = []
-        self.passes = [[g if isinstance(g, _Started) else _start_group(g) for g in p] for p in self.passes]
+        self.passes = [[g if isinstance(g, _Started) else self._start(g) for g in p] for p in self.passes]
+        self.in_flight = []
         for one_pass in self.passes:
             totals: dict = {}
             for param, started in (item for group in one_pass for item in group.items):
