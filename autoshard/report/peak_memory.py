@@ -13,11 +13,21 @@ The footprint is what the planner budgets; a rank's allocator peaks elsewhere. W
   sizes at once); NCCL's all-reduce (`exact=False`) reduces the flat bucket in place;
 - the optimizer: torch.optim.Adam's temporaries (the single-tensor path torch takes on a CPU: the square root
   and the quotient of one parameter; the foreach path on GPUs: the square roots of all parameters at once);
-  SGD's updates are in place.
+  SGD's updates are in place;
+- recomputation (autoshard/cost/recompute_cost.py): forward's end keeps only what the regions do not drop; a
+  region's dropped activations are alive again from its recomputation, when backward reaches its last op;
+- ZeRO-1/2 (autoshard/runtime/zero.py): ZeRO-2 reduce-scatters the gradients of replicated parameters in buckets
+  laid out and started like the all-reduce's (the exact path gathers every rank's rows too), then keeps this
+  rank's chunk; the optimizer steps the master chunks (Adam's temporaries are a chunk's), then all-gathers the
+  updated parameters bucket by bucket: this rank's chunks, every rank's (k parts) and their concatenation.
 
-The peak is the state held through the step (parameters, optimizer state, inputs) plus the most of these at
-once. Not modelled (`predicted_peak` returns None and says why): ZeRO (its reduce-scatter buckets and master
-copies), pipelines (the runtime counts a pp rank's in-flight micro-batches itself), recomputation.
+- a pipeline (each pp rank; the peak is the fullest's): its schedule holds the rank's gradients and its
+  micro-batches' activations in flight (`cost/pipeline_schedule.rank_memory`, both counted whole: a bound), then
+  the optimizer its gradients and Adam's temporaries over the rank's parameters.
+
+The peak is the state held through the step (parameters, optimizer state and ZeRO's masters, inputs) plus the
+most of these at once. Not modelled (`predicted_peak` returns None and says why): ZeRO-3 (its prefetched
+gathers and per-layer reduce-scatters), a pipeline whose stages also sync gradients (their buckets).
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
@@ -30,10 +40,18 @@ copies), pipelines (the runtime counts a pp rank's in-flight micro-batches itsel
 """
 from __future__ import annotations
 
+import math
+
+import torch
+
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import local_bytes
+from autoshard.cost.pipeline_schedule import rank_memory, stage_nodes
+from autoshard.cost.recompute_cost import region_savings
 from autoshard.cost.sync_buckets import bucket_layout
 from autoshard.ir import meta
+from autoshard.ir.placement import Shard
+from autoshard.runtime.grad_sync import buckets
 
 ADAM_STATE_FACTOR = 2  # optimizer_state_factor of Adam (two moments): the optimizer with temporaries
 
@@ -49,6 +67,8 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
     state = prog.state
     if not_modelled(prog) is not None:
         return None
+    if getattr(prog.plan, "pipeline", None):
+        return _pipeline_peak(state, prog.config, foreach)
     parts = state.predicted.memory
     held = parts.params + parts.optimizer + parts.inputs
     graph = state.gm.graph
@@ -61,18 +81,19 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
     appears = {}  # reverse walk position -> gradients allocated there (a parameter's last use in forward)
     for p in trained:
         appears.setdefault(max(uses[p]), []).append(p)
-    layout = _bucket_layout(state)
+    layout = _bucket_layout(state) + _scatter_layout(state, trained, size)
     complete = {}  # position -> buckets whose gradients are all complete there (the earliest first use in forward)
     for bucket in layout:
         complete.setdefault(min(min(uses[p]) for p in bucket["params"]), []).append(bucket)
     gradients = sum(size.values())
-    activations = parts.activations + parts.gathered
+    recomputed, largest = _recomputed(state, order)  # last op's position -> bytes alive again from there
+    activations = parts.activations - largest + parts.gathered
     phases = {"forward's end": activations}
     alive, most = activations, activations
     in_flight = []
     for i in range(len(nodes) - 1, -1, -1):
         node = nodes[i]
-        alive += sum(size[p] for p in appears.get(i, ()))
+        alive += sum(size[p] for p in appears.get(i, ())) + recomputed.get(i, 0)
         most = max(most, alive)
         if overlap:
             for bucket in complete.get(i, ()):
@@ -84,7 +105,8 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
     phases["backward"] = most
     phases["gradient sync"] = _sync_peak(layout, gradients + sum(_started_bytes(b, exact) for b in in_flight),
                                          exact, overlap)
-    phases["optimizer"] = gradients + _optimizer_temporaries(state, size, foreach)
+    synced = gradients - sum(b["bytes"] - b["kept"] for b in layout if b["scatter"])  # ZeRO-2 keeps its chunks
+    phases["optimizer"] = synced + _optimizer_peak(state, trained, size, foreach)
     phase = max(phases, key=phases.get)
     return {"bytes": int(held + phases[phase]), "phase": phase, "phases": {k: int(held + v) for k, v in phases.items()}}
 
@@ -96,12 +118,10 @@ def not_modelled(prog) -> str | None:
     True
     """
     state = prog.state
-    if getattr(prog.plan, "pipeline", None):
-        return "a pipeline's peak (its micro-batches in flight) is counted by the runtime, not modelled here"
-    if state.zero is not None:
-        return "ZeRO's buckets and master copies are not modelled"
-    if any(meta.RECOMPUTE in n.meta for n in state.gm.graph.nodes):
-        return "recomputation's regions live again in backward: not modelled"
+    if getattr(prog.plan, "pipeline", None) and any(state.grad_reduce.values()):
+        return "a pipeline's stage gradient sync (its buckets beside the micro-batches in flight) is not modelled"
+    if state.zero is not None and state.zero.stage == 3:
+        return "ZeRO-3's prefetched gathers and per-layer reduce-scatters are not modelled"
     return None
 
 
@@ -110,7 +130,94 @@ def _bucket_layout(state) -> list[dict]:
     first axis}."""
     mesh = state.mesh
     return [{"params": [g.node for g in bucket], "bytes": sum(g.nbytes for g in bucket),
-             "k": mesh.shape[mesh.axis(axes[0])]} for axes, bucket in bucket_layout(state)]
+             "k": mesh.shape[mesh.axis(axes[0])], "scatter": False} for axes, bucket in bucket_layout(state)]
+
+
+def _pipeline_peak(state, config, foreach: bool) -> dict:
+    """The fullest pp rank's peak (see the module docstring)."""
+    grad = needs_grad(state.gm.graph)
+    per_stage = stage_nodes(state, config.num_stages)
+    peaks = []
+    for rank, parts in enumerate(rank_memory(state, config)):
+        nodes = set().union(*(per_stage[s] for s in config.stages_of(rank)))
+        trained = [n for n in nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "param" and grad.get(n)]
+        size = {p: local_bytes(p, p.meta[meta.SPEC], state.mesh) for p in trained}
+        held = parts["params"] + parts["optimizer"] + parts["inputs"]
+        phases = {"schedule": parts["grads"] + parts["activations"],
+                  "optimizer": parts["grads"] + _adam_temporaries(state, size, foreach)}
+        phase = max(phases, key=phases.get)
+        peaks.append({"bytes": int(held + phases[phase]), "phase": phase,
+                      "phases": {k: int(held + v) for k, v in phases.items()}})
+    return max(peaks, key=lambda peak: peak["bytes"])
+
+
+def _adam_temporaries(state, stepped: dict, foreach: bool) -> int:
+    """Adam's temporaries over the tensors it steps (bytes each; see the module docstring); none for SGD."""
+    if state.options.optimizer_state_factor != ADAM_STATE_FACTOR or not stepped:
+        return 0
+    return sum(stepped.values()) if foreach else 2 * max(stepped.values())
+
+
+def _zero_axis(state) -> tuple[int, int] | None:
+    """(index, size) of the ZeRO axis, or None without ZeRO."""
+    zero = state.zero
+    if zero is None:
+        return None
+    axis = state.mesh.axis(zero.axis)
+    return axis, state.mesh.shape[axis]
+
+
+def _flat(p, zero_axis: int) -> bool:
+    """A parameter ZeRO flattens and cuts in chunks (replicated on the ZeRO axis), not one it stores sharded."""
+    return not isinstance(p.meta[meta.SPEC][zero_axis], Shard)
+
+
+def _chunk_bytes(p, size: dict, k: int) -> int:
+    """One rank's chunk of a flattened parameter: its local bytes padded to a multiple of k, over k."""
+    element = p.meta["val"].element_size()
+    return math.ceil(size[p] // element / k) * element
+
+
+def _scatter_layout(state, trained: list, size: dict) -> list[dict]:
+    """ZeRO-2's reduce-scatter buckets (`ZeroOptimizer.scatter_buckets`: the replicated parameters whose gradient is
+    partial on the ZeRO axis, last first): each bucket's padded rows ("bytes") and the chunks this rank keeps."""
+    found = _zero_axis(state)
+    if found is None or state.zero.stage != 2:
+        return []
+    axis, k = found
+    name = state.zero.axis
+    reduced = [p for p in trained if _flat(p, axis) and name in state.grad_reduce.get(p.meta.get(meta.PATH), ())]
+    rows = {p: k * _chunk_bytes(p, size, k) for p in reduced}
+    return [{"params": bucket, "bytes": sum(rows[p] for p in bucket), "k": k, "scatter": True,
+             "kept": sum(rows[p] for p in bucket) // k}
+            for bucket in buckets(reversed(reduced), lambda p: _Sized(rows[p], p.meta["val"].dtype))]
+
+
+class _Sized:
+    """A tensor as `buckets` sees it: its bytes and dtype."""
+
+    def __init__(self, nbytes: int, dtype):
+        self.nbytes, self.dtype = nbytes, dtype
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+
+def _recomputed(state, order: dict) -> tuple[dict, int]:
+    """({position of a recomputed region's last op: the activations its recomputation makes alive again}, the
+    largest of them: what `plan.predicted` adds to the activations kept at forward's end)."""
+    regions: dict = {}
+    for node in state.gm.graph.nodes:
+        if meta.RECOMPUTE in node.meta:
+            regions.setdefault(node.meta[meta.RECOMPUTE], []).append(node)
+    again = {}
+    for members in regions.values():
+        last = max(order[m] for m in members)
+        again[last] = again.get(last, 0) + int(region_savings(state, members)[0])
+    return again, max(again.values(), default=0)
 
 
 def _started_bytes(bucket: dict, exact: bool) -> int:
@@ -128,11 +235,25 @@ def _sync_peak(layout: list, alive: int, exact: bool, overlap: bool) -> int:
         most = max(most, alive + started + (2 * bucket["bytes"] if exact else 0))
         if overlap:
             alive -= _started_bytes(bucket, exact)
+        if bucket["scatter"]:  # the full gradients go, this rank's chunks stay
+            alive -= bucket["bytes"] - bucket["kept"]
     return most
 
 
-def _optimizer_temporaries(state, size: dict, foreach: bool) -> int:
-    """Adam's temporaries (see the module docstring); none for SGD."""
-    if state.options.optimizer_state_factor != ADAM_STATE_FACTOR or not size:
-        return 0
-    return sum(size.values()) if foreach else 2 * max(size.values())
+def _optimizer_peak(state, trained: list, size: dict, foreach: bool) -> int:
+    """The optimizer's most at once beyond the gradients: Adam's temporaries (see the module docstring; none for
+    SGD) over the tensors it steps, then under ZeRO the all-gathers of the updated parameters."""
+    found = _zero_axis(state)
+    if found is None:
+        return _adam_temporaries(state, size, foreach)
+    axis, k = found
+    # ZeRO steps float32 masters of low-precision parameters: chunks of the flattened ones, the sharded ones whole
+    widen = {p: 2 if p.meta["val"].dtype in (torch.float16, torch.bfloat16) else 1 for p in trained}
+    stepped = {p: widen[p] * (_chunk_bytes(p, size, k) if _flat(p, axis) else size[p]) for p in trained}
+    temporaries = _adam_temporaries(state, stepped, foreach)
+    # `ZeroOptimizer.step`: per bucket of flattened parameters, this rank's chunks (one copy), all k ranks' and
+    # their concatenation
+    flat = [p for p in trained if _flat(p, axis)]
+    gathers = [sum(stepped[p] // widen[p] for p in bucket) * (1 + 2 * k)
+               for bucket in buckets(flat, lambda p: _Sized(size[p], p.meta["val"].dtype))]
+    return max(temporaries, max(gathers, default=0))

@@ -1,12 +1,13 @@
 """Tier 3: predicted memory per rank within 10% of one training step measured on real gloo ranks (issue 28,
-item 4), for data parallel and Megatron on 2 ranks, ZeRO-3 on dp 2 (gathered copies, saved as shards),
-recomputation (a saved plan keeps its regions) and a 2-stage 1F1B pipeline (one device's stages and its
+item 4), for data parallel and Megatron on 2 ranks, ZeRO-2 and ZeRO-3 on dp 2 (gathered copies, saved as
+shards), recomputation (a saved plan keeps its regions) and a 2-stage 1F1B pipeline (one device's stages and its
 micro-batches in flight); and the step's peak (autoshard/report/peak_memory.py: gloo's gathered gradient buckets,
-Adam's temporaries) within 10% of the peak measured, on the plans it models.
+ZeRO-2's reduce-scatters and post-step gathers, regions recomputed in backward, a pp rank's optimizer, Adam's
+temporaries) within 10% of the peak measured, on every plan it models (all but ZeRO-3).
 The measurement is benchmarks/live_memory.py's, as benchmark 15 (benchmarks/memory_accuracy.py) runs it."""
 from benchmarks.memory_accuracy import cases, measured_total, run_cases
 
-CHOSEN = ("dp 2", "tp 2 (Megatron)", "ZeRO-3 dp 2", "dp 2 + recompute every layer", "pp 2 (1F1B, 4 micro-batches)")
+CHOSEN = ("dp 2", "tp 2 (Megatron)", "ZeRO-2 dp 2", "ZeRO-3 dp 2", "dp 2 + recompute every layer", "pp 2 (1F1B, 4 micro-batches)")
 
 
 def test_predicted_memory_within_ten_percent_of_measured(pool, tmp_path):
@@ -23,7 +24,7 @@ def test_predicted_memory_within_ten_percent_of_measured(pool, tmp_path):
         if "recompute" not in row["name"]:
             assert abs(predicted["activations"] - measured["activations"]) <= 0.10 * measured["activations"], row["name"]
         peak = measured["predicted_peak"]  # predicted on the rank, with its communicator
-        if row["name"] in ("dp 2", "tp 2 (Megatron)"):
+        if row["name"] != "ZeRO-3 dp 2":
             assert abs(peak["bytes"] / measured["peak"] - 1) <= 0.10, f"{row['name']}: {peak} vs {measured['peak']}"
-        else:  # ZeRO, recomputation and pipelines: not modelled, and said so
+        else:  # ZeRO-3's prefetched gathers: not modelled, and said so
             assert peak is None and measured["not_modelled"], row["name"]
