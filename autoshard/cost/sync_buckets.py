@@ -20,20 +20,15 @@ from autoshard.cost.collective_time import all_reduce_time, grad_sync_time
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.profiles import Link
 from autoshard.ir import meta
-from autoshard.runtime.grad_sync import buckets
+from autoshard.runtime.grad_sync import SizedTensor, buckets
 
 
-class _Gradient:
-    """A synced gradient as `buckets` sees it: its bytes and dtype."""
+class _Gradient(SizedTensor):
+    """A synced gradient as `buckets` sees it (its bytes and dtype), with its parameter's node."""
 
     def __init__(self, node, nbytes: int):
-        self.node, self.nbytes, self.dtype = node, nbytes, node.meta["val"].dtype
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
+        super().__init__(nbytes, node.meta["val"].dtype)
+        self.node = node
 
 
 def bucket_shortfall(state, within=None) -> dict:

@@ -51,7 +51,7 @@ from autoshard.cost.recompute_cost import region_savings
 from autoshard.cost.sync_buckets import bucket_layout
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard
-from autoshard.runtime.grad_sync import buckets
+from autoshard.runtime.grad_sync import SizedTensor, buckets
 
 ADAM_STATE_FACTOR = 2  # optimizer_state_factor of Adam (two moments): the optimizer with temporaries
 
@@ -190,20 +190,7 @@ def _scatter_layout(state, trained: list, size: dict) -> list[dict]:
     rows = {p: k * _chunk_bytes(p, size, k) for p in reduced}
     return [{"params": bucket, "bytes": sum(rows[p] for p in bucket), "k": k, "scatter": True,
              "kept": sum(rows[p] for p in bucket) // k}
-            for bucket in buckets(reversed(reduced), lambda p: _Sized(rows[p], p.meta["val"].dtype))]
-
-
-class _Sized:
-    """A tensor as `buckets` sees it: its bytes and dtype."""
-
-    def __init__(self, nbytes: int, dtype):
-        self.nbytes, self.dtype = nbytes, dtype
-
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
+            for bucket in buckets(reversed(reduced), lambda p: SizedTensor(rows[p], p.meta["val"].dtype))]
 
 
 def _recomputed(state, order: dict) -> tuple[dict, int]:
@@ -255,5 +242,5 @@ def _optimizer_peak(state, trained: list, size: dict, foreach: bool) -> int:
     # their concatenation
     flat = [p for p in trained if _flat(p, axis)]
     gathers = [sum(stepped[p] // widen[p] for p in bucket) * (1 + 2 * k)
-               for bucket in buckets(flat, lambda p: _Sized(size[p], p.meta["val"].dtype))]
+               for bucket in buckets(flat, lambda p: SizedTensor(size[p], p.meta["val"].dtype))]
     return max(temporaries, max(gathers, default=0))

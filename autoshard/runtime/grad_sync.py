@@ -60,6 +60,34 @@ def buckets(entries, tensor_of):
         yield bucket
 
 
+class SizedTensor:
+    """What `buckets` reads of a tensor (its bytes and dtype), for laying out tensors that do not exist: the cost
+    model's predicted gradients and buffers.
+
+    >>> [[t.nbytes for t in bucket] for bucket in buckets([SizedTensor(BUCKET_BYTES, torch.float32)] * 2, lambda t: t)]
+    [[26214400], [26214400]]
+    """
+
+    def __init__(self, nbytes: int, dtype: torch.dtype):
+        self.nbytes, self.dtype = nbytes, dtype
+
+    def numel(self) -> int:
+        """Its bytes (`element_size` is 1).
+
+        >>> SizedTensor(8, torch.float32).numel()
+        8
+        """
+        return self.nbytes
+
+    def element_size(self) -> int:
+        """1: `numel` counts bytes.
+
+        >>> SizedTensor(8, torch.float32).element_size()
+        1
+        """
+        return 1
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Parameters whose gradients are reduced together on `axes` (one flat tensor, one dtype).
