@@ -19,8 +19,7 @@ The footprint is what the planner budgets; a rank's allocator peaks elsewhere. W
 - ZeRO-1/2 (autoshard/runtime/zero.py): ZeRO-2 reduce-scatters the gradients of replicated parameters in buckets
   laid out and started like the all-reduce's (the exact path gathers every rank's rows too), then keeps this
   rank's chunk; the optimizer steps the master chunks (Adam's temporaries are a chunk's), then all-gathers the
-  updated parameters bucket by bucket: this rank's chunks, every rank's (k parts) and their concatenation.
-
+  updated parameters bucket by bucket: this rank's chunks, every rank's (k parts) and their concatenation;
 - a pipeline (each pp rank; the peak is the fullest's): its schedule holds the rank's gradients and its
   micro-batches' activations in flight (`cost/pipeline_schedule.rank_memory`, both counted whole: a bound), then
   the optimizer its gradients and Adam's temporaries over the rank's parameters.
