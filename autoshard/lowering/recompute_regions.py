@@ -19,10 +19,9 @@ from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
 from autoshard.ir.graph_utils import copy_node
 from autoshard.ir.meta import RECOMPUTE
-from autoshard.passes.ilp_costs import mutated_positions
 from autoshard.runtime.collectives import current, use_communicator
 from autoshard.runtime.rng import at_position, current_position
-from autoshard.strategies.base import tensor_inputs
+from autoshard.strategies import mutated_positions, tensor_inputs
 
 
 def wrap_regions(gm: fx.GraphModule) -> fx.GraphModule:

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from autoshard.cost.axis_cost import partial_grad_time
 from autoshard.cost.collective_time import (
     INF,
@@ -49,7 +47,7 @@ from autoshard.ir.graph_utils import data_parallel_axes
 from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Replicate, Shard, Spec
 from autoshard.solver.layers import decision_classes
-from autoshard.strategies import tensor_inputs
+from autoshard.strategies import mutated_positions, tensor_inputs
 
 SCALE = 1e6  # seconds -> microseconds keeps HiGHS's tolerances meaningful
 PROPAGATION_PENALTY = 1e3
@@ -72,31 +70,6 @@ class IlpCosts(NamedTuple):
     shared: list
     conjunctions: list
     breakdowns: dict
-
-
-def mutated_positions(node) -> tuple[int, ...]:
-    """Positions (among the node's tensor inputs) of the operands its op writes in place, from the op's
-    schema: they cannot be resharded (the write would land on a copy).
-
-    >>> graph = torch.fx.Graph()
-    >>> x, y = graph.placeholder("x"), graph.placeholder("y")
-    >>> x.meta["val"] = y.meta["val"] = torch.zeros(2)
-    >>> add_ = graph.call_function(torch.ops.aten.add_.Tensor, (x, y))
-    >>> mutated_positions(add_), mutated_positions(graph.call_function(torch.ops.aten.add.Tensor, (x, y)))
-    ((0,), ())
-    """
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return ()
-    written = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, torch.fx.Node):
-                written.append(value)
-    inputs = tensor_inputs(node)
-    return tuple(pos for pos, value in enumerate(inputs) if value in written)
-
 
 
 def written_through_views(graph) -> set:

@@ -10,8 +10,9 @@ from autoshard.strategies.base import (
     AxisStrategy,
     RuleContext,
     candidates_for,
+    mutated_positions,
     register,
     tensor_inputs,
 )
 
-__all__ = ["REGISTRY", "AxisStrategy", "RuleContext", "candidates_for", "register", "tensor_inputs"]
+__all__ = ["REGISTRY", "AxisStrategy", "RuleContext", "candidates_for", "mutated_positions", "register", "tensor_inputs"]

@@ -96,6 +96,30 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [n for n in found if is_tensor_value(n)]
 
 
+def mutated_positions(node) -> tuple[int, ...]:
+    """Positions (among the node's tensor inputs) of the operands its op writes in place, from the op's
+    schema: they cannot be resharded (the write would land on a copy).
+
+    >>> graph = torch.fx.Graph()
+    >>> x, y = graph.placeholder("x"), graph.placeholder("y")
+    >>> x.meta["val"] = y.meta["val"] = torch.zeros(2)
+    >>> add_ = graph.call_function(torch.ops.aten.add_.Tensor, (x, y))
+    >>> mutated_positions(add_), mutated_positions(graph.call_function(torch.ops.aten.add.Tensor, (x, y)))
+    ((0,), ())
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return ()
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                written.append(value)
+    inputs = tensor_inputs(node)
+    return tuple(pos for pos, value in enumerate(inputs) if value in written)
+
+
 def is_tensor_value(node: fx.Node) -> bool:
     """Whether the node's value is a tensor or a tuple holding one (the nodes strategies are made for).
 
