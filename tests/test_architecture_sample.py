@@ -27,7 +27,7 @@ def _passing() -> list[str]:
         known = architectures.families()
         good = [name for name, record in records.items() if name in known
                 and all(sweep.status(record, cell) == "ok" for cell in sweep.CELLS)
-                and sum(record["cells"][c]["seconds"] for c in CELLS) < 20]
+                and sum(record["cells"][c]["seconds"] for c in CELLS) < 8]
         if len(good) >= SAMPLE:
             return sorted(good)
     return list(sweep.QUICK)
