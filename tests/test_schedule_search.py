@@ -13,7 +13,7 @@ def _pipelined(**pipeline):
 def test_the_fastest_schedule_is_chosen_among_those_compared():
     prog = _pipelined()
     rows = prog.plan.pipeline["schedule_search"]
-    assert [r["schedule"] for r in rows] == ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
+    assert [r["schedule"] for r in rows] == ["1F1B", "ZBVZeroBubble", "Interleaved1F1B"]
     steps = {r["schedule"]: r["predicted_step_s"] for r in rows if "predicted_step_s" in r}
     assert prog.plan.pipeline["schedule"] == min(steps, key=steps.get)
     assert prog.plan.pipeline["predicted_step_s"] == min(steps.values())

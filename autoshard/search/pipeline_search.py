@@ -22,6 +22,8 @@ On an unnamed mesh the planner compares pipelining over each axis with not pipel
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 import os
@@ -44,6 +46,28 @@ from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.solver.errors import MemoryBudgetError
 
 log = logging.getLogger(__name__)
+
+
+# A step some other plan of the same request is known to reach (the mesh search's first shapes): a pipeline
+# candidate whose bound cannot beat it is not planned further (`step_to_beat`).
+_STEP_TO_BEAT: contextvars.ContextVar = contextvars.ContextVar("autoshard_step_to_beat", default=math.inf)
+
+
+@contextlib.contextmanager
+def step_to_beat(seconds: float):
+    """Within the block the pipeline search prunes as if a plan with a `seconds` step had been found already (the
+    mesh search passes the best step of the shapes it planned first): a re-plan at another micro-batch count or
+    another schedule that cannot beat it is not planned. Each shape still records its own best plan.
+
+    >>> with step_to_beat(0.5):
+    ...     _STEP_TO_BEAT.get()
+    0.5
+    """
+    token = _STEP_TO_BEAT.set(seconds)
+    try:
+        yield
+    finally:
+        _STEP_TO_BEAT.reset(token)
 
 
 def predicted_step(stages: list[dict], m: int, virtual: int = 1) -> float:
@@ -93,10 +117,12 @@ def choose_pipeline(request: CompileRequest, pipeline, unnamed: bool):
     return _search_axes(request, opts)
 
 
-# Besides 1F1B, the schedules the search weighs (with two stages per rank): interleaving shrinks the bubble by the
-# number of stages per rank (Narayanan et al. 2021; torchtitan measured interleaved 1F1B 28% faster than 1F1B on
-# Llama 3 405B), zero bubble fills it with weight gradients (Qi et al. 2023).
-SEARCHED_SCHEDULES = (("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+# Besides 1F1B, the schedules the search weighs (with two stages per rank): zero bubble fills the bubble with
+# weight gradients (Qi et al. 2023), interleaving shrinks it by the number of stages per rank (Narayanan et al.
+# 2021; torchtitan measured interleaved 1F1B 28% faster than 1F1B on Llama 3 405B). Zero bubble first: it keeps
+# 1F1B's activations in flight, so it is a recut of the same plan (cheap), and its step may rule out interleaving,
+# which keeps more in flight and is planned afresh (on Llama 3 70B over (2, 32, 8): 14 s of a 51 s plan).
+SEARCHED_SCHEDULES = (("ZBVZeroBubble", 2), ("Interleaved1F1B", 2))
 # What a pipelined plan's record keeps of its searches (part of its fingerprint; a saved plan carries them).
 SEARCH_RECORDS = ("microbatch_search", "not_replanned", "schedule_search")
 
@@ -105,26 +131,34 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
     """`prog`'s pipeline (one stage per rank, 1F1B) or, when its predicted step is shorter, the same axis and
     micro-batch count under each of SEARCHED_SCHEDULES: each is the same micro-batch program cut into twice the
     stages (`recut_pipeline`), and its step is the simulated timeline of the schedule's own action order. A schedule
-    or virtual stages the user gave are kept; `plan.pipeline["schedule_search"]` lists what was compared. When even a schedule without any
-    bubble could not beat `to_beat` (the best step found so far), none is planned.
+    or virtual stages the user gave are kept; `plan.pipeline["schedule_search"]` lists what was compared. A schedule
+    whose least step (`least_step`) cannot beat `to_beat` (the best step found so far) or the best schedule so far
+    is not planned.
 
     >>> from autoshard.frontend.request import CompileRequest
     >>> deep, deep_inputs, deep_loss = mlp(n_layers=8)
     >>> request = CompileRequest(deep, autoshard.Mesh((2,), ("pp",)), deep_inputs, loss_fn=deep_loss)
     >>> piped = best_schedule(request, _best_microbatches(request, "pp", {}), {})
     >>> [row["schedule"] for row in piped.plan.pipeline["schedule_search"]]
-    ['1F1B', 'Interleaved1F1B', 'ZBVZeroBubble']
+    ['1F1B', 'ZBVZeroBubble', 'Interleaved1F1B']
     """
     if "schedule" in opts or "virtual_stages" in opts:
         return prog
     pipeline = prog.plan.pipeline
-    if pipeline["predicted_step_s"] * (1 - pipeline["predicted_bubble"]) >= to_beat:
+    work = pipeline["predicted_step_s"] * (1 - pipeline["predicted_bubble"])  # its step without the bubble
+    if work >= to_beat:
         return prog
     config = prog.config
     rows = [{"schedule": config.schedule, "virtual_stages": config.virtual,
              "predicted_step_s": prog.plan.pipeline["predicted_step_s"]}]
     best = prog
     for schedule, virtual in SEARCHED_SCHEDULES:
+        least = least_step(work, config.pp_size, config.microbatches, schedule, virtual)
+        beat = min(to_beat, best.plan.pipeline["predicted_step_s"])
+        if least >= beat:
+            rows.append({"schedule": schedule, "virtual_stages": virtual,
+                         "not_planned": f"its least step {least:.4g} s cannot beat {beat:.4g} s"})
+            continue
         try:  # the same micro-batch program, cut into `virtual` stages per rank
             other = recut_pipeline(request, prog, dict(opts, microbatches=config.microbatches, schedule=schedule,
                                                        virtual_stages=virtual))
@@ -140,6 +174,20 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
             best.plan.pipeline[key] = prog.plan.pipeline[key]
     best.plan.pipeline["schedule_search"] = rows
     return best
+
+
+def least_step(work: float, p: int, m: int, schedule: str, virtual: int) -> float:
+    """The least step a schedule can take for a pipeline whose 1F1B plan does `work` seconds besides its bubble:
+    interleaving leaves a bubble of (p - 1) / (virtual x m) of the work (Narayanan et al. 2021), zero bubble none. A
+    bound as the search's other prunes are: a plan of this schedule keeps at least as many activations in flight,
+    so its ILP is at least as constrained and its work per micro-batch no smaller.
+
+    >>> least_step(64.0, p=32, m=64, schedule="Interleaved1F1B", virtual=2), least_step(64.0, 32, 64, "ZBVZeroBubble", 2)
+    (79.5, 64.0)
+    """
+    if schedule == "Interleaved1F1B":
+        return work * (1 + (p - 1) / (virtual * m))
+    return work
 
 
 def _from_saved(request: CompileRequest, pipeline):
@@ -305,12 +353,13 @@ def _search_axes(request: CompileRequest, opts: dict):
             candidates.append({"axis": name, "same_as": seen[key]})
             continue
         seen[key] = name
-        planned = _plan_axis(request, name, opts, best_step, candidates, errors)
+        planned = _plan_axis(request, name, opts, min(best_step, _STEP_TO_BEAT.get()), candidates, errors)
         best, best_step = _faster(planned, best, best_step)
         # then the same pipeline with the batch and ZeRO-2 on an axis where that plan split parameters instead
         variant = _zero_data_request(request, planned) if planned is not None else None
         if variant is not None:
-            best, best_step = _faster(_plan_axis(variant, name, opts, best_step, candidates, errors), best, best_step)
+            best, best_step = _faster(_plan_axis(variant, name, opts, min(best_step, _STEP_TO_BEAT.get()),
+                                                 candidates, errors), best, best_step)
     chosen = best.config.axis if best is not None else None
     why = _why(candidates, chosen)
     log.info(why)
