@@ -213,8 +213,12 @@ class ParallelModule(torch.nn.Module):
         rank_module = self._current[1]
         device = next((p.device for _, p in rank_module.named_local_parameters()), torch.device("cpu"))
         comm = getattr(rank_module, "comm", None)
-        return AccuracyReport.of(self._current[0], self._clock.phases(), peak_memory_bytes(device),
-                                 exact=bool(getattr(comm, "exact", False)), overlap=getattr(rank_module, "overlap", True))
+        prog = self._current[0]
+        stages = getattr(rank_module, "stage_graphs", None)  # a pipeline's rank: its own pp rank's prediction
+        pp_rank = prog.config.stage_rank(stages[0].index) if stages else None
+        return AccuracyReport.of(prog, self._clock.phases(), peak_memory_bytes(device),
+                                 exact=bool(getattr(comm, "exact", False)), overlap=getattr(rank_module, "overlap", True),
+                                 pp_rank=pp_rank)
 
     def when_planned(self, callback) -> None:
         """Call `callback(rank_module)` once this rank's module exists (now, when it does): how a ZeroOptimizer

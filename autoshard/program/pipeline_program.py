@@ -97,6 +97,29 @@ class PipelineProgram(Program):
         return self.config.microbatches
 
     @functools.cached_property
+    def _planned(self):
+        return self.planned_timeline()
+
+    @property
+    def predicted_step_s(self) -> float:
+        """The predicted step (the schedule run on the predicted stage times), without building the plan: the
+        pipeline search compares many candidates and keeps few.
+
+        >>> prog.predicted_step_s == prog.plan.pipeline["predicted_step_s"]
+        True
+        """
+        return self._planned.span()
+
+    @property
+    def predicted_bubble(self) -> float:
+        """The share of the predicted step a pp rank idles (the plan's `pipeline["predicted_bubble"]`).
+
+        >>> 0 < prog.predicted_bubble < 1
+        True
+        """
+        return self._planned.bubble_fraction()
+
+    @functools.cached_property
     def plan(self):
         """The intra-op plan of one micro-batch, with each row's stage and the `pipeline` record (stage
         table, schedule, predicted step and bubble).
@@ -106,9 +129,8 @@ class PipelineProgram(Program):
         """
         plan = super().plan
         stages = self.state.pipeline_stages
-        planned = self.planned_timeline()
         plan.pipeline = {**self.config.to_json(), "stage_table": stages,
-                         "predicted_step_s": planned.span(), "predicted_bubble": planned.bubble_fraction(),
+                         "predicted_step_s": self.predicted_step_s, "predicted_bubble": self.predicted_bubble,
                          "tied_params": {k: list(v) for k, v in sorted(self.tied_params.items())},
                          "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)],
                          "memory_bytes_per_pp_rank": [sum(parts.values()) for parts in rank_memory(self.state,

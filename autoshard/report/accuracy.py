@@ -236,11 +236,11 @@ class AccuracyReport:
 
     @classmethod
     def of(cls, prog, measured: dict | None, peak_bytes: int | None = None, exact: bool = False,
-           overlap: bool = True) -> AccuracyReport:
+           overlap: bool = True, pp_rank: int | None = None) -> AccuracyReport:
         """The report of `prog`'s predictions against `measured` (a StepClock's phases, with "bytes" per axis when
         counted) and the measured peak memory: against the step's predicted peak (autoshard/report/peak_memory.py:
-        `exact` reductions, buckets started in backward with `overlap`, torch's foreach Adam on a GPU) where it is
-        modelled, else the footprint.
+        `exact` reductions, buckets started in backward with `overlap`, torch's foreach Adam on a GPU; a
+        pipeline's pp rank `pp_rank`, the measuring rank) where it is modelled, else the footprint.
 
         >>> AccuracyReport.of(prog, None).steps
         0
@@ -255,7 +255,7 @@ class AccuracyReport:
             rows += accuracy_rows({f"{axis}_bytes": n for axis, n in predicted.items()},
                                   {f"{axis}_bytes": sent.get(axis, 0) for axis in predicted})
         if peak_bytes is not None:
-            peak = predicted_peak(prog, exact=exact, overlap=overlap, foreach=True)
+            peak = predicted_peak(prog, exact=exact, overlap=overlap, foreach=True, pp_rank=pp_rank)
             rows += accuracy_rows({"peak_memory_bytes": peak["bytes"] if peak else predicted_memory_bytes(prog)},
                                   {"peak_memory_bytes": peak_bytes})
         note = "" if peak_bytes is not None else "peak memory: measured on CUDA devices only"

@@ -20,7 +20,7 @@ The footprint is what the planner budgets; a rank's allocator peaks elsewhere. W
   laid out and started like the all-reduce's (the exact path gathers every rank's rows too), then keeps this
   rank's chunk; the optimizer steps the master chunks (Adam's temporaries are a chunk's), then all-gathers the
   updated parameters bucket by bucket: this rank's chunks, every rank's (k parts) and their concatenation;
-- a pipeline (each pp rank; the peak is the fullest's): its schedule holds the rank's gradients and its
+- a pipeline (each pp rank; by default the peak is the fullest's): its schedule holds the rank's gradients and its
   micro-batches' activations in flight (`cost/pipeline_schedule.rank_memory`, both counted whole: a bound), then
   the optimizer its gradients and Adam's temporaries over the rank's parameters.
 
@@ -55,10 +55,12 @@ from autoshard.runtime.grad_sync import SizedTensor, buckets
 ADAM_STATE_FACTOR = 2  # optimizer_state_factor of Adam (two moments): the optimizer with temporaries
 
 
-def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = False) -> dict | None:
+def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = False,
+                   pp_rank: int | None = None) -> dict | None:
     """{"bytes": the predicted peak per rank, "phase": where it is, "phases": {phase: bytes}} of one training step
     of `prog` (see the module docstring); `exact`: gloo's exact reductions (the runtime's default on gloo),
-    `overlap`: buckets started in backward, `foreach`: Adam's foreach path. None for what is not modelled.
+    `overlap`: buckets started in backward, `foreach`: Adam's foreach path; of a pipeline, pp rank `pp_rank`'s
+    (None: the fullest pp rank's). None for what is not modelled.
 
     >>> predicted_peak(prog, exact=False)["phases"]["gradient sync"] < peak["phases"]["gradient sync"]
     True
@@ -67,7 +69,7 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
     if not_modelled(prog) is not None:
         return None
     if getattr(prog.plan, "pipeline", None):
-        return _pipeline_peak(state, prog.config, foreach)
+        return _pipeline_peak(state, prog.config, foreach, pp_rank)
     parts = state.predicted.memory
     held = parts.params + parts.optimizer + parts.inputs
     graph = state.gm.graph
@@ -132,8 +134,8 @@ def _bucket_layout(state) -> list[dict]:
              "k": mesh.shape[mesh.axis(axes[0])], "scatter": False} for axes, bucket in bucket_layout(state)]
 
 
-def _pipeline_peak(state, config, foreach: bool) -> dict:
-    """The fullest pp rank's peak (see the module docstring)."""
+def _pipeline_peak(state, config, foreach: bool, pp_rank: int | None) -> dict:
+    """pp rank `pp_rank`'s peak, or the fullest pp rank's (see the module docstring)."""
     grad = needs_grad(state.gm.graph)
     per_stage = stage_nodes(state, config.num_stages)
     peaks = []
@@ -147,7 +149,7 @@ def _pipeline_peak(state, config, foreach: bool) -> dict:
         phase = max(phases, key=phases.get)
         peaks.append({"bytes": int(held + phases[phase]), "phase": phase,
                       "phases": {k: int(held + v) for k, v in phases.items()}})
-    return max(peaks, key=lambda peak: peak["bytes"])
+    return max(peaks, key=lambda peak: peak["bytes"]) if pp_rank is None else peaks[pp_rank]
 
 
 def _adam_temporaries(state, stepped: dict, foreach: bool) -> int:

@@ -144,17 +144,16 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
     """
     if "schedule" in opts or "virtual_stages" in opts:
         return prog
-    pipeline = prog.plan.pipeline
-    work = pipeline["predicted_step_s"] * (1 - pipeline["predicted_bubble"])  # its step without the bubble
+    work = prog.predicted_step_s * (1 - prog.predicted_bubble)  # its step without the bubble
     if work >= to_beat:
         return prog
     config = prog.config
     rows = [{"schedule": config.schedule, "virtual_stages": config.virtual,
-             "predicted_step_s": prog.plan.pipeline["predicted_step_s"]}]
+             "predicted_step_s": prog.predicted_step_s}]
     best = prog
     for schedule, virtual in SEARCHED_SCHEDULES:
         least = least_step(work, config.pp_size, config.microbatches, schedule, virtual)
-        beat = min(to_beat, best.plan.pipeline["predicted_step_s"])
+        beat = min(to_beat, best.predicted_step_s)
         if least >= beat:
             rows.append({"schedule": schedule, "virtual_stages": virtual,
                          "not_planned": f"its least step {least:.4g} s cannot beat {beat:.4g} s"})
@@ -165,9 +164,9 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
         except AutoshardError as exc:  # e.g. fewer layers than stages
             rows.append({"schedule": schedule, "virtual_stages": virtual, "error": str(exc).splitlines()[0]})
             continue
-        step = other.plan.pipeline["predicted_step_s"]
+        step = other.predicted_step_s
         rows.append({"schedule": schedule, "virtual_stages": virtual, "predicted_step_s": step})
-        if step < best.plan.pipeline["predicted_step_s"]:
+        if step < best.predicted_step_s:
             best = other
     for key in SEARCH_RECORDS[:2]:  # the micro-batch count was searched under 1F1B
         if key in prog.plan.pipeline:
@@ -296,8 +295,8 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
         for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
             # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
             step = estimate_step(stages, m0, m, config.virtual, config.link, config.action_s) \
-                * prog.plan.pipeline["predicted_step_s"] \
-                / own if m != m0 else prog.plan.pipeline["predicted_step_s"]
+                * prog.predicted_step_s \
+                / own if m != m0 else prog.predicted_step_s
             if m not in expected or step < expected[m][0]:
                 expected[m] = (step, m0)
     best = min(expected, key=lambda m: (expected[m][0], m))
@@ -309,7 +308,7 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
             planned[best] = parallelize_pipeline(request, axis, dict(opts, microbatches=best))
         except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep the planned counts
             log.info("pipelining with %d micro-batches is not possible (%s)", best, exc)
-    prog = min(planned.values(), key=lambda prog: (prog.plan.pipeline["predicted_step_s"], prog.config.microbatches))
+    prog = min(planned.values(), key=lambda prog: (prog.predicted_step_s, prog.config.microbatches))
     prog.plan.pipeline["microbatch_search"] = {str(m): expected[m][0] for m in sorted(expected)}
     if pruned:
         prog.plan.pipeline["not_replanned"] = {"microbatches": best, "expected_step_s": expected[best][0]}
@@ -376,9 +375,9 @@ def _search_axes(request: CompileRequest, opts: dict):
 
 def _faster(prog, best, best_step: float) -> tuple:
     """(the pipelined Program, its step) of `prog` and `best` (whose step is `best_step`) that is faster."""
-    if prog is None or prog.plan.pipeline["predicted_step_s"] >= best_step:
+    if prog is None or prog.predicted_step_s >= best_step:
         return best, best_step
-    return prog, prog.plan.pipeline["predicted_step_s"]
+    return prog, prog.predicted_step_s
 
 
 def _plan_axis(request: CompileRequest, axis: str, opts: dict, to_beat: float, candidates: list, errors: list):
@@ -397,7 +396,7 @@ def _plan_axis(request: CompileRequest, axis: str, opts: dict, to_beat: float, c
                            "predicted_step_s": skipped["expected_step_s"], "estimated": True})
     else:
         candidates.append({**row, "microbatches": prog.config.microbatches,
-                           "predicted_step_s": prog.plan.pipeline["predicted_step_s"]})
+                           "predicted_step_s": prog.predicted_step_s})
     return prog
 
 
