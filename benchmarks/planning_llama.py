@@ -195,7 +195,7 @@ def report(results):
                ["published run", "predicted step s (autoshard)", "predicted step s (torchtitan's)",
                 "ratio autoshard / torchtitan", "met", "memory GB (autoshard)", "memory GB (torchtitan's)",
                 "selective AC's bounds, no budget: nothing / every layer recomputed", "budget GB",
-                "planning s (wall / CPU)", "meshes with a plan"],
+                "planning s (wall / CPU, workers included)", "meshes with a plan"],
                ["published run", "what ran", "source", "measured TPS/GPU", "measured memory",
                 "predicted TPS/GPU (torchtitan's config)", "predicted / measured", "predicted MFU (989 TF)",
                 "predicted TPS/GPU (autoshard)"],

@@ -112,7 +112,7 @@ def report(results):
                          check["ok"], "yes" if faster and quick else "no"])
     headers = ["run", "autoshard's mesh (devices=GPUs)", "what each axis does", "pipeline", "recomputed layers",
                "predicted step s", "memory GB", "expert's layout (ep_dp + the memory ladder)", "its step s",
-               "its memory GB", "ratio", "no slower and fits", "planning s (wall / CPU)", f"<= {PLANNING_TARGET_S:.0f} s",
+               "its memory GB", "ratio", "no slower and fits", "planning s (wall / CPU, workers included)", f"<= {PLANNING_TARGET_S:.0f} s",
                "meshes with a plan", "the plan applies at width 64", "its decisions trained at width 64"]
     csv_headers = ["model", "params", "gpus", "batch", "seq", "mesh", "roles", "pipeline", "recomputed_layers",
                    "step_s", "memory_bytes", "expert_mesh", "expert_roles", "expert_step_s", "expert_memory_bytes",
