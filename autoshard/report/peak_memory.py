@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.pipeline_schedule import rank_memory, stage_nodes
@@ -51,6 +49,7 @@ from autoshard.cost.sync_buckets import bucket_layout
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard
 from autoshard.runtime.grad_sync import SizedTensor, buckets
+from autoshard.runtime.zero import master_dtype
 
 ADAM_STATE_FACTOR = 2  # optimizer_state_factor of Adam (two moments): the optimizer with temporaries
 
@@ -236,7 +235,7 @@ def _optimizer_peak(state, trained: list, size: dict, foreach: bool) -> int:
         return _adam_temporaries(state, size, foreach)
     axis, k = found
     # ZeRO steps float32 masters of low-precision parameters: chunks of the flattened ones, the sharded ones whole
-    widen = {p: 2 if p.meta["val"].dtype in (torch.float16, torch.bfloat16) else 1 for p in trained}
+    widen = {p: master_dtype(p.meta["val"].dtype).itemsize // p.meta["val"].element_size() for p in trained}
     stepped = {p: widen[p] * (_chunk_bytes(p, size, k) if _flat(p, axis) else size[p]) for p in trained}
     temporaries = _adam_temporaries(state, stepped, foreach)
     # `ZeroOptimizer.step`: per bucket of flattened parameters, this rank's chunks (one copy), all k ranks' and

@@ -53,6 +53,15 @@ from autoshard.runtime.zero_gather import compact
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
 
 
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a parameter's master shard: float32 for float16 and bfloat16 parameters, else their own.
+
+    >>> master_dtype(torch.bfloat16), master_dtype(torch.float64)
+    (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 @dataclass
 class _Entry:
     """One parameter: its shard on this rank (`master`) and how its gradient reaches it."""
@@ -141,7 +150,7 @@ class ZeroOptimizer:
                 f"(rank {self.rank} of {self.k}), {len(self.entries)} parameters, master shards on {where})")
 
     def _entry(self, fqn, p, owned, reduce) -> _Entry:
-        dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+        dtype = master_dtype(p.dtype)
         device = torch.device("cpu") if self.offload else p.device
         if owned:
             chunk = p.numel()
