@@ -3,7 +3,7 @@
 Spawns prod(mesh) gloo ranks. Each times all_reduce of several message sizes on each axis's groups (between
 compute, as training calls them), and time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the
 cost model uses) gives alpha (latency: the smallest message) and bandwidth (the slope over the larger ones) per
-axis (`fit_link`); then how much of an asynchronous collective compute hides meanwhile (`comm_overlap_share`).
+axis (`fit_link`), and likewise for all-gathers, reduce-scatters and all-to-alls (each as the runtime runs it); then how much of an asynchronous collective compute hides meanwhile (`comm_overlap_share`).
 Then every rank at once times matmuls per dtype, attention and a memory-bound op, forward and backward
 (autoshard/cost/compute_rates.py), so the rates include the contention of ranks sharing the machine, as training
 on it has; the slowest rank's figures are kept. Prints the fitted figures and writes a HardwareProfile JSON usable
@@ -31,7 +31,7 @@ from autoshard.ir.mesh import Mesh
 from autoshard.runtime.launch import communicator_for, run_distributed
 
 REPEATS = 5
-SMALL_REPEATS = 50
+SMALL_REPEATS = 400  # the latency-bound calls: a heavy tail (a peer thread waking late) that training pays too
 # Message sizes timed per axis: latency-bound to bandwidth-bound, up to a gradient bucket's order (grad_sync.py's
 # BUCKET_BYTES): a fit over small messages only extrapolates the bandwidth of the sync's large ones.
 CALIBRATION_SIZES = (4096, 65536, 1048576, 16777216)
@@ -179,21 +179,24 @@ def slowest_rates(per_rank: list) -> ComputeRates:
 
 
 def _time_axis_task(rank, world, mesh_json, sizes):
-    """Seconds of one all-reduce of each size on each axis, and of one all-gather of that output size, as the
-    runtime runs them, between compute (`between_compute_seconds`): the communicator's (on gloo gathered in a fixed
-    order and summed, bitwise reproducible: (k-1) x the bytes where a ring moves 2(k-1)/k, so the fitted bandwidth
-    is what the runtime's reductions get, and an all-gather pays the whole latency an all-reduce pays; NCCL's rings
-    elsewhere). Keys (collective, axis, bytes)."""
+    """Seconds of one all-reduce, reduce-scatter and all-to-all of each size (the rank's input) on each axis, and of
+    one all-gather of that output size, as the runtime runs them, between compute (`between_compute_seconds`): the
+    communicator's (on gloo gathered in a fixed order and summed, bitwise reproducible: an all-reduce moves (k-1) x
+    the bytes where a ring moves 2(k-1)/k, a reduce-scatter and an all-to-all (k-1) x where a ring moves (k-1)/k, so
+    the fitted bandwidths are what the runtime's collectives get, and an all-gather pays the whole latency an
+    all-reduce pays; NCCL's rings elsewhere). Keys (collective, axis, bytes)."""
     mesh = Mesh.from_json(mesh_json)
     comm = communicator_for(mesh)
     out = {}
     for axis in mesh.names:
         k = mesh.shape[mesh.axis(axis)]
         for size in sizes:
-            reduced = torch.ones(max(size // 4, 1), dtype=torch.float32)
+            reduced = torch.ones(max(size // 4 // k, 1) * k, dtype=torch.float32)  # splits evenly over the axis
             gathered = torch.ones(max(size // 4 // k, 1), dtype=torch.float32)
             runs = {"all_reduce": lambda x=reduced, a=axis: comm.all_reduce(x, a),
-                    "all_gather": lambda x=gathered, a=axis: comm.all_gather(x, a, 0)}
+                    "all_gather": lambda x=gathered, a=axis: comm.all_gather(x, a, 0),
+                    "reduce_scatter": lambda x=reduced, a=axis: comm.reduce_scatter(x, a, 0),
+                    "all_to_all": lambda x=reduced, a=axis: comm.all_to_all(x, a, 0, 0)}
             repeats = max(REPEATS, min(SMALL_REPEATS, 2**24 // size))  # small messages: cheap, and noisier
             for name, run in runs.items():
                 run()  # warm up the connection
@@ -212,40 +215,41 @@ def _layer_compute(n: int = 16, width: int = 128):
 
 
 def between_compute_seconds(run, repeats: int, compute=_layer_compute) -> float:
-    """Seconds of one `run()` (a collective) as training meets it: after some compute, not back to back. On gloo a
-    small message then costs about twice what back-to-back calls take (measured on 2 ranks of this 2-core machine:
-    4 KiB all-gathers 480 us back to back, 920-1280 us between matmuls: the peers' threads sleep between calls and
-    their compute ends at different times). Every rank of the collective's group calls it.
+    """Seconds of one `run()` (a collective) as training meets it: after some compute, not back to back; the mean
+    over `repeats` calls, each timed on its own (a rank waits there for peers whose compute ends later, as in
+    training). On gloo a small message then costs about twice what back-to-back calls take (measured on 2 ranks
+    of this 2-core machine: 4 KiB all-gathers 480 us back to back, 920-1280 us between matmuls: the peers' threads
+    sleep between calls and their compute ends at different times). The calls alone are timed, not the loop less
+    the compute timed apart, whose own variation entered the difference (two runs put one all-gather's latency at
+    0.85 and 1.25 ms); the mean, not the median: training pays the slow calls too (the median was 0.35 ms where
+    ZeRO-3's gathers took 0.84 ms each). Every rank of the collective's group calls it.
 
     >>> between_compute_seconds(lambda: None, 3) >= 0.0  # doctest: +SKIP
     True
     """
     dist.barrier()
-    start = time.perf_counter()
+    spent = 0.0
     for _ in range(repeats):
         compute()
+        start = time.perf_counter()
         run()
-    both = time.perf_counter() - start
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        compute()
-    alone = time.perf_counter() - start
-    return max(both - alone, 0.0) / repeats
+        spent += time.perf_counter() - start
+    return spent / repeats
 
 
-def fit_link(samples, k: int, gathers=None) -> Link:
+def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=None) -> Link:
     """Alpha and bandwidth of the ring model from [(bytes, seconds)] of all-reduces over k ranks (and, from
-    `gathers`, all-gathers' [(output bytes, seconds)], the link's `gather` figures): the bandwidth from the
-    least-squares slope over the sizes but the smallest, alpha from the smallest message's time less its bytes'
-    share. (An intercept fitted under 16 MiB messages is their noise: a run put gloo's alpha at 0.1 us,
-    and ZeRO-3's per-parameter gathers at a tenth of their measured time.)
+    `gathers`, all-gathers' [(output bytes, seconds)], `reduce_scatters` and `all_to_alls` [(input bytes,
+    seconds)], the link's figures for those): the bandwidth from the least-squares slope over the sizes but the
+    smallest, alpha from the smallest message's time less its bytes' share. (An intercept fitted under 16 MiB
+    messages is their noise: a run put gloo's alpha at 0.1 us, and ZeRO-3's per-parameter gathers at a tenth of
+    their measured time.)
 
     >>> link = fit_link([(b, 2 * 1e-5 + b / 1e9) for b in (4096, 65536, 1048576)], k=2)  # 10 us, 1 GB/s
     >>> round(link.alpha * 1e6, 3), round(link.bandwidth / 1e9, 3)
     (10.0, 1.0)
     >>> fit_link([(4096, 1e-6), (65536, 2e-6)], k=1)
-    Link(alpha=1e-07, bandwidth=10000000000000.0, gather=None)
+    Link(alpha=1e-07, bandwidth=10000000000000.0, gather=None, reduce_scatter=None, all_to_all=None)
     >>> gather = fit_link([(b, 2e-5 + b / 1e9) for b in (4096, 65536)], 2,
     ...                   [(b, 4e-5 + b / 2e9) for b in (4096, 65536)]).gather  # one 40 us step, half the bytes
     >>> round(gather[0] * 1e6, 3), round(gather[1] / 1e9, 3)
@@ -254,7 +258,9 @@ def fit_link(samples, k: int, gathers=None) -> Link:
     if k < 2:  # nothing crosses an axis of one rank
         return Link(1e-7, 1e13)
     link = Link(*_fit_ring(samples, 2 * (k - 1), 2 * (k - 1) / k))
-    return link if gathers is None else Link(link.alpha, link.bandwidth, _fit_ring(gathers, k - 1, (k - 1) / k))
+    ring = [None if timed is None else _fit_ring(timed, k - 1, (k - 1) / k)
+            for timed in (gathers, reduce_scatters, all_to_alls)]
+    return Link(link.alpha, link.bandwidth, *ring)
 
 
 def _fit_ring(samples, steps: int, share: float) -> tuple[float, float]:
@@ -277,7 +283,7 @@ def calibrate_command(args) -> int:
     >>> import argparse
     >>> args = argparse.Namespace(mesh=(2,), axis_names=("dp",), sizes="4096,65536", dtypes=("float32",), output=None)
     >>> calibrate_command(args)  # doctest: +SKIP
-    axis dp (size 2): alpha 41.3 us, bandwidth 1.127 GB/s
+    axis dp (size 2): all-reduces: alpha 41.3 us, bandwidth 1.127 GB/s; all-gathers: ...
     matmul float32 61.2 GFLOP/s, ...
     {...}
     0
@@ -311,14 +317,17 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
     slowest = {key: max(r[0][key] for r in results.values()) for key in results[0][0]}
     links = []
     for axis, name in enumerate(mesh.names):
-        link = fit_link([(size, slowest[("all_reduce", name, size)]) for size in sizes], mesh.shape[axis],
-                        [(size, slowest[("all_gather", name, size)]) for size in sizes])
+        timed = {collective: [(size, slowest[(collective, name, size)]) for size in sizes]
+                 for collective in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+        link = fit_link(timed["all_reduce"], mesh.shape[axis], timed["all_gather"], timed["reduce_scatter"],
+                        timed["all_to_all"])
         links.append(link)
         if not quiet:
-            gather = link.gathering()
-            print(f"axis {name} (size {mesh.shape[axis]}): alpha {link.alpha * 1e6:.1f} us, "
-                  f"bandwidth {link.bandwidth / 1e9:.3f} GB/s; all-gathers: alpha {gather.alpha * 1e6:.1f} us, "
-                  f"bandwidth {gather.bandwidth / 1e9:.3f} GB/s")
+            figures = "; ".join(f"{label}: alpha {link.of(c).alpha * 1e6:.1f} us, bandwidth "
+                                f"{link.of(c).bandwidth / 1e9:.3f} GB/s"
+                                for c, label in (("all_reduce", "all-reduces"), ("all_gather", "all-gathers"),
+                                                 ("reduce_scatter", "reduce-scatters"), ("all_to_all", "all-to-alls")))
+            print(f"axis {name} (size {mesh.shape[axis]}): {figures}")
     rates = slowest_rates([r[1] for r in results.values()])
     if not quiet:
         print(", ".join(f"matmul {name} {rate / 1e9:.1f} GFLOP/s" for name, rate in rates.matmul_flops.items())

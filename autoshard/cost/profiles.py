@@ -15,46 +15,73 @@ from autoshard.ir.errors import UserInputError
 
 @dataclass(frozen=True)
 class Link:
-    """One collective link: per-message latency (s) and bandwidth (bytes/s); `gather` the figures of gathers,
-    reduce-scatters and all-to-alls when they differ from the all-reduce's (calibrate measures both: gloo's
-    exact all-reduce is a gather and a sum, not a ring).
+    """One collective link: per-message latency (s) and bandwidth (bytes/s) of the all-reduce; `gather`,
+    `reduce_scatter` and `all_to_all` the (alpha, bandwidth) of those collectives when they differ (calibrate
+    measures each as the runtime runs it: gloo's exact reductions gather every rank's whole input and sum it, so
+    a reduce-scatter there moves k times the bytes a ring's would; without its own figures a reduce-scatter or an
+    all-to-all takes the gathers').
 
     >>> link = Link(alpha=1e-5, bandwidth=1e9)   # 10 us per message, 1 GB/s
     >>> link.alpha + 1e6 / link.bandwidth  # one message of 1 MB (cost/collective_time.py has the ring formulas)
     0.00101
-    >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).gathering().alpha
+    >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).of("reduce_scatter").alpha
     2e-05
     """
 
     alpha: float
     bandwidth: float
-    gather: tuple | None = None  # (alpha, bandwidth) of the gathering collectives
+    gather: tuple | None = None  # (alpha, bandwidth) of all-gathers
+    reduce_scatter: tuple | None = None  # of reduce-scatters (else the gathers')
+    all_to_all: tuple | None = None  # of all-to-alls (else the gathers')
 
-    def gathering(self) -> Link:
-        """The link's figures for all-gather, reduce-scatter and all-to-all.
+    def of(self, collective: str) -> Link:
+        """The link's figures for one ring collective ("all_reduce", "all_gather", "reduce_scatter", "all_to_all").
 
-        >>> Link(1e-5, 1e9).gathering() == Link(1e-5, 1e9)
+        >>> Link(1e-5, 1e9).of("all_gather") == Link(1e-5, 1e9)
         True
+        >>> Link(1e-5, 1e9, (2e-5, 2e9), (3e-5, 5e8)).of("reduce_scatter"), Link(1e-5, 1e9, (2e-5, 2e9)).of("all_to_all")
+        (Link(alpha=3e-05, bandwidth=500000000.0, gather=None, reduce_scatter=None, all_to_all=None), Link(alpha=2e-05, bandwidth=2000000000.0, gather=None, reduce_scatter=None, all_to_all=None))
         """
-        return Link(*self.gather) if self.gather is not None else self
+        if collective == "all_reduce":
+            return self
+        own = {"reduce_scatter": self.reduce_scatter, "all_to_all": self.all_to_all}.get(collective)
+        figures = own or self.gather
+        return Link(*figures) if figures is not None else self
+
+    def latency_only(self) -> Link:
+        """The same latencies with unlimited bandwidth (what a collective costs whatever its bytes).
+
+        >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).latency_only().of("all_gather").bandwidth
+        inf
+        """
+        def free(pair):
+            return None if pair is None else (pair[0], math.inf)
+        return Link(self.alpha, math.inf, free(self.gather), free(self.reduce_scatter), free(self.all_to_all))
 
     def to_json(self) -> list:
-        """[alpha, bandwidth] (and the gathers' two when measured).
+        """[alpha, bandwidth], then the gathers' two, then the reduce-scatters' and all-to-alls' when measured.
 
         >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).to_json()
         [1e-05, 1000000000.0, 2e-05, 2000000000.0]
         """
-        return [self.alpha, self.bandwidth, *(self.gather or ())]
+        own = [self.alpha, self.bandwidth]
+        if self.reduce_scatter is None and self.all_to_all is None:
+            return own + list(self.gather or ())
+        gather = self.gather or (self.alpha, self.bandwidth)
+        return own + [*gather, *(self.reduce_scatter or gather), *(self.all_to_all or gather)]
 
     @classmethod
     def from_json(cls, values) -> Link:
-        """The inverse of `to_json`.
+        """The inverse of `to_json` (2, 4 or 8 numbers).
 
-        >>> Link.from_json([1e-5, 1e9, 2e-5, 2e9]).gather
-        (2e-05, 2000000000.0)
+        >>> Link.from_json([1e-5, 1e9, 2e-5, 2e9]).gather, Link.from_json([1, 2, 3, 4, 5, 6, 7, 8]).all_to_all
+        ((2e-05, 2000000000.0), (7, 8))
         """
-        alpha, bandwidth, *gather = values
-        return cls(alpha, bandwidth, tuple(gather) if gather else None)
+        if len(values) not in (2, 4, 8):
+            raise UserInputError(f"a link is [alpha, bandwidth] with the all-gathers' two and the reduce-scatters' "
+                                 f"and all-to-alls' two after them (2, 4 or 8 numbers); got {values!r}")
+        pairs = [tuple(values[i:i + 2]) for i in range(2, len(values), 2)] + [None] * 3
+        return cls(values[0], values[1], *pairs[:3])
 
 
 @dataclass(frozen=True)

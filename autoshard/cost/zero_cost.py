@@ -35,6 +35,7 @@ from autoshard.cost.profiles import DEFAULT_PROFILE
 from autoshard.ir import meta
 from autoshard.ir.meta import NODE_COST
 from autoshard.ir.placement import Shard
+from autoshard.runtime.zero_overlap import layer_of
 
 aten = torch.ops.aten
 # (op, input position) whose value autograd does not save for backward: a gathered parameter there is
@@ -152,6 +153,14 @@ def optimizer_step_time(state) -> float:
     return moved / profile.memory_bandwidth + tensors * (1 + 2 * f) * profile.op_overhead_s
 
 
+def _gather_parts(node, dst_bytes: int) -> tuple[int, int, int]:
+    """(gathered forward, re-gathered in backward, reduce-scattered in backward) bytes of a `param_all_gather`."""
+    reduce_grad = node.meta[meta.COMM]["args"][1]
+    # mixed precision gathers the cast shard but reduce-scatters the gradient in the master's dtype
+    master = dst_bytes * node.args[0].meta["val"].element_size() // node.meta["val"].element_size()
+    return dst_bytes, dst_bytes * int(regathered(node)), master * int(bool(reduce_grad))
+
+
 def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes of a `param_all_gather`: the gathered parameter forward; backward its
     reduce-scattered gradient (when partial; in the master's dtype) and its re-gather (when a consumer
@@ -160,10 +169,66 @@ def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
     >>> gather_bytes(gathers[0], dst_bytes=16384)  # a weight: reduce-scatter and re-gather in backward
     (16384, 32768)
     """
-    reduce_grad = node.meta[meta.COMM]["args"][1]
-    # mixed precision gathers the cast shard but reduce-scatters the gradient in the master's dtype
-    master = dst_bytes * node.args[0].meta["val"].element_size() // node.meta["val"].element_size()
-    return dst_bytes, master * int(bool(reduce_grad)) + dst_bytes * int(regathered(node))
+    fwd, regather, scatter = _gather_parts(node, dst_bytes)
+    return fwd, regather + scatter
+
+
+def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.0, has_grad: bool = True) -> float:
+    """Seconds of a `param_all_gather` (forward and backward): the all-gather; in backward the re-gather (an
+    all-gather) and the reduce-scatter of the gradient, which pays `latency_share` of a collective's latencies
+    (`reduce_scatter_shares`).
+
+    >>> from autoshard.cost.profiles import Link
+    >>> link = Link(1e-3, 1e9)
+    >>> round(gather_seconds(gathers[0], 16384, 2, link) * 1e3, 3)  # three collectives of 1 ms latency each
+    3.025
+    >>> round(gather_seconds(gathers[0], 16384, 2, link, latency_share=0.5) * 1e3, 3)  # half the reduce-scatter's
+    2.525
+    """
+    fwd, regather, scatter = _gather_parts(node, dst_bytes)
+    seconds = all_gather_time(fwd, k, link)
+    if has_grad:
+        seconds += all_gather_time(regather, k, link) if regather else 0.0
+        seconds += reduce_scatter_time(scatter, k, link, latency_share) if scatter else 0.0
+    return seconds
+
+
+def reduce_scatter_shares(graph, mesh) -> dict:
+    """{`param_all_gather` node: the share of a collective's latencies its gradient's reduce-scatter pays}. The
+    runtime reduce-scatters the gradients of one layer as one collective (autoshard/runtime/zero_overlap.py: those
+    of parameters used by nothing but their gathers, in backward's order, a group closed where the layer, axis or
+    dtype changes; the ones splitting evenly over the axis together), so each of those pays its bytes' share of one
+    collective's latencies; any other pays them whole (absent here). Backward's order is taken as the reverse of
+    the gathers' (each runs right before its use).
+
+    >>> shares = reduce_scatter_shares(prog.state.gm.graph, prog.mesh)
+    >>> sorted(round(share, 3) for share in shares.values())  # each layer's weight and bias share one collective
+    [0.008, 0.03, 0.97, 0.992]
+    """
+    groups, key_now = [], None
+    for node in reversed(graph.nodes):
+        info = node.meta.get(meta.COMM)
+        if node.op != "call_function" or not info or info["op"] != "param_all_gather" or not info["args"][1]:
+            continue
+        param = node.args[0]
+        if param.op != "placeholder" or not all(u.meta.get(meta.COMM, {}).get("op") == "param_all_gather"
+                                                for u in param.users):
+            continue  # another use: its gradient reaches it through autograd, reduce-scattered on its own
+        key = (layer_of(param.meta.get(meta.PATH, "")), info["axis"], param.meta["val"].dtype)
+        if key != key_now:
+            groups.append([])
+            key_now = key
+        k, dim = mesh.shape[mesh.axis(info["axis"])], info["args"][0]
+        spec = node.meta[meta.SPEC]
+        length = node.meta["val"].shape[dim] // math.prod(mesh.shape[a] for a, p in enumerate(spec) if p == Shard(dim))
+        if length % k == 0:  # an uneven gradient travels alone
+            groups[-1].append((node, _local_numel(node, spec, mesh)))
+    shares = {}
+    for members in groups:
+        total = sum(numel for _, numel in members)
+        for node, numel in members:
+            shares[node] = numel / total if total else 1.0 / len(members)
+    return shares
 
 
 def apply_zero(state) -> None:

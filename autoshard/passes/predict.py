@@ -45,7 +45,13 @@ from autoshard.cost.prediction import (
 from autoshard.cost.recompute_cost import account_recompute
 from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.cost.sync_buckets import bucket_shortfall
-from autoshard.cost.zero_cost import apply_zero, gather_bytes, memory_breakdown
+from autoshard.cost.zero_cost import (
+    apply_zero,
+    gather_bytes,
+    gather_seconds,
+    memory_breakdown,
+    reduce_scatter_shares,
+)
 from autoshard.ir import meta
 from autoshard.ir.collective_table import direction_bytes
 from autoshard.ir.meta import COMM_COST, NODE_COST
@@ -89,6 +95,7 @@ def predict(state) -> None:
     grad = needs_grad(state.gm.graph)
     saved_per_byte = kept_for_backward(state.gm.graph, grad)  # the ILP's memory row's formula
     per_axis = {name: AxisBytes() for name in mesh.names}
+    scatter_shares = reduce_scatter_shares(state.gm.graph, mesh) if state.zero is not None else {}
     compute = comm = memory = 0.0
     for node in state.gm.graph.nodes:
         spec = node.meta.get(meta.SPEC)
@@ -98,7 +105,11 @@ def predict(state) -> None:
             info = node.meta[meta.COMM]
             axis = mesh.axis(info["axis"])
             fwd, bwd = collective_bytes(node, mesh, grad.get(node, False))
-            seconds = collective_time(info["op"], fwd, bwd, mesh.shape[axis], profile.link(mesh.shape, axis))
+            k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
+            if info["op"] == "param_all_gather":  # ZeRO-3: a layer's reduce-scatters travel as one
+                seconds = gather_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0), grad.get(node, False))
+            else:
+                seconds = collective_time(info["op"], fwd, bwd, k, link)
             node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
             per_axis[info["axis"]].fwd += fwd
             per_axis[info["axis"]].bwd += bwd

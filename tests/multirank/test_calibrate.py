@@ -19,11 +19,14 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
                           "--dtypes", "float64,float32", "--output", str(out)], capture_output=True, text=True,
                          timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "axis a0 (size 2): alpha" in run.stdout and "matmul float32" in run.stdout, run.stdout
+    assert "axis a0 (size 2): all-reduces: alpha" in run.stdout and "matmul float32" in run.stdout, run.stdout
     profile = load_profile(str(out))
     (link,) = profile.axis_links
     assert link.alpha > 0 and link.bandwidth > 0
-    assert link.gathering().alpha > 0 and link.gathering().bandwidth > 0  # all-gathers timed on their own
+    for collective in ("all_gather", "reduce_scatter", "all_to_all"):  # each timed on its own
+        figures = getattr(link, collective if collective != "all_gather" else "gather")
+        assert figures is not None and link.of(collective).alpha > 0 and link.of(collective).bandwidth > 0
+    assert "reduce-scatters: alpha" in run.stdout and "all-to-alls: alpha" in run.stdout
     assert 0.0 <= profile.comm_overlap <= 1.0 and "of an asynchronous collective" in run.stdout
     rates = dict(profile.dtype_flops)
     assert sorted(rates) == ["float32", "float64"] and all(r > 0 for r in rates.values()), rates

@@ -157,3 +157,33 @@ def test_param_groups_keep_their_options_on_the_shards(case):
     groups, decay_sizes = run_ranks(prog, build)[1]
     assert [g[:2] for g in groups] == [(0.1, 1e-3), (0.0, 1e-3)]
     assert groups[0][2] == [-(-n // 4) for n in decay_sizes]  # one padded quarter of each parameter
+
+
+def test_predicted_reduce_scatters_are_the_collectives_the_runtime_starts(case, monkeypatch):
+    """The cost model charges ZeRO-3's gradient reduce-scatters one collective's latencies per group the runtime
+    starts (cost/zero_cost.reduce_scatter_shares: a layer's gradients together); counted on simulated ranks."""
+    from autoshard.cost.zero_cost import reduce_scatter_shares
+    from autoshard.runtime import zero_overlap
+
+    prog = _plan(case, mesh=(2,), zero=3)
+    shares = reduce_scatter_shares(prog.state.gm.graph, prog.mesh)
+    scattered = [g for g in _gathers(prog) if g.meta["autoshard.comm"]["args"][1]]
+    predicted = round(sum(shares.values())) + len([g for g in scattered if g not in shares])
+    started = []
+    original = zero_overlap.start_reduce_scatters
+    monkeypatch.setattr(zero_overlap, "start_reduce_scatters",
+                        lambda comm, grads: started.append(len(grads)) or original(comm, grads))
+    model, inputs, _ = case
+
+    def step(module):
+        module.overlap = False
+        ZeroOptimizer(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        module(*module.local_inputs(*inputs))[0].backward()
+        module.sync_grads()
+
+    run_ranks(prog, step)
+    coalesced = len(started) // 2  # both ranks' calls
+    assert shares and coalesced == round(sum(shares.values())), (coalesced, shares)  # the tied embedding: twice
+    assert predicted == coalesced + len(scattered) - len(shares)
+    # each group's shares sum to one collective's latencies
+    assert all(0 < share <= 1 for share in shares.values())
