@@ -173,7 +173,7 @@ def test_predicted_reduce_scatters_are_the_collectives_the_runtime_starts(case, 
     original = zero_overlap.start_reduce_scatters
     monkeypatch.setattr(zero_overlap, "start_reduce_scatters",
                         lambda comm, grads: started.append(len(grads)) or original(comm, grads))
-    model, inputs, _ = case
+    _, inputs, _ = case
 
     def step(module):
         module.overlap = False
