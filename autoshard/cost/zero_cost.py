@@ -193,17 +193,17 @@ def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.
     return seconds
 
 
-def reduce_scatter_shares(graph, mesh) -> dict:
-    """{`param_all_gather` node: the share of a collective's latencies its gradient's reduce-scatter pays}. The
-    runtime reduce-scatters the gradients of one layer as one collective (autoshard/runtime/zero_overlap.py: those
-    of parameters used by nothing but their gathers, in backward's order, a group closed where the layer, axis or
-    dtype changes; the ones splitting evenly over the axis together), so each of those pays its bytes' share of one
-    collective's latencies; any other pays them whole (absent here). Backward's order is taken as the reverse of
-    the gathers' (each runs right before its use).
+def reduce_scatter_groups(graph, mesh) -> list[list[tuple]]:
+    """ZeRO-3's gradient reduce-scatters as the runtime starts them (autoshard/runtime/zero_overlap.py): those of
+    parameters used by nothing but their gathers are deferred and started a group at a time, in backward's order
+    (taken as the reverse of the gathers': each runs right before its use), a group closed where the layer, axis or
+    dtype changes; the gradients splitting evenly over the axis travel as one collective, any other alone. Each
+    group: [(`param_all_gather` node, travels with the others: evenly split)]. The others' reduce-scatters (a
+    parameter with another use) run at once in backward and are not listed.
 
-    >>> shares = reduce_scatter_shares(prog.state.gm.graph, prog.mesh)
-    >>> sorted(round(share, 3) for share in shares.values())  # each layer's weight and bias share one collective
-    [0.008, 0.03, 0.97, 0.992]
+    >>> [[(g.args[0].meta["autoshard.path"], even) for g, even in group] for group in reduce_scatter_groups(
+    ...     prog.state.gm.graph, prog.mesh)]
+    [[('layers.1.bias', True), ('layers.1.weight', True)], [('layers.0.bias', True), ('layers.0.weight', True)]]
     """
     groups, key_now = [], None
     for node in reversed(graph.nodes):
@@ -221,10 +221,22 @@ def reduce_scatter_shares(graph, mesh) -> dict:
         k, dim = mesh.shape[mesh.axis(info["axis"])], info["args"][0]
         spec = node.meta[meta.SPEC]
         length = node.meta["val"].shape[dim] // math.prod(mesh.shape[a] for a, p in enumerate(spec) if p == Shard(dim))
-        if length % k == 0:  # an uneven gradient travels alone
-            groups[-1].append((node, _local_numel(node, spec, mesh)))
+        groups[-1].append((node, length % k == 0))
+    return groups
+
+
+def reduce_scatter_shares(graph, mesh) -> dict:
+    """{`param_all_gather` node: the share of a collective's latencies its gradient's reduce-scatter pays}: the
+    evenly split gradients of a group (`reduce_scatter_groups`) travel as one collective, each paying its bytes'
+    share of its latencies; any other pays them whole (absent here).
+
+    >>> shares = reduce_scatter_shares(prog.state.gm.graph, prog.mesh)
+    >>> sorted(round(share, 3) for share in shares.values())  # each layer's weight and bias share one collective
+    [0.008, 0.03, 0.97, 0.992]
+    """
     shares = {}
-    for members in groups:
+    for group in reduce_scatter_groups(graph, mesh):
+        members = [(node, _local_numel(node, node.meta[meta.SPEC], mesh)) for node, even in group if even]
         total = sum(numel for _, numel in members)
         for node, numel in members:
             shares[node] = numel / total if total else 1.0 / len(members)

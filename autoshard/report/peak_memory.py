@@ -20,13 +20,23 @@ The footprint is what the planner budgets; a rank's allocator peaks elsewhere. W
   laid out and started like the all-reduce's (the exact path gathers every rank's rows too), then keeps this
   rank's chunk; the optimizer steps the master chunks (Adam's temporaries are a chunk's), then all-gathers the
   updated parameters bucket by bucket: this rank's chunks, every rank's (k parts) and their concatenation;
+- ZeRO-3 (autoshard/runtime/zero_gather.py, zero_overlap.py): forward's end keeps no gathered copy (each is saved
+  as its shard); backward re-gathers a saved parameter at its last use and frees the copy at its gather's backward,
+  where its full gradient (in the master's dtype) appears. A layer's gradients wait for the layer's end and then
+  travel as one reduce-scatter (`cost/zero_cost.reduce_scatter_groups`): their rows (a copy of the gradients)
+  and, on the exact path, every rank's rows gathered; with `overlap` a group starts when backward leaves its
+  layer and the oldest beyond REDUCE_SCATTERS_IN_FLIGHT is waited for, its sum made (a clone and one addition
+  at a time: two group sizes more) and only this rank's shard kept; without, every group waits with its full
+  gradients until `sync_grads` starts them. The optimizer steps the shards (sharded parameters are their own
+  masters). A parameter with another use than its gathers is reduce-scattered at once in backward, alone;
 - a pipeline (each pp rank; by default the peak is the fullest's): its schedule holds the rank's gradients and its
   micro-batches' activations in flight (`cost/pipeline_schedule.rank_memory`, both counted whole: a bound), then
   the optimizer its gradients and Adam's temporaries over the rank's parameters.
 
 The peak is the state held through the step (parameters, optimizer state and ZeRO's masters, inputs) plus the
-most of these at once. Not modelled (`predicted_peak` returns None and says why): ZeRO-3 (its prefetched
-gathers and per-layer reduce-scatters), a pipeline whose stages also sync gradients (their buckets).
+most of these at once. Not modelled (`predicted_peak` returns None and says why): a pipeline whose stages also
+sync gradients (their buckets). Approximated: ZeRO-3's prefetched gathers (the coalesced buffers of the next
+layer's shards, small beside its reduce-scatters' buffers) are not counted.
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
@@ -46,10 +56,12 @@ from autoshard.cost.flops import local_bytes
 from autoshard.cost.pipeline_schedule import rank_memory, stage_nodes
 from autoshard.cost.recompute_cost import region_savings
 from autoshard.cost.sync_buckets import bucket_layout
+from autoshard.cost.zero_cost import reduce_scatter_groups, regathered
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard
 from autoshard.runtime.grad_sync import SizedTensor, buckets
 from autoshard.runtime.zero import master_dtype
+from autoshard.runtime.zero_overlap import REDUCE_SCATTERS_IN_FLIGHT
 
 ADAM_STATE_FACTOR = 2  # optimizer_state_factor of Adam (two moments): the optimizer with temporaries
 
@@ -69,6 +81,8 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
         return None
     if getattr(prog.plan, "pipeline", None):
         return _pipeline_peak(state, prog.config, foreach, pp_rank)
+    if state.zero is not None and state.zero.stage == 3:
+        return _zero3_peak(state, exact, overlap, foreach)
     parts = state.predicted.memory
     held = parts.params + parts.optimizer + parts.inputs
     graph = state.gm.graph
@@ -107,6 +121,10 @@ def predicted_peak(prog, exact: bool, overlap: bool = True, foreach: bool = Fals
                                          exact, overlap)
     synced = gradients - sum(b["bytes"] - b["kept"] for b in layout if b["scatter"])  # ZeRO-2 keeps its chunks
     phases["optimizer"] = synced + _optimizer_peak(state, trained, size, foreach)
+    return _peak_of(held, phases)
+
+
+def _peak_of(held: int, phases: dict) -> dict:
     phase = max(phases, key=phases.get)
     return {"bytes": int(held + phases[phase]), "phase": phase, "phases": {k: int(held + v) for k, v in phases.items()}}
 
@@ -120,9 +138,143 @@ def not_modelled(prog) -> str | None:
     state = prog.state
     if getattr(prog.plan, "pipeline", None) and any(state.grad_reduce.values()):
         return "a pipeline's stage gradient sync (its buckets beside the micro-batches in flight) is not modelled"
-    if state.zero is not None and state.zero.stage == 3:
-        return "ZeRO-3's prefetched gathers and per-layer reduce-scatters are not modelled"
     return None
+
+
+def _zero3_peak(state, exact: bool, overlap: bool, foreach: bool) -> dict:
+    """The ZeRO-3 step's peak (see the module docstring): backward walked node by node in reverse with its
+    re-gathered copies and the reduce-scatter groups' buffers, then `sync_grads`, then the optimizer."""
+    parts, mesh = state.predicted.memory, state.mesh
+    held = parts.params + parts.optimizer + parts.inputs
+    graph = state.gm.graph
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    groups = reduce_scatter_groups(graph, mesh)
+    group_of = {node: g for g, members in enumerate(groups) for node, _ in members}
+    gathers = [n for n in nodes if n.meta.get(meta.COMM, {}).get("op") == "param_all_gather"]
+    copy = {g: local_bytes(g, g.meta[meta.SPEC], mesh) for g in gathers}  # one gathered parameter
+    saved = {g for g in gathers if regathered(g)}
+    # its full gradient, in the master's dtype, where the gradient is reduce-scattered
+    grad_bytes = {g: copy[g] * g.args[0].meta["val"].element_size() // g.meta["val"].element_size()
+                  for g in gathers if g.meta[meta.COMM]["args"][1]}
+    appears = {}  # reverse walk position -> bytes allocated there: re-gathered copies, other parameters' gradients
+    for g in saved:
+        position = max(order[u] for u in g.users)
+        appears[position] = appears.get(position, 0) + copy[g]
+    grad = needs_grad(graph)
+    trained = [n for n in nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "param" and grad.get(n)]
+    for p in trained:  # a parameter no gather serves: its gradient appears at its last use, as without ZeRO
+        if not any(u in copy for u in p.users) and p.users:
+            position = max(order[u] for u in p.users)
+            appears[position] = appears.get(position, 0) + local_bytes(p, p.meta[meta.SPEC], mesh)
+    recomputed, largest = _recomputed(state, order)
+    walk = _ScatterWalk(mesh.shape[mesh.axis(state.zero.axis)], exact, overlap)
+    alive = parts.activations - largest
+    phases = {"forward's end": alive + parts.gathered}
+    current = None  # the group backward is in
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        alive += appears.get(i, 0) + recomputed.get(i, 0)
+        walk.see(alive)
+        if node in grad_bytes and node in group_of:
+            if group_of[node] != current:
+                walk.start(alive)  # backward left the last group's layer
+                current = group_of[node]
+            walk.wait(grad_bytes[node])
+        elif node in grad_bytes:  # reduce-scattered at once, alone
+            walk.alone(alive, grad_bytes[node])
+        if node in saved:
+            alive -= copy[node]  # every consumer's backward has run: the re-gathered copy goes
+        elif node.op == "call_function" and node not in copy and meta.NODE_COST in node.meta:
+            alive -= node.meta[meta.NODE_COST].memory_bytes
+        walk.see(alive)
+    walk.start(alive)  # the end of backward closes the last group
+    phases["backward"] = walk.most
+    phases["gradient sync"] = walk.finish()
+    stepped = {p: local_bytes(p, p.meta[meta.SPEC], mesh) for p in trained}
+    phases["optimizer"] = parts.grads + _adam_temporaries(state, stepped, foreach)
+    return _peak_of(held, phases)
+
+
+class _ScatterWalk:
+    """ZeRO-3's gradient reduce-scatter buffers through backward and `sync_grads` (see the module docstring):
+    `most` is the most bytes alive at once, the walk's other memory (`alive`) included where it is given."""
+
+    def __init__(self, k: int, exact: bool, overlap: bool):
+        self.k, self.exact, self.overlap = k, exact, overlap
+        self.waiting = 0  # the full gradients of the group backward is in
+        self.pending: list = []  # groups closed, not started (without overlap): their full gradients
+        self.in_flight: list = []  # groups started, not waited for
+        self.shards = 0  # this rank's shards kept
+        self.alive = 0  # alive outside the walk, as last seen
+        self.most = 0
+
+    def _buffers(self, nbytes: int) -> int:
+        """A started group's buffers: its rows and, exact, every rank's rows (gloo); else the output shard."""
+        return nbytes * (1 + self.k) if self.exact else nbytes + nbytes // self.k
+
+    def held(self) -> int:
+        return (self.waiting + sum(self.pending) + sum(self._buffers(g) for g in self.in_flight) + self.shards)
+
+    def see(self, alive: int, extra: int = 0) -> None:
+        self.alive = alive
+        self.most = max(self.most, alive + self.held() + extra)
+
+    def wait(self, nbytes: int) -> None:
+        self.waiting += nbytes
+        self.see(self.alive)
+
+    def alone(self, alive: int, nbytes: int) -> None:
+        """A gradient reduce-scattered at once: its buffers and its sum, then its shard."""
+        self.see(alive, nbytes + self._buffers(nbytes) + self._sum(nbytes))
+        self.shards += nbytes // self.k
+
+    def _sum(self, nbytes: int) -> int:
+        return 2 * nbytes if self.exact else 0  # the exact path's ordered sum: a clone and one addition
+
+    def start(self, alive: int) -> None:
+        """Close the waiting group: started now with overlap (the rows copied while the gradients live), else kept."""
+        group, self.waiting = self.waiting, 0
+        if not group:
+            return
+        if not self.overlap:
+            self.pending.append(group)
+            return
+        self.see(alive, group + self._buffers(group))
+        self.in_flight.append(group)
+        while len(self.in_flight) > REDUCE_SCATTERS_IN_FLIGHT:
+            self._settle(alive)
+
+    def _settle(self, alive: int) -> None:
+        group = self.in_flight[0]
+        self.see(alive, self._sum(group))
+        self.in_flight.pop(0)
+        self.shards += group // self.k
+        self.see(alive)
+
+    def finish(self) -> int:
+        """`sync_grads`: the pending groups started in order (their gradients alive until all are), then every
+        group waited for; the most alive meanwhile (backward's activations gone)."""
+        self.most = 0
+        self.see(0)
+        pending, total = self.pending, sum(self.pending)
+        self.pending = []
+        for group in pending:
+            self.see(0, total + self._buffers(group))
+            self.in_flight.append(group)
+            self.see(0, total)
+            while len(self.in_flight) > REDUCE_SCATTERS_IN_FLIGHT:
+                self._settle_with(total)
+        while self.in_flight:
+            self._settle_with(total if pending else 0)
+        return self.most
+
+    def _settle_with(self, extra: int) -> None:
+        group = self.in_flight[0]
+        self.see(0, extra + self._sum(group))
+        self.in_flight.pop(0)
+        self.shards += group // self.k
+        self.see(0, extra)
 
 
 def _bucket_layout(state) -> list[dict]:
