@@ -183,7 +183,8 @@ def report(rows) -> tuple[str, list, list]:
                          r["predicted_total"], summed if summed is not None else "", m["peak"],
                          peak["bytes"] if peak is not None else ""])
     verdict = "met on every row" if not missed else f"NOT met for {', '.join(missed)}"
-    peak_verdict = ("met on every modelled row" if not peak_missed else f"NOT met for {', '.join(peak_missed)}") + \
+    met = "met on every modelled row" if unmodelled else "met on every row"
+    peak_verdict = (met if not peak_missed else f"NOT met for {', '.join(peak_missed)}") + \
         (f"; not modelled: {'; '.join(unmodelled)}" if unmodelled else "")
     body = (
         "Target (issue 28, item 4): memory predicted within 10% of measured per rank for every plan the tests and "
