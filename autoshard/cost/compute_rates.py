@@ -11,7 +11,9 @@ attention, 3 x output bytes for the rest, plus a fixed cost per op):
 - the fixed cost of an op whatever its size (the dispatcher, autograd, a kernel launch), which every op of a plan
   pays: ~40 ops timed one by one on small tensors and views apart (autoshard/cost/op_overheads.py; an op not timed
   pays their medians), scaled to what a small exported language model's measured sequence says
-  (autoshard/cost/sequence_scale.py); and the zero-bubble split backward's cost over the fused one. (One op does
+  (autoshard/cost/sequence_scale.py); and the zero-bubble split backward's cost over the fused one. Last, the
+  work itself is scaled to what a model's sequence takes (`sequence_scale.work_scale`: chained on one weight, a
+  kernel keeps its data in the caches; a model's layers each bring their own). (One op does
   not stand for all: on this CPU a small GELU's forward takes 13 us, a mul's 1.6 us, a view's 1-4 us; and a fitted
   intercept under large sizes is mostly their noise.)
 
@@ -39,7 +41,7 @@ from autoshard.cost.op_overheads import (
     view_overheads,
 )
 from autoshard.cost.profiles import HardwareProfile
-from autoshard.cost.sequence_scale import STACK_REPEATS, sequence_scales
+from autoshard.cost.sequence_scale import STACK_REPEATS, sequence_scales, work_scale
 
 # (m, n, k) of the matmuls, (batch, heads, sequence, head dim) of attention, elements of the memory-bound op
 CPU_SIZES = {"matmul": [(64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 1024, 512)],
@@ -81,6 +83,16 @@ class ComputeRates:
             forward, view_overhead_s=self.view_overhead_s * forward, grad_op_overhead_s=self.grad_op_overhead_s *
             backward, view_grad_overhead_s=self.view_grad_overhead_s * backward,
             op_overheads=tuple((name, f * forward, r * forward, b * backward) for name, f, r, b in self.op_overheads))
+
+    def work_scaled(self, factor: float) -> ComputeRates:
+        """These rates with every kernel's work taking `factor` times as long (its fixed cost unchanged).
+
+        >>> ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5).work_scaled(2.0).matmul_flops
+        {'float32': 10000000000.0}
+        """
+        return dataclasses.replace(self, matmul_flops={k: v / factor for k, v in self.matmul_flops.items()},
+                                   attention_flops=self.attention_flops / factor,
+                                   memory_bandwidth=self.memory_bandwidth / factor)
 
     def profile(self):
         """A HardwareProfile with these rates (float32's matmul rate as its peak) and the default's other figures.
@@ -196,4 +208,5 @@ def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 
     rates = ComputeRates(matmul, attention, bandwidth, forward, backward, recorded, views[1], views[2],
                          tuple(sorted((name, *costs) for name, costs in per_op.items())),
                          split_backward_factor(first, device, max(repeats, STACK_REPEATS)))
-    return rates.scaled(*sequence_scales(device, first, rates, max(repeats, STACK_REPEATS)))
+    rates = rates.scaled(*sequence_scales(device, first, rates, max(repeats, STACK_REPEATS)))
+    return rates.work_scaled(work_scale(device, first, rates))
