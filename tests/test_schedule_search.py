@@ -42,3 +42,35 @@ def test_a_pipeline_that_splits_parameters_where_the_batch_could_go_is_also_plan
     assert any(p == autoshard.Shard(0) for spec in planned.input_specs for p in spec)
     plain = variant.replace(hints=None, options=variant.options.replace(zero=None))
     assert _zero_data_request(plain, planned) is None  # the batch is on every axis the parameters are split on
+
+
+def test_a_search_does_not_replan_an_overflowing_pipeline_that_cannot_win(monkeypatch):
+    """A pipeline whose fullest pp rank overflows the budget is planned again against a tighter one (up to REPLANS
+    times), unless the caller's `worth_replanning` says it cannot win (the search's bound: pipeline_search's
+    `_replan_bound`, least step against the best so far); then PipelineNotReplanned says why."""
+    import pytest
+
+    from autoshard.frontend.request import CompileRequest
+    from autoshard.ir.errors import AutoshardError
+    from autoshard.program import pipeline
+    from autoshard.search.pipeline_search import _replan_bound
+
+    model, inputs, loss_fn = gpt2(n_layers=4)
+    request = CompileRequest(model, autoshard.Mesh((2,), ("pp",)), inputs, loss_fn=loss_fn)
+    request = request.replace(options=request.options.replace(memory_budget=10**9))
+    compiled, original = [], pipeline.compile_state
+
+    def overflowing(micro, **kwargs):  # every plan's fullest pp rank twice the budget
+        state, history = original(micro, **kwargs)
+        state.predicted.memory_bytes_per_rank = 2 * 10**9
+        compiled.append(micro.options.memory_budget)
+        return state, history
+
+    monkeypatch.setattr(pipeline, "compile_state", overflowing)
+    with pytest.raises(pipeline.PipelineNotReplanned, match="cannot beat 1e-09 s"):
+        pipeline.parallelize_pipeline(request, "pp", {"microbatches": 4}, _replan_bound(1e-9, "1F1B", 1))
+    assert len(compiled) == 1  # planned once, not again
+    compiled.clear()
+    with pytest.raises(AutoshardError, match="no plan fits the memory budget"):  # may win: planned again, refused
+        pipeline.parallelize_pipeline(request, "pp", {"microbatches": 4}, _replan_bound(1e9, "1F1B", 1))
+    assert len(compiled) == 1 + pipeline.REPLANS and compiled[1] < compiled[0]

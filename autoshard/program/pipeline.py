@@ -27,7 +27,7 @@ import torch
 from autoshard.cost.profiles import Link
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.frontend.stages import StageAnnotations, collect_annotations
-from autoshard.ir.errors import UserInputError
+from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.passes.pass_lists import compile_state, recut, recuttable
 from autoshard.program.pipeline_program import PipelineProgram
@@ -231,10 +231,21 @@ def _warn_batch_statistics(model, microbatches: int) -> None:
 REPLANS = 3  # plans against a tighter budget when the fullest pp rank overflows it after the cut
 
 
-def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
+class PipelineNotReplanned(AutoshardError):
+    """A pipeline whose fullest pp rank overflowed the budget and that the caller did not want planned again against
+    a tighter one (`parallelize_pipeline`'s `worth_replanning`: e.g. a search that knows it cannot win).
+
+    >>> issubclass(PipelineNotReplanned, AutoshardError)  # a search records it as the candidate's row
+    True
+    """
+
+
+def parallelize_pipeline(request: CompileRequest, axis: str, options: dict, worth_replanning=None):
     """Plan the pipelined program of `request` over mesh axis `axis` with pipeline `options`: the intra-op
     plan on the other axes at micro-batch shape, then the cut. `parallelize` calls it for a mesh axis named
-    "pp" (or `pipeline={"axis": ...}`); a saved pipelined plan in `request.plan` is applied, not solved.
+    "pp" (or `pipeline={"axis": ...}`); a saved pipelined plan in `request.plan` is applied, not solved. A plan whose
+    fullest pp rank overflows the budget is planned again against a tighter one, unless `worth_replanning(program)`
+    (the overflowing PipelineProgram) gives a reason not to: PipelineNotReplanned says it.
 
     >>> piped = parallelize_pipeline(CompileRequest(model, prog.mesh, inputs, loss_fn=loss_fn), "pp",
     ...                              {"microbatches": 4})
@@ -259,6 +270,11 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict):
     for _ in range(REPLANS if request.plan is None else 0):
         if fullest <= budget:
             break
+        reason = worth_replanning(PipelineProgram(state, history, mesh, config)) if worth_replanning else None
+        if reason:
+            raise PipelineNotReplanned(f"a {config.pp_size}-stage {config.schedule} pipeline with {config.microbatches} "
+                                       f"micro-batches overflows the budget ({fullest / 2**30:.3g} GiB on its fullest "
+                                       f"pp rank): {reason}")
         # solve counted a pp rank's share of the parameters and activations with equal stages (param_share,
         # activation_share); the fullest rank after the cut holds more (a tied weight on two ranks, the head's
         # outputs on the last, a cut that cannot move enough layers off a rank): plan again against a budget
@@ -278,12 +294,13 @@ def _inputs(request: CompileRequest) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict) -> PipelineProgram:
+def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict,
+                   worth_replanning=None) -> PipelineProgram:
     """`prog` (planned from `request` by `parallelize_pipeline`) under other pipeline `options` of the same axis
     and micro-batch count (a schedule, stages per rank): its micro-batch program is not planned again, only cut
     again (`recut`); the result is the program `parallelize_pipeline(request, axis, options)` returns. A cut whose
     fullest pp rank does not fit the budget, or whose schedule keeps other activations in flight (`recuttable`), is
-    planned in full.
+    planned in full (`worth_replanning`: as `parallelize_pipeline`'s).
 
     >>> again = recut_pipeline(CompileRequest(model, prog.mesh, inputs, loss_fn=loss_fn), prog,
     ...                        {"microbatches": 2, "schedule": "1f1b"})
@@ -294,10 +311,10 @@ def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict
     config = make_config(prog.mesh, prog.config.axis, options, prog.config.annotations, batch_size(_inputs(request)),
                          request.options.profile)
     if not recuttable(prog.config, config):  # its ILP counts other activations in flight: plan it afresh
-        return parallelize_pipeline(request, prog.config.axis, options)
+        return parallelize_pipeline(request, prog.config.axis, options, worth_replanning)
     state, history = recut(prog.state, prog.history, config)
     if state.predicted.memory_bytes_per_rank > CompileOptions.of(request.options).budget_bytes:
-        return parallelize_pipeline(request, prog.config.axis, options)
+        return parallelize_pipeline(request, prog.config.axis, options, worth_replanning)
     return PipelineProgram(state, history, prog.mesh, config)
 
 

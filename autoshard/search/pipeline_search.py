@@ -160,7 +160,7 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
             continue
         try:  # the same micro-batch program, cut into `virtual` stages per rank
             other = recut_pipeline(request, prog, dict(opts, microbatches=config.microbatches, schedule=schedule,
-                                                       virtual_stages=virtual))
+                                                       virtual_stages=virtual), _replan_bound(beat, schedule, virtual))
         except AutoshardError as exc:  # e.g. fewer layers than stages
             rows.append({"schedule": schedule, "virtual_stages": virtual, "error": str(exc).splitlines()[0]})
             continue
@@ -173,6 +173,26 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
             best.plan.pipeline[key] = prog.plan.pipeline[key]
     best.plan.pipeline["schedule_search"] = rows
     return best
+
+
+def _replan_bound(to_beat: float, schedule: str, virtual: int):
+    """parallelize_pipeline's `worth_replanning` for a search whose best step so far is `to_beat`: a plan whose
+    fullest pp rank overflows the budget is planned again against a tighter one (one to three more plans of the
+    micro-batch program) only if its least step (`least_step` of its work) can beat `to_beat`: the tighter budget
+    only constrains it more. None (always re-plan) while nothing is known to beat.
+
+    >>> _replan_bound(float("inf"), "1F1B", 1) is None
+    True
+    """
+    if math.isinf(to_beat):
+        return None
+
+    def reason(prog) -> str | None:
+        config = prog.config
+        least = least_step(prog.predicted_step_s * (1 - prog.predicted_bubble), config.pp_size, config.microbatches,
+                           schedule, virtual)
+        return None if least < to_beat else f"not planned again: its least step {least:.4g} s cannot beat {to_beat:.4g} s"
+    return reason
 
 
 def least_step(work: float, p: int, m: int, schedule: str, virtual: int) -> float:
@@ -278,12 +298,13 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
     p, batch = mesh.shape[mesh.axis(axis)], batch_size(inputs)
     request = request.replace(example_inputs=inputs)
     planned, errors = {}, []
+    replan = _replan_bound(to_beat, "1F1B", 1)
     inner = inner_mesh(mesh, axis).shape
     for m in _first_counts(p, batch, inner):
         if planned and all(_batch_ways(prog) >= _data_devices(inner) for prog in planned.values()):
             break  # the first plan splits its micro-batch over every data device: it estimates the finer count
         try:
-            planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m))
+            planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m), replan)
         except AutoshardError as exc:  # e.g. micro-batches too large to fit: the finer count may
             errors.append(exc)
     if not planned:
@@ -305,7 +326,7 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
     pruned = best not in planned and expected[best][0] - sync >= to_beat
     if best not in planned and not pruned:
         try:
-            planned[best] = parallelize_pipeline(request, axis, dict(opts, microbatches=best))
+            planned[best] = parallelize_pipeline(request, axis, dict(opts, microbatches=best), replan)
         except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep the planned counts
             log.info("pipelining with %d micro-batches is not possible (%s)", best, exc)
     prog = min(planned.values(), key=lambda prog: (prog.predicted_step_s, prog.config.microbatches))
