@@ -26,11 +26,9 @@ import torch.distributed as dist
 
 from autoshard.cost.compute_rates import ComputeRates, measure_compute
 from autoshard.cost.profiles import CPU_PROFILE, HardwareProfile, Link
-from autoshard.cost.sequence_scale import block
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.launch import communicator_for, run_distributed
-from autoshard.runtime.pipeline import SavedActivations
 
 REPEATS = 5
 SMALL_REPEATS = 400  # the latency-bound calls: a heavy tail (a peer thread waking late) that training pays too
@@ -107,65 +105,41 @@ def _world_max(value: int) -> int:
 
 
 PIPELINE_COUNTS = (1, 4)  # micro-batches of the two timed steps, per stage (1F1B needs at least one per stage)
-# The stage the pipeline's cost per action is timed with: one transformer block (sequence_scale._Block) of a small
-# model's width, so that the runtime's per-action work that grows with a stage (its saved tensors' hooks, the
-# stage's inputs and outputs) is counted as training meets it; batch x sequence x width of one micro-batch.
-PIPELINE_BLOCK = {"batch": 2, "seq": 64, "dim": 256, "heads": 4}
 
 
-def pipeline_action_seconds(rank: int, world: int, repeats: int = 15) -> float:
-    """The seconds torch.distributed.pipelining and autoshard's stage wrappers (the saved-activation count of
-    runtime/pipeline.py) spend per schedule action besides compute and transfer, on this rank of a `world`-stage 1F1B
-    pipeline of one transformer block per stage (PIPELINE_BLOCK): the step's growth per micro-batch (a forward, a
-    backward and their messages on the critical path) less the block's forward and backward timed on their own on
-    every rank at once, less a message's round trip, halved. Measured on 2 ranks of this 2-core machine: 0.9-1.3 ms
-    (with one small Linear per stage it read 0.2-0.55 ms, and 2-stage pipelines of gpt2-like models trained 15-25%
-    slower than predicted). Every rank of the default process group calls it (calibrate's ranks do):
+def pipeline_action_seconds(rank: int, world: int, repeats: int = 9) -> float:
+    """The seconds torch.distributed.pipelining spends per schedule action besides compute and transfer, on this
+    rank of a `world`-stage 1F1B pipeline of one small Linear per stage: the step's growth per micro-batch
+    (a forward, a backward and their two messages on the critical path) less a message's round trip, halved.
+    Measured on 2 ranks of this 2-core machine: 0.3-0.55 ms (a small Linear's forward and backward take 0.02).
+    Every rank of the default process group calls it (calibrate's ranks do):
 
     >>> pipeline_action_seconds(dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
-    0.0011
+    0.00044
     """
     from torch.distributed.pipelining import (  # the runtime's; not at import: heavy
         PipelineStage,
         Schedule1F1B,
     )
 
-    g = PIPELINE_BLOCK
-    torch.manual_seed(0)
-    module = block(g["dim"], g["heads"])
-    x = torch.randn(g["batch"], g["seq"], g["dim"])
-    saved = SavedActivations()
     steps, counts = {}, [world * count for count in PIPELINE_COUNTS]
     for m in counts:
-        stage = PipelineStage(module, rank, world, torch.device("cpu"))
-        forward = stage.forward_one_chunk
-
-        def tracked(*args, _forward=forward, **kwargs):  # as the runtime's stages run (PipelineRankModule)
-            with saved.track():
-                return _forward(*args, **kwargs)
-        stage.forward_one_chunk = tracked
+        stage = PipelineStage(torch.nn.Linear(16, 16), rank, world, torch.device("cpu"))
         schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.sum())
-        batch = x.repeat(m, 1, 1)
+        x = torch.ones(4 * m, 16)
         times = []
         for _ in range(repeats + 2):
             dist.barrier()
             started = time.perf_counter()
             if rank == 0:
-                schedule.step(batch)
+                schedule.step(x)
             elif rank == world - 1:
-                schedule.step(target=batch)
+                schedule.step(target=x)
             else:
                 schedule.step()
             times.append(time.perf_counter() - started)
         steps[m] = statistics.median(times[2:])
-    alone = []  # the block's forward and backward, every rank computing at once as in the pipeline's steady state
-    inputs = x.clone().requires_grad_()
-    for _ in range(repeats + 2):
-        dist.barrier()
-        started = time.perf_counter()
-        module(inputs).sum().backward()
-        alone.append(time.perf_counter() - started)
-    message, trips = torch.ones_like(x), []
+    message, trips = torch.ones(64), []
     for _ in range(repeats):
         dist.barrier()
         started = time.perf_counter()
@@ -178,7 +152,7 @@ def pipeline_action_seconds(rank: int, world: int, repeats: int = 15) -> float:
         trips.append(time.perf_counter() - started)
     low, high = counts
     growth = (steps[high] - steps[low]) / (high - low)
-    return max(growth - statistics.median(alone[2:]) - statistics.median(trips), 0.0) / 2
+    return max(growth - statistics.median(trips), 0.0) / 2
 
 
 def slowest_rates(per_rank: list) -> ComputeRates:

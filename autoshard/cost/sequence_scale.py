@@ -31,15 +31,6 @@ class _Block(torch.nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
-def block(dim: int, heads: int) -> torch.nn.Module:
-    """One pre-norm transformer block (what `sequence_scales` times, and calibrate's pipeline stage).
-
-    >>> block(32, 2)(torch.ones(1, 4, 32)).shape
-    torch.Size([1, 4, 32])
-    """
-    return _Block(dim, heads)
-
-
 class _Stack(torch.nn.Module):
     """A small language model of `_Block`s: embedding, blocks, head, cross-entropy."""
 
