@@ -41,6 +41,7 @@ from autoshard.cost.pipeline_schedule import (
 from autoshard.cost.prediction import MemoryParts, node_cost
 from autoshard.cost.recompute_cost import op_seconds
 from autoshard.cost.sync_buckets import bucket_shortfall
+from autoshard.cost.zero_cost import gather_seconds, reduce_scatter_shares
 from autoshard.frontend.cut_points import find_layers
 from autoshard.frontend.request import CompileOptions
 from autoshard.ir import meta
@@ -404,6 +405,7 @@ def stage_summary(state, config) -> list[dict]:
     """
     grads = needs_grad(state.gm.graph)
     profile = state.options.profile
+    shares = reduce_scatter_shares(state.gm.graph, state.mesh) if state.zero is not None else {}
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
             "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0, "recompute_s": 0.0}
            for s in range(config.num_stages)]
@@ -428,8 +430,12 @@ def stage_summary(state, config) -> list[dict]:
         if comm:  # the part of a collective's time that does not shrink with the micro-batch
             axis = state.mesh.axis(comm["axis"])
             fwd, bwd = collective_bytes(node, state.mesh, grads.get(node, False))
-            row["latency_s"] += collective_latency(comm["op"], fwd, bwd, state.mesh.shape[axis],
-                                                 profile.link(state.mesh.shape, axis))
+            k, link = state.mesh.shape[axis], profile.link(state.mesh.shape, axis)
+            if comm["op"] == "param_all_gather":  # ZeRO-3: a layer's reduce-scatters share one's latencies
+                row["latency_s"] += gather_seconds(node, fwd, k, link.latency_only(), shares.get(node, 1.0),
+                                                   grads.get(node, False))
+            else:
+                row["latency_s"] += collective_latency(comm["op"], fwd, bwd, k, link)
         stack = module_stack(node)
         if stack:
             row["first_module"] = row["first_module"] or stack[-1]
