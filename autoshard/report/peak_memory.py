@@ -214,6 +214,7 @@ class _ScatterWalk:
         return nbytes * (1 + self.k) if self.exact else nbytes + nbytes // self.k
 
     def held(self) -> int:
+        """Bytes the walk holds now: waiting and pending gradients, started groups' buffers, the shards kept."""
         return (self.waiting + sum(self.pending) + sum(self._buffers(g) for g in self.in_flight) + self.shards)
 
     def see(self, alive: int, extra: int = 0) -> None:
@@ -245,16 +246,18 @@ class _ScatterWalk:
         while len(self.in_flight) > REDUCE_SCATTERS_IN_FLIGHT:
             self._settle(alive)
 
-    def _settle(self, alive: int) -> None:
-        group = self.in_flight[0]
-        self.see(alive, self._sum(group))
-        self.in_flight.pop(0)
+    def _settle(self, alive: int, extra: int = 0) -> None:
+        """Wait for the oldest group in flight: its sum made, then only this rank's shard kept (`extra`: other
+        bytes alive meanwhile)."""
+        group = self.in_flight.pop(0)
+        self.see(alive, extra + self._buffers(group) + self._sum(group))
         self.shards += group // self.k
-        self.see(alive)
+        self.see(alive, extra)
 
     def finish(self) -> int:
-        """`sync_grads`: the pending groups started in order (their gradients alive until all are), then every
-        group waited for; the most alive meanwhile (backward's activations gone)."""
+        """`sync_grads`: the pending groups started in order (every one's full gradients alive until all are
+        started), then the groups still in flight waited for; the most alive meanwhile (backward's activations
+        gone)."""
         self.most = 0
         self.see(0)
         pending, total = self.pending, sum(self.pending)
@@ -262,19 +265,11 @@ class _ScatterWalk:
         for group in pending:
             self.see(0, total + self._buffers(group))
             self.in_flight.append(group)
-            self.see(0, total)
             while len(self.in_flight) > REDUCE_SCATTERS_IN_FLIGHT:
-                self._settle_with(total)
+                self._settle(0, total)
         while self.in_flight:
-            self._settle_with(total if pending else 0)
+            self._settle(0)
         return self.most
-
-    def _settle_with(self, extra: int) -> None:
-        group = self.in_flight[0]
-        self.see(0, extra + self._sum(group))
-        self.in_flight.pop(0)
-        self.shards += group // self.k
-        self.see(0, extra)
 
 
 def _bucket_layout(state) -> list[dict]:
