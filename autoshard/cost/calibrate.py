@@ -3,7 +3,8 @@
 Spawns prod(mesh) gloo ranks. Each times all_reduce of several message sizes on each axis's groups (between
 compute, as training calls them), and time = 2 (k-1) alpha + 2 (k-1)/k * bytes / bandwidth (the ring model the
 cost model uses) gives alpha (latency: the smallest message) and bandwidth (the slope over the larger ones) per
-axis (`fit_link`), and likewise for all-gathers, reduce-scatters and all-to-alls (each as the runtime runs it); then how much of an asynchronous collective compute hides meanwhile (`comm_overlap_share`).
+axis (`fit_link`), and likewise for all-gathers, reduce-scatters and all-to-alls (each as the runtime runs it);
+then how much of an asynchronous collective compute hides meanwhile (`comm_overlap_share`).
 Then every rank at once times matmuls per dtype, attention and a memory-bound op, forward and backward
 (autoshard/cost/compute_rates.py), so the rates include the contention of ranks sharing the machine, as training
 on it has; the slowest rank's figures are kept. Prints the fitted figures and writes a HardwareProfile JSON usable

@@ -122,10 +122,10 @@ def sequence_scales(device: torch.device, dtype: torch.dtype, rates, repeats: in
 
 
 def work_scale(device: torch.device, dtype: torch.dtype, rates, repeats: int = WORK_REPEATS) -> float:
-    """How much longer a model's work takes than the rates fitted on one kernel at a time say (>= 1 slower): a
+    """How much longer a model's work takes than the rates fitted on one kernel at a time say (above 1: slower): a
     `_Stack` of WORK_STACK's size (its time mostly work) exported to ATen, its forward and backward timed, less the
-    fixed costs `rates` give its ops, over the work they give it. Measured on 2 ranks of this 2-core machine: 1.3
-    (gpt2-like models of width 256 trained 25% slower than the rates fitted on chained kernels predicted).
+    fixed costs `rates` give its ops, over the work they give it. Measured on 2 ranks of this 2-core machine: 1.4
+    (gpt2-like models of width 256 trained ~25% slower than the rates fitted on chained kernels predicted).
 
     >>> from autoshard.cost.compute_rates import ComputeRates
     >>> rates = ComputeRates({"float32": 1e11}, 1e11, 1e10, 1e-6, 2e-6, 0.0, 1e-6, 2e-6)
