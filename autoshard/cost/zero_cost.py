@@ -153,8 +153,13 @@ def optimizer_step_time(state) -> float:
     return moved / profile.memory_bandwidth + tensors * (1 + 2 * f) * profile.op_overhead_s
 
 
-def _gather_parts(node, dst_bytes: int) -> tuple[int, int, int]:
-    """(gathered forward, re-gathered in backward, reduce-scattered in backward) bytes of a `param_all_gather`."""
+def gather_parts(node, dst_bytes: int) -> tuple[int, int, int]:
+    """(gathered forward, re-gathered in backward, reduce-scattered in backward) bytes of a `param_all_gather`
+    whose gathered parameter is `dst_bytes` on this rank.
+
+    >>> gather_parts(gathers[0], dst_bytes=16384)  # a weight: saved by its consumer, its gradient partial
+    (16384, 16384, 16384)
+    """
     reduce_grad = node.meta[meta.COMM]["args"][1]
     # mixed precision gathers the cast shard but reduce-scatters the gradient in the master's dtype
     master = dst_bytes * node.args[0].meta["val"].element_size() // node.meta["val"].element_size()
@@ -169,7 +174,7 @@ def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
     >>> gather_bytes(gathers[0], dst_bytes=16384)  # a weight: reduce-scatter and re-gather in backward
     (16384, 32768)
     """
-    fwd, regather, scatter = _gather_parts(node, dst_bytes)
+    fwd, regather, scatter = gather_parts(node, dst_bytes)
     return fwd, regather + scatter
 
 
@@ -185,7 +190,7 @@ def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.
     >>> round(gather_seconds(gathers[0], 16384, 2, link, latency_share=0.5) * 1e3, 3)  # half the reduce-scatter's
     2.525
     """
-    fwd, regather, scatter = _gather_parts(node, dst_bytes)
+    fwd, regather, scatter = gather_parts(node, dst_bytes)
     seconds = all_gather_time(fwd, k, link)
     if has_grad:
         seconds += all_gather_time(regather, k, link) if regather else 0.0

@@ -56,7 +56,7 @@ from autoshard.cost.flops import local_bytes
 from autoshard.cost.pipeline_schedule import rank_memory, stage_nodes
 from autoshard.cost.recompute_cost import region_savings
 from autoshard.cost.sync_buckets import bucket_layout
-from autoshard.cost.zero_cost import reduce_scatter_groups, regathered
+from autoshard.cost.zero_cost import gather_parts, reduce_scatter_groups
 from autoshard.ir import meta
 from autoshard.ir.placement import Shard
 from autoshard.runtime.grad_sync import SizedTensor, buckets
@@ -153,10 +153,9 @@ def _zero3_peak(state, exact: bool, overlap: bool, foreach: bool) -> dict:
     group_of = {node: g for g, members in enumerate(groups) for node, _ in members}
     gathers = [n for n in nodes if n.meta.get(meta.COMM, {}).get("op") == "param_all_gather"]
     copy = {g: local_bytes(g, g.meta[meta.SPEC], mesh) for g in gathers}  # one gathered parameter
-    saved = {g for g in gathers if regathered(g)}
-    # its full gradient, in the master's dtype, where the gradient is reduce-scattered
-    grad_bytes = {g: copy[g] * g.args[0].meta["val"].element_size() // g.meta["val"].element_size()
-                  for g in gathers if g.meta[meta.COMM]["args"][1]}
+    parts_of = {g: gather_parts(g, copy[g]) for g in gathers}  # (gathered, re-gathered, reduce-scattered) bytes
+    saved = {g for g in gathers if parts_of[g][1]}
+    grad_bytes = {g: parts_of[g][2] for g in gathers if parts_of[g][2]}  # its full gradient, in the master's dtype
     appears = {}  # reverse walk position -> bytes allocated there: re-gathered copies, other parameters' gradients
     for g in saved:
         position = max(order[u] for u in g.users)
