@@ -182,10 +182,11 @@ def slowest_rates(per_rank: list) -> ComputeRates:
 def _time_axis_task(rank, world, mesh_json, sizes):
     """Seconds of one all-reduce, reduce-scatter and all-to-all of each size (the rank's input) on each axis, and of
     one all-gather of that output size, as the runtime runs them, between compute (`between_compute_seconds`): the
-    communicator's (on gloo gathered in a fixed order and summed, bitwise reproducible: an all-reduce moves (k-1) x
-    the bytes where a ring moves 2(k-1)/k, a reduce-scatter and an all-to-all (k-1) x where a ring moves (k-1)/k, so
-    the fitted bandwidths are what the runtime's collectives get, and an all-gather pays the whole latency an
-    all-reduce pays; NCCL's rings elsewhere). Keys (collective, axis, bytes)."""
+    communicator's (on gloo the reductions gathered in a fixed order and summed, bitwise reproducible: an all-reduce
+    moves (k-1) x the bytes where a ring moves 2(k-1)/k, a reduce-scatter (k-1) x where a ring moves (k-1)/k, so the
+    fitted bandwidths are what the runtime's collectives get, and an all-gather pays the whole latency an all-reduce
+    pays; an all-to-all is the backend's own on gloo and NCCL alike; NCCL's rings elsewhere). Keys (collective,
+    axis, bytes)."""
     mesh = Mesh.from_json(mesh_json)
     comm = communicator_for(mesh)
     out = {}
