@@ -5,8 +5,8 @@ Every collective is built from one primitive, `all_gather_list` (each rank's ten
 order, in both the in-process simulator and the exact gloo path.
 So the simulator and a real run agree bit for bit in float64. On GPUs (`exact=False`) the native
 NCCL collectives run instead. An all-to-all only moves data: a real rank runs the backend's own on gloo too
-(`DistCommunicator.all_to_all`, bitwise the gathered one's). Each call is recorded (kind, axis, bytes, forward/backward) so
-`verify --json` can count collectives per mesh axis.
+(`DistCommunicator.all_to_all`, bitwise the gathered one's). Each call is recorded (kind, axis, bytes,
+forward/backward) so `verify --json` can count collectives per mesh axis.
 
 The examples run two ranks as threads (`run_on_mesh`, autoshard/runtime/simulator.py):
 
