@@ -163,9 +163,7 @@ def _new_highs(options: dict):
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("mip_rel_gap", 0.0)  # exact optimum: compute can dwarf the communication differences
-    for key, value in _SEARCH_OPTIONS.items():
-        h.setOptionValue(key, value)
-    for key, value in options.items():
+    for key, value in {**_SEARCH_OPTIONS, **options}.items():  # the caller's options win
         h.setOptionValue(key, value)
     return h
 
