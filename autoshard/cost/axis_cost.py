@@ -34,7 +34,13 @@ from autoshard.cost.collective_time import (
     conversion_time,
     grad_sync_time,
 )
-from autoshard.cost.flops import is_matmul_like, is_view, node_bytes, node_flops
+from autoshard.cost.flops import (
+    is_matmul_like,
+    is_view,
+    node_bytes,
+    node_flops,
+    returns_input,
+)
 from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.ir import meta
 from autoshard.ir.mixed_precision import cast_parameter
@@ -83,6 +89,8 @@ def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[flo
     """
     if node.target is operator.getitem:
         return 0.0, 0.0
+    if returns_input(node):  # torch hands back the input itself: a dispatch, and no autograd node
+        return profile.view_overhead_s, 0.0
     if is_view(node):  # a view moves no data: its dispatch, forward and (a view of the gradient) backward
         return profile.view_overhead_s, profile.view_grad_overhead_s if has_grad else 0.0
     # dropout that drops nothing (p = 0, as models built for inference and tests set it) draws no mask: a copy

@@ -69,8 +69,31 @@ def is_view(node) -> bool:
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     if schema is None or not schema.returns or not schema.arguments:
         return False
+    if getattr(node.target, "overloadpacket", None) is aten.to:  # its schema says "may alias": only when unchanged
+        return returns_input(node)
     out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
     return out is not None and not out.is_write and first is not None and first.before_set == out.before_set
+
+
+def returns_input(node) -> bool:
+    """Whether the node is an `aten.to` that changes neither dtype nor device (nor asks for a copy): torch returns its
+    input itself, with no autograd node of its own (transformers' norms cast to float32 what already is).
+
+    >>> graph = torch.fx.Graph()
+    >>> x = graph.placeholder("x")
+    >>> x.meta["val"] = torch.empty(2)
+    >>> same, other = (graph.call_function(aten.to.dtype, (x, dtype)) for dtype in (torch.float32, torch.float64))
+    >>> same.meta["val"], other.meta["val"] = torch.empty(2), torch.empty(2, dtype=torch.float64)
+    >>> returns_input(same), returns_input(other), is_view(other)
+    (True, False, False)
+    """
+    if node.op != "call_function" or getattr(node.target, "overloadpacket", None) is not aten.to:
+        return False
+    source, val = node.args[0], node.meta.get("val")
+    before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(before, torch.Tensor) or node.kwargs.get("copy"):
+        return False
+    return (val.dtype, val.device) == (before.dtype, before.device)
 
 
 def node_bytes(node) -> int:

@@ -46,8 +46,8 @@ def median_seconds(fn, timed, repeats: int) -> float:
 DEPTH = 8  # ops chained in one forward + backward: one autograd engine start is shared by them, as in a model
 
 
-def chain_step(op, first, leaves, mode: str = "train"):
-    """A step running `op` DEPTH times, each on the last one's output: forward and backward (`mode` "train"), the
+def chain_step(op, first, leaves, mode: str = "train", depth: int = DEPTH):
+    """A step running `op` `depth` times (DEPTH unless given), each on the last one's output: forward and backward (`mode` "train"), the
     forward alone with autograd recording it ("forward"), or without autograd ("no_grad").
 
     >>> x = leaf((2, 2), torch.float32, torch.device("cpu"))
@@ -56,7 +56,7 @@ def chain_step(op, first, leaves, mode: str = "train"):
     def step():
         with torch.set_grad_enabled(mode != "no_grad"):
             out = first
-            for _ in range(DEPTH):
+            for _ in range(depth):
                 out = op(out)
         if mode == "train":
             out.backward(torch.ones_like(out))

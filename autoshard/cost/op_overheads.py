@@ -14,17 +14,35 @@ from autoshard.ir.warn_once import warn_once
 
 
 def view_overheads(dtype: torch.dtype, device: torch.device, repeats: int) -> tuple[float, float, float]:
-    """Seconds of a view's forward without autograd, with it, and of its backward (forward + backward less the
-    recorded forward): a chain of transposes (what a view costs does not depend on its size).
+    """Seconds of a view's forward without autograd, with it, and of its backward (the marginal cost of one more
+    view in a chain's backward, `marginal_backward`): a chain of transposes (what a view costs does not depend on
+    its size).
 
     >>> unrecorded, recorded, backward = view_overheads(torch.float32, torch.device("cpu"), 3)
-    >>> 0 < unrecorded and 0 < backward
+    >>> 0 < unrecorded and 0 <= backward
     True
     """
     timed, x = timer(device), leaf((4, 4), dtype, device)
-    times = [median_seconds(chain_step(lambda t: t.transpose(0, 1), x, [x], mode), timed, max(repeats, 25)) / DEPTH
-             for mode in ("no_grad", "forward", "train")]
-    return times[0], max(times[1], times[0]), max(times[2] - times[1], 0.0)
+    repeats = max(repeats, 25)
+
+    def seconds(mode: str, depth: int = DEPTH) -> float:
+        return median_seconds(chain_step(lambda t: t.transpose(0, 1), x, [x], mode, depth), timed, repeats)
+    unrecorded, recorded = seconds("no_grad") / DEPTH, seconds("forward") / DEPTH
+    backward = marginal_backward(lambda depth: seconds("train", depth) - seconds("forward", depth))
+    return unrecorded, max(recorded, unrecorded), backward
+
+
+def marginal_backward(backward_of) -> float:
+    """Seconds one more op adds to a backward: `backward_of(depth)` (the backward of `depth` ops, seconds) at
+    DEPTH and 3 x DEPTH ops, the difference per op. What a backward pays once however many ops it runs (the
+    engine's start and its thread hand-off, ~50 us on a CPU) cancels: a model's backward runs hundreds of ops,
+    and that start spread over a probe's DEPTH ops had priced every op's backward ~5 us long (the transformers
+    models' 3 ms steps predicted 1.3x, their backward 1.5-1.8x).
+
+    >>> round(marginal_backward(lambda depth: 50e-6 + depth * 2e-6) * 1e6, 6)
+    2.0
+    """
+    return max((backward_of(3 * DEPTH) - backward_of(DEPTH)) / (2 * DEPTH), 0.0)
 
 
 FIXED_REPEATS = 15  # a probe of DEPTH small ops takes ~0.1 ms on a CPU: repeats are cheap
@@ -95,23 +113,29 @@ def _graph_of(op, args, kwargs, depth: int):
 
 def _fixed_cost(probe, timed, repeats: int) -> tuple[float, float, float]:
     """(forward, added by autograd's recording, backward) seconds of one call of a probe's op: a graph of DEPTH
-    calls (`_graph_of`) timed without autograd, with it, and with one backward over their outputs (less the
-    backward's seed gradients)."""
+    calls (`_graph_of`) timed without autograd and with it; the backward is one more call's share of a backward over
+    the calls' outputs (`marginal_backward`, less the backward's seed gradients)."""
     op, args, kwargs, has_grad = probe
-    module, inputs = _graph_of(op, args, kwargs, DEPTH)
+    graphs = {depth: _graph_of(op, args, kwargs, depth) for depth in (DEPTH, 3 * DEPTH)}
 
-    def run(mode: str):
+    def run(mode: str, depth: int = DEPTH):
+        module, inputs = graphs[depth]
         with torch.set_grad_enabled(mode != "no_grad"):
             outs = [o for o in module(*inputs) if isinstance(o, torch.Tensor) and o.requires_grad]
         if mode == "train":
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    modes = ("no_grad", "forward", "train") if has_grad else ("no_grad",)
-    times = [median_seconds(lambda mode=mode: run(mode), timed, repeats) / DEPTH for mode in modes]
+
+    def seconds(mode: str, depth: int = DEPTH) -> float:
+        return median_seconds(lambda: run(mode, depth), timed, repeats)
+    forward = seconds("no_grad") / DEPTH
     if not has_grad:
-        return times[0], 0.0, 0.0
+        return forward, 0.0, 0.0
+    recorded = max(seconds("forward") / DEPTH - forward, 0.0)
+    module, inputs = graphs[DEPTH]
     out = module(*inputs)[0]
-    seeds = median_seconds(lambda: [torch.ones_like(out) for _ in range(DEPTH)], timed, repeats) / DEPTH
-    return times[0], max(times[1] - times[0], 0.0), max(times[2] - times[1] - seeds, 0.0)
+    seed = median_seconds(lambda: [torch.ones_like(out) for _ in range(DEPTH)], timed, repeats) / DEPTH
+    backward = marginal_backward(lambda depth: seconds("train", depth) - seconds("forward", depth))
+    return forward, recorded, max(backward - seed, 0.0)
 
 
 def op_overheads(dtype: torch.dtype, device: torch.device, repeats: int) -> dict:

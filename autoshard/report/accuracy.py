@@ -110,16 +110,30 @@ class StepClock:
                 self._sent = self._bytes_now()
         self._current[event] = now
 
-    def phases(self) -> dict | None:
-        """The median of each phase over the steps after the warm-up (and how many), None before any.
+    def phases(self, statistic: str = "median") -> dict | None:
+        """Each phase over the steps after the warm-up (and how many), None before any: the median of each (steps
+        an evaluation or a checkpoint lengthens do not count), or with `statistic="mean"` the mean, whose step is
+        the loop's time per step (what a job's throughput is: on ranks that share cores the steps of one rank can
+        alternate between short and long, and its median then reads whichever it has more of).
 
         >>> StepClock().phases() is None
         True
+        >>> clock = StepClock(warmup=0, timer=iter([0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 4.0, 4.0, 5.0,
+        ...                                         5.0]).__next__)
+        >>> for _ in range(3):  # steps of 1, 1 and 3 s
+        ...     for event in ("forward", "forward_end", "sync", "sync_end"):
+        ...         clock.mark(event)
+        >>> clock.mark("forward")
+        >>> clock.phases()["step_s"], clock.phases("mean")["step_s"]
+        (1.0, 1.6666666666666667)
         """
+        if statistic not in ("median", "mean"):
+            raise ValueError(f"statistic is 'median' or 'mean', not {statistic!r}")
         steps = self.steps[self.warmup:]
         if not steps:
             return None
-        out = {key: statistics.median(s[key] for s in steps) for key in (*PHASES, "step_s")}
+        of = statistics.median if statistic == "median" else statistics.fmean
+        out = {key: of([s[key] for s in steps]) for key in (*PHASES, "step_s")}
         if "bytes" in steps[0]:
             out["bytes"] = {axis: statistics.median(s["bytes"].get(axis, 0) for s in steps) for axis in steps[0]["bytes"]}
         return dict(out, steps=len(steps))
