@@ -7,5 +7,5 @@ and ensures, the manager checks a pipeline's order against them, and its docstri
 
 >>> from autoshard.passes.pass_lists import PASSES
 >>> [p.name for p in PASSES]
-['normalize', 'annotate', 'strategies', 'solve', 'zero', 'unfold', 'insert_comm', 'fuse_comm', 'recompute', 'predict', 'check_hints', 'codegen']
+['normalize', 'annotate', 'strategies', 'solve', 'zero', 'unfold', 'insert_comm', 'fuse_comm', 'predict', 'recompute', 'check_hints', 'codegen']
 """

@@ -60,7 +60,7 @@ class PassList:
     stand for the passes made from the saved plan it applies), and what the state holds before the first.
 
     >>> [p.name for p in PASS_LISTS["hand_plan"].passes][-3:]  # no check_hints: its hints are the planner's
-    ['recompute', 'predict', 'codegen']
+    ['predict', 'recompute', 'codegen']
     """
 
     description: str
@@ -68,10 +68,10 @@ class PassList:
     provided: tuple = TRACED
 
 
-_SOLVED = (normalize, annotate, strategies, solve, zero_pass, unfold, insert_comm, fuse_comm, recompute, predict)
+_SOLVED = (normalize, annotate, strategies, solve, zero_pass, unfold, insert_comm, fuse_comm, predict, recompute)
 # A saved plan: a folded trace is unfolded first (the plan's rows are the whole model's) and checked against it.
 _APPLIED = (normalize, unfold, CheckPlan, annotate, strategies, AllowPlannedZeroShards, ApplyPlan, zero_pass,
-            insert_comm, fuse_comm, recompute, predict)
+            insert_comm, fuse_comm, predict, recompute)
 
 PASS_LISTS = {
     "plan": PassList("solve every node's strategy by the ILP", (*_SOLVED, check_hints, codegen)),
@@ -93,7 +93,7 @@ def declared_pass_list(name: str, plan=None, same_shapes: bool = True) -> tuple[
 
     >>> passes, provided = declared_pass_list("microbatch")
     >>> [p.name for p in passes][-4:]
-    ['predict', 'cut_stages', 'check_hints', 'codegen']
+    ['recompute', 'cut_stages', 'check_hints', 'codegen']
     """
     if name not in PASS_LISTS:
         raise UserInputError(f"no pass list named {name!r}; the pass lists are {sorted(PASS_LISTS)}")

@@ -159,6 +159,18 @@ def predict(state) -> None:
         for node, seconds in bucket_shortfall(state).items():  # one latency per bucket, not a linear share
             node.meta[NODE_COST] = replace(node.meta[NODE_COST], sync_s=node.meta[NODE_COST].sync_s + seconds)
             state.predicted.add_comm(seconds)
+    settle_prediction(state)
+
+
+def settle_prediction(state) -> None:
+    """What of `state.predicted` follows from the rest and the recompute regions: the recomputation's time and the
+    activations it does not keep (none before the recompute pass, which runs after predict and settles the
+    prediction again for the regions it chose), the memory's parts and the overlapped step.
+
+    >>> predicted = prog.state.predicted  # no recompute regions
+    >>> predicted.recompute_s is None and predicted.memory.total() == predicted.memory_bytes_per_rank
+    True
+    """
     account_recompute(state)  # activation checkpointing: recompute time, activations not kept
     state.predicted.memory = memory_parts(state)
     state.predicted.overlapped_step_s = state.predicted.step_time_s - hidden_seconds(state)

@@ -8,11 +8,12 @@ or for the ladder's recomputation the memory budget, most bytes saved per second
 recorded in the plan's hints). Writes `autoshard.recompute` = the region's module path on every op
 and collective inside a region, and `state.recompute_regions` (paths, graph order).
 Runs after insert_comm/fuse_comm, so a region holds its collectives: recomputing the whole region
-re-runs them, in the same order on every rank (every rank has the same regions).
+re-runs them, in the same order on every rank (every rank has the same regions); and after predict, whose memory the
+"auto" choice reads, and whose prediction it then settles for the regions (`settle_prediction`: the recompute time,
+the activations not kept).
 `autoshard.lowering.recompute_regions.wrap_regions(gm)` (on each rank's module) moves each region into a submodule
 called through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: only its inputs are
-saved for backward. predict counts the recompute (forward compute and forward collectives again) and
-the dropped activations.
+saved for backward.
 
 >>> import autoshard
 >>> from autoshard.zoo import gpt2
@@ -35,14 +36,14 @@ from autoshard.ir import meta
 from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.meta import RECOMPUTE
 from autoshard.passes.contract import compiler_pass
-from autoshard.passes.predict import predict
+from autoshard.passes.predict import settle_prediction
 from autoshard.solver.layers import layer_key
 
 _LAYER_RE = re.compile(r"^(.*\.)?[A-Za-z_]\w*\.[0-9]+$")  # an element of a ModuleList / Sequential
 
 
-@compiler_pass("recompute", reads=(meta.COMM, meta.SPEC, "state.memory_savers"),
-               writes=(meta.RECOMPUTE, "state.recompute_regions", "state.hints"))
+@compiler_pass("recompute", reads=(meta.COMM, meta.SPEC, meta.NODE_COST, "state.memory_savers", "state.predicted"),
+               writes=(meta.RECOMPUTE, "state.recompute_regions", "state.hints", "state.predicted"))
 def recompute(state) -> None:
     """The pass: mark every op of each region with `autoshard.recompute` = the region's path.
 
@@ -70,6 +71,8 @@ def recompute(state) -> None:
         if region is not None:
             node.meta[RECOMPUTE] = region
     state.recompute_regions = [r for r in dict.fromkeys(n.meta.get(RECOMPUTE) for n in ops) if r]
+    if state.recompute_regions:
+        settle_prediction(state)  # predict ran before the regions were chosen
 
 
 
@@ -149,7 +152,6 @@ def _auto_regions(state, ops, layers) -> list[str]:
     budget = options.memory_budget if _ladder_recomputes(state) else options.checkpoint_budget
     if budget is None or not layers:
         return []
-    predict(state)
     memory = pre_cut_memory(state.predicted, options.pipeline, _whole_param_bytes(state))  # a pp rank's, before the cut
     members: dict = {layer: [] for layer in layers}  # each layer's ops, in one walk over their paths' prefixes
     for node in ops:

@@ -110,7 +110,7 @@ def test_codegen_rank_module_has_local_shards_and_local_view_shapes():
 def test_history_records_each_pass_with_sharded_types():
     prog = _plan(TwoLinear(), torch.randn(4, 8))
     assert [e.name for e in prog.history] == ["normalize", "annotate", "strategies", "solve", "zero", "unfold",
-                                              "insert_comm", "fuse_comm", "recompute", "predict", "check_hints",
+                                              "insert_comm", "fuse_comm", "predict", "recompute", "check_hints",
                                               "codegen"]
     assert "f32[8@tp, 8]" in prog.history[-1].graph_text
     assert "# after insert_comm" in repr(prog.history)
