@@ -66,15 +66,19 @@ def cut_stages(state) -> None:
     if config.annotations is not None:
         _apply(state, nodes, _from_annotations(nodes, config.annotations, config.num_stages), config)
         return
-    fastest = auto_cut(state, nodes, config)
+    costs = cut_costs(state, nodes, config)
+    fastest = auto_cut(state, nodes, config, costs=costs)
     ranks = _apply(state, nodes, fastest, config)
     budget = CompileOptions.of(state.options).budget_bytes
     if max(ranks) > budget:
         # The fastest cut overfills a rank (more layers where the other work is light, on the rank that keeps the
         # most micro-batches in flight): the fastest cut whose ranks fit, when there is one and it fills less.
-        capped = auto_cut(state, nodes, config, fill=(budget, ranks))
-        if capped is not None and max(_apply(state, nodes, capped, config)) > max(ranks):
-            _apply(state, nodes, fastest, config)
+        capped = auto_cut(state, nodes, config, fill=(budget, ranks), costs=costs)
+        if capped is not None:
+            applied = (state.pipeline_stages, state.predicted.memory, state.predicted.memory_bytes_per_rank)
+            if max(_apply(state, nodes, capped, config)) > max(ranks):  # the fastest cut again, as applied
+                _fill_and_check(state.gm.graph, nodes, fastest, config.num_stages)
+                state.pipeline_stages, state.predicted.memory, state.predicted.memory_bytes_per_rank = applied
 
 
 def _apply(state, nodes, stage: dict, config) -> list[int]:
@@ -323,6 +327,7 @@ class CutCosts:
     """
 
     def __init__(self, state, nodes, config):
+        self.nodes = nodes
         self.n = len(nodes)
         self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
         seconds = [op_seconds(state, node) for node in nodes] + [0.0]  # a checkpointed op's recompute included
@@ -367,19 +372,28 @@ class CutCosts:
         return max(self.stage_time(a, b) for a, b in itertools.pairwise(bounds))
 
 
-def auto_cut(state, nodes, config, fill: tuple | None = None) -> dict | None:
+def cut_costs(state, nodes, config) -> CutCosts:
+    """The CutCosts of the ops `nodes` less their weight-only ops (`weight_only_ops`: cut_stages puts each with its
+    first user), which the automatic cut cuts.
+
+    >>> len(cut_costs(state, nodes, config).nodes) == len(nodes) - len(weight_only_ops(nodes))
+    True
+    """
+    floating = weight_only_ops(nodes)
+    return CutCosts(state, [n for n in nodes if n not in floating], config)
+
+
+def auto_cut(state, nodes, config, fill: tuple | None = None, costs: CutCosts | None = None) -> dict | None:
     """Contiguous stages minimising (max stage time, total crossing bytes) by dynamic programming over
     the candidate positions (exact over them: O(stages x positions^2)). With `fill` (the budget, and each pp rank's
     bytes under the fastest cut) each stage must also fit its cap (`StageMemory.caps`); None when no cut does.
-
-    Weight-only ops (`weight_only_ops`) are not cut: cut_stages puts each with its first user.
+    `costs`: `cut_costs(state, nodes, config)` when made already.
 
     >>> auto_cut(state, nodes, config) == {n: n.meta[meta.STAGE] for n in nodes}  # what cut_stages chose
     True
     """
-    floating = weight_only_ops(nodes)
-    nodes = [n for n in nodes if n not in floating]
-    costs = CutCosts(state, nodes, config)
+    costs = costs or cut_costs(state, nodes, config)
+    nodes = costs.nodes
     positions, stages = costs.positions, config.num_stages
     if len(positions) - 1 < stages:
         found = (f"its {len(costs.layers)} repeated layers are in {', '.join(map(repr, costs.layers.containers))}"
