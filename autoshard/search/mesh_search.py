@@ -55,6 +55,7 @@ from autoshard.search.planning_workers import (
     picklable,
     planning_workers,
     run_tasks,
+    tasks_in_background,
     tell,
 )
 from autoshard.solver.errors import MemoryBudgetError
@@ -202,8 +203,16 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     reach = [result for result in fitting if result.flat_step is not None
              and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
     reach.sort(key=lambda result: result is not kept)
-    hand_workers = planning_workers(len(reach))  # one task (the kept shape alone) runs here: its Program is kept
-    compared = run_tasks(functools.partial(_plan_hand_plans, request, hand_workers == 1), reach, hand_workers)
+    spare = planning_workers(len(reach) + 1) - 1  # the cores besides this process's
+    if kept.program is None and kept.plan.get("pipeline") and spare:
+        # A pipelined plan a worker made: applied here while workers compare the hand plans (they are flat plans:
+        # one that wins is applied after).
+        with tasks_in_background(functools.partial(_plan_hand_plans, request, False), reach, spare) as collect:
+            kept.program = _applied(request, kept, compile_on_mesh)
+            compared = collect()
+    else:
+        hand_workers = planning_workers(len(reach))  # one task (the kept shape alone) runs here: its Program is kept
+        compared = run_tasks(functools.partial(_plan_hand_plans, request, hand_workers == 1), reach, hand_workers)
     best, best_caught = kept, caught[kept.shape]
     for result, (hand, hand_caught) in zip(reach, compared):
         result.row["seconds"] = round(result.row["seconds"] + hand.row["seconds"], 3)

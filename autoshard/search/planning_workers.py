@@ -16,6 +16,7 @@ torch.distributed (a process group's threads and sockets do not survive a fork) 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -72,12 +73,28 @@ def run_tasks(task, items: list, workers: int) -> list[tuple]:
     """
     if workers <= 1:
         return [_caught(task, item) for item in items]
+    with tasks_in_background(task, items, workers) as results:
+        return results()
+
+
+@contextlib.contextmanager
+def tasks_in_background(task, items: list, workers: int):
+    """Within the block, `task` runs over `items` in `workers` forked processes (forked as the block starts) while
+    this process goes on; the block gets a function that waits for them and returns what `run_tasks` would.
+
+    >>> with tasks_in_background(lambda x: x + 1, [1, 2], workers=1) as results:
+    ...     here = sum(range(4))  # this process's own work meanwhile
+    >>> here, [value for value, caught in results()]
+    (6, [2, 3])
+    """
     global _TASK
     _TASK = (task, items)
     stop_solver_threads()
     try:  # an executor, not a Pool: a worker that dies (killed for memory) raises BrokenProcessPool, not a hang
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_run_in_worker, range(len(items))))
+        with concurrent.futures.ProcessPoolExecutor(max(workers, 1),
+                                                    mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_run_in_worker, index) for index in range(len(items))]  # every fork happens here
+            yield lambda: [future.result() for future in futures]
     except concurrent.futures.process.BrokenProcessPool as exc:
         raise PlanError(f"a planning worker process died before it finished ({exc}): the system may have killed "
                         f"it for memory ({workers} plan side by side); set {WORKERS_ENV}=1 to plan in this "
