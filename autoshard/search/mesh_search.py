@@ -203,11 +203,11 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     reach = [result for result in fitting if result.flat_step is not None
              and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
     reach.sort(key=lambda result: result is not kept)
-    spare = planning_workers(len(reach) + 1) - 1  # the cores besides this process's
-    if kept.program is None and kept.plan.get("pipeline") and spare:
-        # A pipelined plan a worker made: applied here while workers compare the hand plans (they are flat plans:
-        # one that wins is applied after).
-        with tasks_in_background(functools.partial(_plan_hand_plans, request, False), reach, spare) as collect:
+    if kept.program is None and kept.plan.get("pipeline") and planning_workers(len(reach) + 1) > len(reach):
+        # A pipelined plan a worker made, and a core the hand plans leave idle: the plan is applied here while
+        # workers compare the hand plans (flat plans: one that wins is applied after). Llama 3 405B over 512 (one
+        # shape within reach): 5 s less; 70B (two shapes, both cores busy with them) none, so not there.
+        with tasks_in_background(functools.partial(_plan_hand_plans, request, False), reach, len(reach)) as collect:
             kept.program = _applied(request, kept, compile_on_mesh)
             compared = collect()
     else:
