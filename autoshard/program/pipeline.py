@@ -62,6 +62,9 @@ class PipelineConfig:
     link: Link = _DEFAULT_LINK
     action_s: float = 0.0  # the runtime's fixed cost per schedule action (HardwareProfile.pipeline_action_s)
     split_backward: float = 1.0  # a backward split in I and W over the fused one (HardwareProfile's factor)
+    # The share of a stage-to-stage message's transfer its sending rank's compute pays (1 - HardwareProfile's
+    # comm_overlap: gloo's copies on CPU ranks share the cores with the compute; a GPU's NIC or NVLink none).
+    send_share: float = 0.0
 
     @property
     def num_stages(self) -> int:
@@ -169,7 +172,7 @@ def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, p
                              f"size ({p})")
     link = profile.link(mesh.shape, mesh.axis(axis))
     return PipelineConfig(axis, p, m, schedule, virtual, annotations, link, profile.pipeline_action_s,
-                          profile.split_backward_factor)
+                          profile.split_backward_factor, 1.0 - profile.comm_overlap)
 
 
 def batch_size(example_inputs) -> int:

@@ -115,17 +115,22 @@ class Timeline:
         return "\n".join(lines)
 
 
-def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
+def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0.0) -> Timeline:
     """Run the per-rank action orders as early as their dependencies allow.
 
     `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split), times the split's
     cost over a fused backward (`config.split_backward`); every action also takes the runtime's fixed cost per
-    action (`config.action_s`).
+    action (`config.action_s`). A message between stages arrives `transfer_s` after its action ends; an action that
+    sends one (a forward but the last stage's, an input backward but the first stage's) also takes
+    `config.send_share` of `sent_s`, the message's bytes time (its rank's share of the copy).
 
     >>> from autoshard.program.pipeline import PipelineConfig
     >>> even = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}}
     >>> round(simulate(PipelineConfig("pp", 2, 4, "1F1B"), even).bubble_fraction(), 3)  # (p-1)/(m+p-1)
     0.2
+    >>> cpu = PipelineConfig("pp", 2, 4, "1F1B", send_share=1.0)  # each rank sends 4 messages of 0.25 s
+    >>> simulate(cpu, even, sent_s=0.25).span() - simulate(PipelineConfig("pp", 2, 4, "1F1B"), even).span()
+    1.25
     """
     orders = schedule_order(config)
     done: dict = {}
@@ -163,6 +168,8 @@ def simulate(config, durations: dict, transfer_s: float = 0.0) -> Timeline:
                 continue
             seconds = config.action_s + (durations[stage]["F"] if kind == "F" else
                                          durations[stage]["B"] * (1.0 if kind == "B" else 0.5 * config.split_backward))
+            if (kind == "F" and stage < last) or (kind in ("B", "I") and stage > 0):
+                seconds += config.send_share * sent_s
             start = max(t, free[r])
             done[(stage, kind, mb)] = free[r] = start + seconds
             events.append((r, stage, kind, mb, start, start + seconds))
@@ -228,8 +235,8 @@ def pipeline_timeline(config, table) -> Timeline:
     """
     durations = {row["stage"]: {"F": row["fwd_s"], "B": row["bwd_s"]} for row in table}
     boundary = max((row["send_bytes"] for row in table), default=0)
-    transfer = config.link.alpha + boundary / 2 / config.link.bandwidth
-    timeline = simulate(config, durations, transfer)
+    sent = boundary / 2 / config.link.bandwidth
+    timeline = simulate(config, durations, config.link.alpha + sent, sent)
     end = max((e[5] for e in timeline.events), default=0.0)
     sync = {config.stage_rank(row["stage"]): 0.0 for row in table}
     for row in table:
