@@ -269,8 +269,13 @@ class StageMemory:
                 kept[min(index[node], n - 1)] += node_cost(node).memory_bytes
                 if node.meta.get(meta.RECOMPUTE):
                     regions.setdefault(node.meta[meta.RECOMPUTE], []).append(node)
-        for members in regions.values():
-            kept[min(max(index[m] for m in members), n - 1)] -= region_savings(state, members)[0]
+        for members in regions.values():  # a region's savings where its members keep their bytes
+            saved, weights = region_savings(state, members)[0], [max(node_cost(m).memory_bytes, 0) for m in members]
+            if not sum(weights):
+                kept[min(max(index[m] for m in members), n - 1)] -= saved
+                continue
+            for member, weight in zip(members, weights):
+                kept[min(index[member], n - 1)] -= saved * weight / sum(weights)
         self.held, self.kept = [0.0], [0.0]
         for h, k in zip(held, kept):
             self.held.append(self.held[-1] + h)
