@@ -70,8 +70,8 @@ def is_view(node) -> bool:
     if schema is None or not schema.returns or not schema.arguments:
         return False
     # aten.to's schema says "may alias": a cast that changes the dtype copies, yet counts as a view here (priced as a
-    # copy, bf16 plans' norms cost 13% more and the Mixtral-like benchmark's 32-stage cut no longer fit its budget:
-    # the cut's memory cap needs mending first)
+    # copy, bf16 plans' norms cost 13% more and the Mixtral-like benchmark lost its 32-stage cut, through a fault of
+    # the cut's memory model mended since: to be tried again)
     out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
     return out is not None and not out.is_write and first is not None and first.before_set == out.before_set
 
