@@ -271,11 +271,12 @@ class StageMemory:
                     regions.setdefault(node.meta[meta.RECOMPUTE], []).append(node)
         for members in regions.values():  # a region's savings where its members keep their bytes
             saved, weights = region_savings(state, members)[0], [max(node_cost(m).memory_bytes, 0) for m in members]
-            if not sum(weights):
+            total = sum(weights)
+            if not total:
                 kept[min(max(index[m] for m in members), n - 1)] -= saved
                 continue
             for member, weight in zip(members, weights):
-                kept[min(index[member], n - 1)] -= saved * weight / sum(weights)
+                kept[min(index[member], n - 1)] -= saved * weight / total
         self.held, self.kept = [0.0], [0.0]
         for h, k in zip(held, kept):
             self.held.append(self.held[-1] + h)

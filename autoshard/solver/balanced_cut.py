@@ -20,8 +20,8 @@ def min_max_cut(stage_time: Callable, positions: list, stages: int, crossing: Ca
     minimising the slowest `stage_time(a, b)` of the stages [a, b), then the summed `crossing(b)` of the cuts
     (the earliest cuts among equals), by dynamic programming over the positions, once for each (exact: O(stages x
     positions^2); each stage's time asked once, the recurrences in numpy: a 32-stage cut of a 126-layer model
-    asked stage_time half a million times). The caller checks that there are enough positions. With `fits(stage, a, b)` only stages it
-    accepts are cut (a pipeline rank's memory cap); None when no cut fits.
+    asked stage_time half a million times). The caller checks that there are enough positions. With
+    `fits(stage, a, b)` only stages it accepts are cut (a pipeline rank's memory cap); None when no cut fits.
 
     >>> min_max_cut(lambda a, b: b - a, [0, 1, 2, 3, 4], stages=2, crossing=lambda b: 0)
     [2]
