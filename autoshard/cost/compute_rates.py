@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from autoshard.cost.kernel_timing import DEPTH, chain_step, leaf, median_seconds, timer
 from autoshard.cost.op_overheads import (
-    FIXED_REPEATS,
     median_fixed_costs,
     op_overheads,
     split_backward_factor,
@@ -203,7 +202,7 @@ def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 
     _, attention = attention_rate(first, device, sizes["attention"], repeats)
     _, bandwidth = elementwise_rate(first, device, sizes["elementwise"], repeats)
     views = view_overheads(first, device, repeats)
-    per_op = op_overheads(first, device, max(repeats, FIXED_REPEATS))
+    per_op = op_overheads(first, device, repeats)
     forward, recorded, backward = median_fixed_costs(per_op.values())
     rates = ComputeRates(matmul, attention, bandwidth, forward, backward, recorded, views[1], views[2],
                          tuple(sorted((name, *costs) for name, costs in per_op.items())),

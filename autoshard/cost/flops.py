@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from autoshard.ir.op_schema import argument, op_signature
 from autoshard.ir.placement import Shard
 
 aten = torch.ops.aten
@@ -85,14 +86,18 @@ def returns_input(node) -> bool:
     >>> x.meta["val"] = torch.empty(2)
     >>> same, other = (graph.call_function(aten.to.dtype, (x, dtype)) for dtype in (torch.float32, torch.float64))
     >>> same.meta["val"], other.meta["val"] = torch.empty(2), torch.empty(2, dtype=torch.float64)
-    >>> returns_input(same), returns_input(other)
-    (True, False)
+    >>> copied = graph.call_function(aten.to.dtype, (x, torch.float32, False, True))  # copy=True, positionally
+    >>> copied.meta["val"] = torch.empty(2)
+    >>> returns_input(same), returns_input(other), returns_input(copied)
+    (True, False, False)
     """
     if node.op != "call_function" or getattr(node.target, "overloadpacket", None) is not aten.to:
         return False
     source, val = node.args[0], node.meta.get("val")
     before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not isinstance(before, torch.Tensor) or node.kwargs.get("copy"):
+    if not isinstance(val, torch.Tensor) or not isinstance(before, torch.Tensor):
+        return False
+    if "copy" in op_signature(node.target).slots and argument(node, "copy"):
         return False
     return (val.dtype, val.device) == (before.dtype, before.device)
 

@@ -27,9 +27,10 @@ def view_overheads(dtype: torch.dtype, device: torch.device, repeats: int) -> tu
 
     def seconds(mode: str, depth: int = DEPTH) -> float:
         return median_seconds(chain_step(lambda t: t.transpose(0, 1), x, [x], mode, depth), timed, repeats)
-    unrecorded, recorded = seconds("no_grad") / DEPTH, seconds("forward") / DEPTH
-    backward = marginal_backward(lambda depth: seconds("train", depth) - seconds("forward", depth))
-    return unrecorded, max(recorded, unrecorded), backward
+    recorded = {depth: seconds("forward", depth) for depth in (DEPTH, 3 * DEPTH)}
+    unrecorded = seconds("no_grad") / DEPTH
+    backward = marginal_backward(lambda depth: seconds("train", depth) - recorded[depth])
+    return unrecorded, max(recorded[DEPTH] / DEPTH, unrecorded), backward
 
 
 def marginal_backward(backward_of) -> float:
@@ -130,12 +131,12 @@ def _fixed_cost(probe, timed, repeats: int) -> tuple[float, float, float]:
     forward = seconds("no_grad") / DEPTH
     if not has_grad:
         return forward, 0.0, 0.0
-    recorded = max(seconds("forward") / DEPTH - forward, 0.0)
+    recorded = {depth: seconds("forward", depth) for depth in graphs}
     module, inputs = graphs[DEPTH]
     out = module(*inputs)[0]
     seed = median_seconds(lambda: [torch.ones_like(out) for _ in range(DEPTH)], timed, repeats) / DEPTH
-    backward = marginal_backward(lambda depth: seconds("train", depth) - seconds("forward", depth))
-    return forward, recorded, max(backward - seed, 0.0)
+    backward = marginal_backward(lambda depth: seconds("train", depth) - recorded[depth])
+    return forward, max(recorded[DEPTH] / DEPTH - forward, 0.0), max(backward - seed, 0.0)
 
 
 def op_overheads(dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
@@ -149,6 +150,7 @@ def op_overheads(dtype: torch.dtype, device: torch.device, repeats: int) -> dict
     """
     timed = timer(device)
     out = {}
+    repeats = max(repeats, FIXED_REPEATS)  # the backward is a difference of two medians: fewer repeats, noise
     for name, probe in _probes(dtype, device).items():
         try:
             out[name] = _fixed_cost(probe, timed, repeats)
