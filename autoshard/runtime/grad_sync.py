@@ -33,6 +33,7 @@ The examples sync the gradients of a data-parallel MLP on two simulated ranks:
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -196,8 +197,14 @@ class OverlappedSync:
         # reduce-scatters put the shard there in sync_grads) start in `finish`, on every rank alike.
         self.late = [any(id(p) in late for p in b.params) for b in layout]
         self.bucket_of = {id(p): i for i, b in enumerate(layout) for p in b.params}
-        self.handles = [p.register_post_accumulate_grad_hook(self._arrived) for b, is_late in zip(layout, self.late)
-                        if not is_late for p in b.params]
+        # The hooks hold this object weakly: a strong reference from a parameter back to the object that holds the
+        # parameters is a cycle through autograd's C++ hooks, which Python's GC cannot see, so the module, its
+        # communicator and its process groups would live until the interpreter exits (and a gloo worker thread
+        # still releasing its last collective then aborts the process).
+        arrived = weakref.WeakMethod(self._arrived)
+        self.handles = [p.register_post_accumulate_grad_hook(lambda param: _call_alive(arrived, param))
+                        for b, is_late in zip(layout, self.late) if not is_late for p in b.params]
+        weakref.finalize(self, _remove_hooks, self.handles)
         self.armed = True
         self._reset()
 
@@ -275,7 +282,16 @@ class OverlappedSync:
         for pending in self.pending:
             if pending is not None:
                 pending.wait()
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        _remove_hooks(self.handles)
         self._reset()
+
+
+def _call_alive(method: weakref.WeakMethod, param) -> None:
+    bound = method()
+    if bound is not None:
+        bound(param)
+
+
+def _remove_hooks(handles: list) -> None:
+    while handles:
+        handles.pop().remove()

@@ -18,6 +18,7 @@ set by hand) and end it at the end of each example:
 """
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import io
@@ -36,6 +37,15 @@ from autoshard.ir.errors import AutoshardError
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.communicator import CollectiveTimeout, DistCommunicator
 
+if not dist.is_initialized():
+    # torch.distributed.nn's functions take `group=group.WORLD` as a default argument: imported while a default
+    # group is up (torch.export and torch.compile import it), they hold that group for ever, its gloo threads
+    # outlive destroy_process_group, and one releasing its last collective while the interpreter finalises
+    # aborts the process ("terminate called without an active exception"). Imported now, they hold None.
+    import torch.distributed.nn
+
+# (DeviceMesh, group of all its ranks) by mesh, made under the current default process group (entries made before
+# it was destroyed are dropped: their groups are dead, and holding them keeps the backend's threads alive).
 _MESHES: dict = {}
 STARTUP_TIMEOUT_S = 60.0  # rendezvous of spawned ranks (many ranks on few cores start slowly)
 
@@ -78,6 +88,8 @@ def device_mesh(mesh: Mesh):
     """
     from torch.distributed.device_mesh import DeviceMesh
     key = (mesh.shape, mesh.names)
+    if key in _MESHES and not _alive(_MESHES[key][1]):  # made before the default group was destroyed
+        _MESHES.clear()
     if key not in _MESHES:
         world = dist.get_world_size()
         if mesh.size > world:
@@ -88,6 +100,22 @@ def device_mesh(mesh: Mesh):
         _MESHES[key] = (DeviceMesh(device, torch.arange(mesh.size).reshape(mesh.shape), mesh_dim_names=mesh.names),
                         dist.new_group(list(range(mesh.size)), timeout=default_timeout()))
     return _MESHES[key]
+
+
+def _alive(group) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except KeyError:  # torch forgets every group when the default one is destroyed
+        return False
+    return True
+
+
+@atexit.register
+def _release_meshes() -> None:
+    """Drop the cached groups before the interpreter finalises: their destructors join the backend's worker threads
+    while those can still take the GIL (a gloo thread releasing its last collective's tensors during finalisation
+    aborts the process: "terminate called without an active exception")."""
+    _MESHES.clear()
 
 
 def communicator_for(mesh: Mesh, exact: bool | None = None, strict_world: bool = True) -> DistCommunicator | None:

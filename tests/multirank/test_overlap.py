@@ -4,6 +4,8 @@ backward (`module.overlap = False`), on gloo (exact and native collectives) and 
 gradient accumulation (with and without no_sync), clipping after the sync and a parameter unused in a step.
 """
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -109,3 +111,24 @@ def test_a_parameter_unused_in_a_step_falls_back_and_still_agrees():
 
     results = run_ranks(prog, train)
     assert torch.equal(results[0][0], results[1][0]) and results[0][1]
+
+
+def test_a_dropped_module_is_freed_with_its_communicator():
+    """The gradient hooks hold their sync weakly: a parameter -> hook -> sync -> parameter cycle runs through
+    autograd's C++ hooks, which Python's GC cannot see, so the module, its communicator and (on real ranks) its
+    process groups lived until the interpreter exited, where a gloo thread aborted the process."""
+    prog, inputs = _program(DP)
+
+    def train_and_drop(rank_module):
+        module = prog.module(rank_module.rank, rank_module.comm)
+        _train(module, inputs, True, steps=2)  # the second step's backward runs the overlap hooks
+        assert module._overlapped is not None
+        freed = weakref.ref(module._overlapped)
+        params = list(module.parameters())  # the parameters outlive the module (an optimizer's, say)
+        del module
+        gc.collect()
+        module_gone = freed() is None
+        params[0].sum().backward()  # a hook whose sync is gone does nothing
+        return module_gone
+
+    assert all(run_ranks(prog, train_and_drop).values())
