@@ -336,6 +336,21 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
     return prog
 
 
+def first_microbatch_counts(shape: tuple, batch: int) -> list[int]:
+    """The micro-batch counts the pipeline search plans first on a mesh of `shape`, over every axis it may pipeline
+    (`_first_counts` of each): the mesh search traces these micro-batches before it forks its workers, which would
+    otherwise each trace them again.
+
+    >>> first_microbatch_counts((8, 8), 16), first_microbatch_counts((2, 4, 8), 16)
+    ([16], [4, 8, 16])
+    """
+    counts = set()
+    for i, p in enumerate(shape):
+        if p >= 2:
+            counts.update(_first_counts(p, batch, shape[:i] + shape[i + 1:]))
+    return sorted(counts)
+
+
 def _first_counts(p: int, batch: int, inner: tuple) -> list[int]:
     """The micro-batch counts planned before the others are estimated: the largest of p, 2p that divides the
     batch (a small bubble for few micro-batches), and, when it is at least four times as many, Megatron's count:
