@@ -121,8 +121,10 @@ def _without_timings(prog) -> tuple:
     return plan, rows, search, str(prog.rank_program.param_specs), prog.state.ilp_stats
 
 
-@pytest.mark.parametrize("budget_share", [None, 0.5])  # 0.5: a pipelined plan is kept (applied from a worker's plan)
-def test_shapes_planned_in_worker_processes_give_the_plan_planned_in_one(monkeypatch, budget_share):
+# 0.5: a pipelined plan is kept (applied from a worker's plan); 16 devices: four shapes, so two are planned after the
+# first two, and the hand plans are compared on a worker they leave idle (steps tie: the first shape is kept)
+@pytest.mark.parametrize(("devices", "budget_share"), [(4, None), (4, 0.5), (16, None)])
+def test_shapes_planned_in_worker_processes_give_the_plan_planned_in_one(monkeypatch, devices, budget_share):
     model, inputs, loss_fn = mlp(n_layers=4)
     budget = None
     if budget_share is not None:
@@ -131,7 +133,7 @@ def test_shapes_planned_in_worker_processes_give_the_plan_planned_in_one(monkeyp
     decided = {}
     for workers in ("1", "2"):  # the serial run solves first: the fork then follows HiGHS's threads (they must stop)
         monkeypatch.setenv(WORKERS_ENV, workers)
-        prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=4, profile="cpu",
+        prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=devices, profile="cpu",
                                      memory_budget=budget)
         decided[workers] = _without_timings(prog)
     for part, serial, forked in zip(("plan", "rows", "search", "parameter specs", "ILP stats"), *decided.values()):

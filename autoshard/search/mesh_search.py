@@ -9,10 +9,14 @@ EP inside dp, ...) is compared with the automatic plan on the kept shape and on 
 plan comes within `HAND_PLAN_REACH` of the best step (not on every shape: it took a third of the search's time).
 The first `FIRST_SHAPES` shapes are planned first; the others' pipeline searches then skip a re-plan or a schedule
 that cannot beat the best step among those (`step_to_beat`: on Llama 3 8B over 64 devices 48.9 -> 37.7 s of
-planning work, the same plan), and their rows say so (`bounded_by_s`). The model is traced before the workers
-fork, at the whole batch and at the micro-batches the shapes' pipeline searches plan first, so that no worker traces
-them again (Llama 3 8B over 64 devices: 26.0 -> 22.9 s). Every candidate's figures are kept
+planning work, the same plan), and their rows say so (`bounded_by_s`). Every candidate's figures are kept
 (`plan.search["mesh_candidates"]`) and the choice is explained (`plan.search["why_mesh"]`).
+
+With several cores the shapes are planned in forked workers (`_plan_in_workers`): the model is traced first, at the
+whole batch and at the micro-batches the shapes' pipeline searches plan first (each worker traced them again); the
+later shapes are queued longest first, and a worker they leave idle compares the hand plans of the best shape so far;
+the kept plan is applied in this process while the last hand plans run. On this 2-core machine, the same plans:
+Llama 3 8B over 64 devices 26.0 -> 19.6 s, 70B over 512 78.8 -> 60.4 s, 405B over 512 87.8 -> 63.4 s.
 
 The candidates (`candidate_shapes`): axes run from the slowest links to the fastest (the profile's node rule,
 `HardwareProfile.link`). The innermost axis holds `d` devices of one node, `d` the node's size or half of it (tensor
@@ -31,6 +35,7 @@ than room, those of whole-node inner axes are spread evenly from the shallowest 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -58,8 +63,8 @@ from autoshard.search.planning_workers import (
     picklable,
     planning_workers,
     run_tasks,
-    tasks_in_background,
     tell,
+    worker_pool,
 )
 from autoshard.solver.errors import MemoryBudgetError
 
@@ -185,41 +190,18 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     shapes = candidate_shapes(devices, request.options.profile.devices_per_node)
     workers = planning_workers(len(shapes))
     trace_ahead(request.replace(mesh=Mesh(shapes[0])))  # every shape (and worker) starts from this trace
-    if workers > 1:  # and from the micro-batches their pipeline searches plan first (each worker traced them again)
+    if workers > 1:
         _trace_microbatches_ahead(request, shapes)
-    with hand_plans_deferred():  # compared on the kept shape and those within reach (below)
-        # The first shapes, then the others bounded by the best step among them (a fixed number first, whatever
-        # the number of workers, so the pruning and the plan do not depend on it).
-        first = shapes[:FIRST_SHAPES]
-        planned = run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, workers == 1, math.inf),
-                            first, min(workers, len(first)))
-        bound = min(result.step for result, _ in planned)
-        planned += run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, workers == 1, bound),
-                             shapes[len(first):], workers)
-    results = [result for result, _ in planned]
-    fitting = [result for result in results if result.error is None]
-    if not fitting:
-        errors = [result.error for result in results]
-        memory = [e for e in errors if isinstance(e, MemoryBudgetError)]
-        raise min(memory, key=lambda e: e.minimum) if len(memory) == len(errors) else errors[0]
-    kept = min(fitting, key=lambda result: result.step)  # the first on a tie
-    caught = {result.shape: told for result, told in planned}  # each shape's warnings (tell those of the one kept)
-    # The deferred hand plans: on the kept shape and on each shape whose flat automatic plan is within reach.
-    reach = [result for result in fitting if result.flat_step is not None
-             and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
-    reach.sort(key=lambda result: result is not kept)
-    if kept.program is None and kept.plan.get("pipeline") and planning_workers(len(reach) + 1) > len(reach):
-        # A pipelined plan a worker made, and a core the hand plans leave idle: the plan is applied here while
-        # workers compare the hand plans (flat plans: one that wins is applied after). Llama 3 405B over 512 (one
-        # shape within reach): 5 s less; 70B (two shapes, both cores busy with them) none, so not there.
-        with tasks_in_background(functools.partial(_plan_hand_plans, request, False), reach, len(reach)) as collect:
-            kept.program = _applied(request, kept, compile_on_mesh)
-            compared = collect()
+        planned, compared, applied = _plan_in_workers(request, compile_on_mesh, shapes, workers)
     else:
-        hand_workers = planning_workers(len(reach))  # one task (the kept shape alone) runs here: its Program is kept
-        compared = run_tasks(functools.partial(_plan_hand_plans, request, hand_workers == 1), reach, hand_workers)
+        planned, compared, applied = _plan_here(request, compile_on_mesh, shapes)
+    results = [result for result, _ in planned]
+    kept, reach = _kept_and_reach(results)
+    kept.program = kept.program or applied
+    caught = {result.shape: told for result, told in planned}  # each shape's warnings (tell those of the one kept)
     best, best_caught = kept, caught[kept.shape]
-    for result, (hand, hand_caught) in zip(reach, compared):
+    for result in reach:
+        hand, hand_caught = compared[result.shape]
         result.row["seconds"] = round(result.row["seconds"] + hand.row["seconds"], 3)
         chosen = _kept_or_hand(kept, hand) if result is kept else hand
         if result is kept or chosen.step < result.step:
@@ -236,7 +218,78 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     return prog
 
 
+def _kept_and_reach(results: list) -> tuple:
+    """(the shape kept: the fastest predicted step, the first on a tie; the shapes the hand plans are compared on:
+    the kept one and each whose flat automatic plan is within HAND_PLAN_REACH of its step, the kept one first). When
+    no shape fits, the refusal with the smallest footprint is raised."""
+    fitting = [result for result in results if result.error is None]
+    if not fitting:
+        errors = [result.error for result in results]
+        memory = [e for e in errors if isinstance(e, MemoryBudgetError)]
+        raise min(memory, key=lambda e: e.minimum) if len(memory) == len(errors) else errors[0]
+    kept = min(fitting, key=lambda result: result.step)
+    reach = [result for result in fitting if result.flat_step is not None
+             and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
+    return kept, sorted(reach, key=lambda result: result is not kept)
+
+
+def _plan_here(request: CompileRequest, compile_on_mesh, shapes: list) -> tuple:
+    """(every shape's (result, warnings), {shape: (hand plans' result, warnings)} on those in reach, None): planned
+    in this process, one after the other (the first shapes, then the others bounded by the best step among them)."""
+    first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
+    planned = run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, True, math.inf), first, 1)
+    bound = min(result.step for result, _ in planned)
+    planned += run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, True, bound), later, 1)
+    _, reach = _kept_and_reach([result for result, _ in planned])
+    compared = run_tasks(functools.partial(_plan_hand_plans, request, True), reach, 1)
+    return planned, {result.shape: hand for result, hand in zip(reach, compared)}, None
+
+
+def _plan_in_workers(request: CompileRequest, compile_on_mesh, shapes: list, workers: int) -> tuple:
+    """What `_plan_here` gives, planned in `workers` forked processes, and the kept shape's Program applied here
+    meanwhile. The first shapes (a fixed number, whatever the number of workers, so that the pruning and the plan
+    do not depend on it), then the others bounded by the best step among them, queued longest first
+    (`_planning_order`); when they leave a worker idle, it compares the hand plans of the shape kept so far (then of
+    those within its reach): Llama 3 70B over 512 devices spent 12 s of its 79 with one worker idle there. Once
+    every shape is planned, the hand plans of the shapes in reach that were not compared yet are, and the kept
+    shape's plan is applied here meanwhile (its Program, unless a hand plan wins: then that one is applied after)."""
+    first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
+    planned = run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, False, math.inf), first,
+                        min(workers, len(first)))
+    bound = min(result.step for result, _ in planned)
+    tasks = {"shape": functools.partial(_plan_shape, request, compile_on_mesh, False, bound),
+             "hand": functools.partial(_plan_hand_plans, request, False)}
+    with worker_pool(tasks, workers) as pool:
+        futures = {shape: pool.submit("shape", shape) for shape in _planning_order(later, request.options.profile)}
+        hand: dict = {}
+        pending = set(futures.values())
+        while not all(future.done() for future in futures.values()):
+            _, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            known = [result for result, _ in planned] + [f.result()[0] for f in futures.values() if f.done()]
+            if all(result.error is not None for result in known):
+                continue
+            for result in _kept_and_reach(known)[1]:  # the best so far first: likely kept
+                if len(pending) >= workers:
+                    break
+                if result.shape not in hand:
+                    hand[result.shape] = pool.submit("hand", result)
+                    pending.add(hand[result.shape])
+        planned += [futures[shape].result() for shape in later]
+        kept, reach = _kept_and_reach([result for result, _ in planned])
+        needed = {result.shape for result in reach}
+        for shape, future in hand.items():
+            if shape not in needed:
+                future.cancel()  # queued, not started: not needed after all
+        for result in reach:
+            if result.shape not in hand:
+                hand[result.shape] = pool.submit("hand", result)
+        applied = _applied(request, kept, compile_on_mesh)
+        return planned, {shape: hand[shape].result() for shape in needed}, applied
+
+
 def _trace_microbatches_ahead(request: CompileRequest, shapes: list) -> None:
+    """Trace the micro-batches the shapes' pipeline searches plan first (`first_microbatch_counts`) before the workers
+    fork: each worker traced them again."""
     inputs = request.example_inputs
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     try:
@@ -247,13 +300,26 @@ def _trace_microbatches_ahead(request: CompileRequest, shapes: list) -> None:
         trace_ahead(request.replace(mesh=Mesh(shapes[0]), example_inputs=microbatch_inputs(inputs, m)))
 
 
+def _planning_order(shapes: list, profile) -> list:
+    """`shapes` in the order the workers take them: those with the most pipeline searches first (one per class of
+    axis, `_search_axes`), so that the shortest tasks fill the end.
+
+    >>> _planning_order([(2, 32, 8), (8, 8, 8), (2, 64, 4)], HardwareProfile())
+    [(2, 32, 8), (2, 64, 4), (8, 8, 8)]
+    """
+    def searches(shape):
+        return len({(size, profile.link(shape, i)) for i, size in enumerate(shape) if size >= 2})
+    return sorted(shapes, key=lambda shape: -searches(shape))
+
+
 def _plan_shape(request: CompileRequest, compile_on_mesh, keep_program: bool, to_beat: float,
                 shape: tuple) -> _ShapeResult:
     """`request` planned on the mesh `shape` (run_tasks' task: in a worker the Program stays behind), its pipeline
-    search pruned by `to_beat`, a step another shape reaches."""
+    search pruned by `to_beat`, a step another shape reaches, and its hand plans deferred (compared on the kept
+    shape and those within reach, `plan_on_devices`)."""
     started = time.perf_counter()
     try:
-        with step_to_beat(to_beat):
+        with hand_plans_deferred(), step_to_beat(to_beat):
             prog = compile_on_mesh(request.replace(mesh=Mesh(shape)))
     except AutoshardError as exc:
         return _ShapeResult(shape, {"mesh": list(shape), "error": str(exc).splitlines()[0],

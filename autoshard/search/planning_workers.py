@@ -30,8 +30,8 @@ from autoshard.solver.highs import stop_solver_threads
 
 WORKERS_ENV = "AUTOSHARD_PLAN_WORKERS"
 
-# The task the forked workers run: set just before the fork, read by `_run_in_worker` in the children.
-_TASK: tuple | None = None
+# The tasks the forked workers run, by name: set before the fork, read by `_run_in_worker` in the children.
+_TASKS: dict = {}
 
 
 def planning_workers(tasks: int) -> int:
@@ -73,39 +73,61 @@ def run_tasks(task, items: list, workers: int) -> list[tuple]:
     """
     if workers <= 1:
         return [_caught(task, item) for item in items]
-    with tasks_in_background(task, items, workers) as results:
-        return results()
+    with worker_pool({"task": lambda index: task(items[index])}, workers) as pool:  # the items are inherited
+        futures = [pool.submit("task", index) for index in range(len(items))]
+        return [future.result() for future in futures]
+
+
+class WorkerPool:
+    """Forked worker processes (`worker_pool`): `submit(name, item)` runs the pool's task `name` on `item` (pickled to
+    the worker) and returns a future of what `run_tasks` gives for it.
+
+    >>> with worker_pool({"square": lambda x: x * x}, workers=1) as pool:
+    ...     type(pool).__name__
+    'WorkerPool'
+    """
+
+    def __init__(self, executor):
+        self._executor = executor
+
+    def submit(self, name: str, item) -> concurrent.futures.Future:
+        """Queue `tasks[name](item)`: the first submit forks every worker; a free worker takes the oldest queued task.
+
+        >>> with worker_pool({"square": lambda x: x * x}, workers=1) as pool:
+        ...     pool.submit("square", 3).result()
+        (9, [])
+        """
+        return self._executor.submit(_run_in_worker, name, item)
 
 
 @contextlib.contextmanager
-def tasks_in_background(task, items: list, workers: int):
-    """Within the block, `task` runs over `items` in `workers` forked processes (forked as the block starts) while
-    this process goes on; the block gets a function that waits for them and returns what `run_tasks` would.
+def worker_pool(tasks: dict, workers: int):
+    """Within the block, a WorkerPool of `workers` processes running `tasks` (name -> function; the workers are forked
+    at the first submit and inherit them, so a task need not pickle, only its items and results). A worker that
+    dies (killed for memory) raises PlanError, not a hang.
 
-    >>> with tasks_in_background(lambda x: x + 1, [1, 2], workers=1) as results:
-    ...     here = sum(range(4))  # this process's own work meanwhile
-    >>> here, [value for value, caught in results()]
-    (6, [2, 3])
+    >>> with worker_pool({"negate": lambda x: -x, "double": lambda x: 2 * x}, workers=2) as pool:
+    ...     futures = [pool.submit("negate", 1), pool.submit("double", 1)]
+    >>> [future.result()[0] for future in futures]
+    [-1, 2]
     """
-    global _TASK
-    _TASK = (task, items)
+    global _TASKS
+    _TASKS = dict(tasks)
     stop_solver_threads()
-    try:  # an executor, not a Pool: a worker that dies (killed for memory) raises BrokenProcessPool, not a hang
+    try:  # an executor, not a Pool: a worker that dies raises BrokenProcessPool, not a hang
         with concurrent.futures.ProcessPoolExecutor(max(workers, 1),
-                                                    mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = [pool.submit(_run_in_worker, index) for index in range(len(items))]  # every fork happens here
-            yield lambda: [future.result() for future in futures]
+                                                    mp_context=multiprocessing.get_context("fork")) as executor:
+            yield WorkerPool(executor)
     except concurrent.futures.process.BrokenProcessPool as exc:
         raise PlanError(f"a planning worker process died before it finished ({exc}): the system may have killed "
                         f"it for memory ({workers} plan side by side); set {WORKERS_ENV}=1 to plan in this "
                         "process, or a smaller number") from None
     finally:
-        _TASK = None
+        _TASKS = {}
 
 
-def _run_in_worker(index: int) -> tuple:
-    task, items = _TASK
-    return _caught(task, items[index])
+def _run_in_worker(name: str, item) -> tuple:
+    return _caught(_TASKS[name], item)
 
 
 def _caught(task, item) -> tuple:
