@@ -10,6 +10,7 @@ The examples use the traced graph of a one-layer MLP (batch 8, 32 -> 32 features
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -67,7 +68,12 @@ def is_view(node) -> bool:
     >>> is_view(graph.call_function(torch.ops.aten.slice.Tensor, (x, 1, 1))), is_view(x)
     (True, False)
     """
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return node.op == "call_function" and _returns_view(node.target)
+
+
+@functools.cache  # per op, not per node: the cost model asks for every candidate of every node
+def _returns_view(target) -> bool:
+    schema = getattr(target, "_schema", None)
     if schema is None or not schema.returns or not schema.arguments:
         return False
     # aten.to's schema says "may alias": a cast that changes the dtype copies, yet counts as a view here (priced as a

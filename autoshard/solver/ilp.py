@@ -80,8 +80,10 @@ def _solve(problem: IlpProblem, options: dict, clock: SolveClock) -> IlpResult:
         raise MemoryBudgetError(problem)  # even the smallest candidate of every class is too big: no need to solve
     model = build_model(problem, options)
     # Proven by one LP (the MIP's own proof can take minutes); the margin is well above the LP's tolerances, so
-    # a plan that fits exactly is never refused.
-    if model.memory_row is not None and memory_floor(model, clock) > problem.budget * (1 + 1e-6):
+    # a plan that fits exactly is never refused. Not needed where the smallest candidates make a plan that fits
+    # (most budget-bound solves: Llama 3 8B over 64 devices, 1.1 s of the LP in 30 s of planning).
+    if model.memory_row is not None and not problem.smallest_fits() \
+            and memory_floor(model, clock) > problem.budget * (1 + 1e-6):
         raise MemoryBudgetError(problem)
     h = model.highs
     # HiGHS's presolve spends longer than it saves on these 0/1 assignment problems (zoo and transformers

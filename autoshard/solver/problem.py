@@ -76,6 +76,20 @@ class IlpProblem:
                      if any((choice[c], choice[d]) in pairs for c, d, pairs in terms))
         return total
 
+    def smallest_fits(self) -> bool:
+        """Whether the plan of every class's smallest candidate is a plan (no forbidden pair: its objective is
+        finite) within the budget: then some plan fits, and no LP need bound the memory from below.
+
+        >>> kept = IlpProblem(sizes=[2, 2], costs=[[0.0, 0.0]] * 2, memory=[[8.0, 4.0], [2.0, 2.0]], budget=6.0)
+        >>> kept.smallest_fits(), IlpProblem(sizes=[2], costs=[[0.0, 0.0]], memory=[[8.0, 7.0]], budget=6.0).smallest_fits()
+        (True, False)
+        """
+        if self.budget is None:
+            return True
+        choice = [min(range(len(per)), key=per.__getitem__) for per in self.memory] if self.memory else \
+            [0] * len(self.sizes)
+        return self.evaluate(choice) < float("inf") and self.evaluate_memory(choice) <= self.budget
+
 
 @dataclass
 class IlpResult:
