@@ -251,8 +251,8 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, shapes: list, wor
     do not depend on it), then the others bounded by the best step among them, queued longest first
     (`_planning_order`); when they leave a worker idle, it compares the hand plans of the shape kept so far (then of
     those within its reach): Llama 3 70B over 512 devices spent 12 s of its 79 with one worker idle there. Once
-    every shape is planned, the hand plans of the shapes in reach that were not compared yet are, and the kept
-    shape's plan is applied here meanwhile (its Program, unless a hand plan wins: then that one is applied after)."""
+    every shape is planned, the hand plans of the shapes in reach that were not compared yet are, and a pipelined
+    kept plan is applied here meanwhile (its Program, unless a hand plan wins: then that one is applied after)."""
     first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
     planned = run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, False, math.inf), first,
                         min(workers, len(first)))
@@ -279,11 +279,12 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, shapes: list, wor
         needed = {result.shape for result in reach}
         for shape, future in hand.items():
             if shape not in needed:
-                future.cancel()  # queued, not started: not needed after all
+                future.cancel()  # not needed after all (one already started runs to its end)
         for result in reach:
             if result.shape not in hand:
                 hand[result.shape] = pool.submit("hand", result)
-        applied = _applied(request, kept, compile_on_mesh)
+        # a flat kept plan gives way to its hand plans' comparison, which plans it again (`_kept_or_hand`)
+        applied = _applied(request, kept, compile_on_mesh) if kept.plan.get("pipeline") else None
         return planned, {shape: hand[shape].result() for shape in needed}, applied
 
 
