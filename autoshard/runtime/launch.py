@@ -37,7 +37,7 @@ from autoshard.ir.errors import AutoshardError
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.communicator import CollectiveTimeout, DistCommunicator
 
-if not dist.is_initialized():
+if dist.is_available() and not dist.is_initialized():
     # torch.distributed.nn's functions take `group=group.WORLD` as a default argument: imported while a default
     # group is up (torch.export and torch.compile import it), they hold that group for ever, its gloo threads
     # outlive destroy_process_group, and one releasing its last collective while the interpreter finalises
