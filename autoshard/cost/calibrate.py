@@ -35,7 +35,7 @@ REPEATS = 5
 SMALL_REPEATS = 400  # the latency-bound calls: a heavy tail (a peer thread waking late) that training pays too
 # Message sizes timed per axis: latency-bound to bandwidth-bound, up to a gradient bucket's order (grad_sync.py's
 # BUCKET_BYTES): a fit over small messages only extrapolates the bandwidth of the sync's large ones.
-CALIBRATION_SIZES = (4096, 65536, 1048576, 16777216)
+CALIBRATION_SIZES = (4096, 65536, 262144, 1048576, 4194304, 16777216)
 DTYPES = ("float32", "float64", "bfloat16")  # the matmul rates measured (what training and `verify` run in)
 
 
@@ -252,6 +252,8 @@ def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=No
     (10.0, 1.0)
     >>> fit_link([(4096, 1e-6), (65536, 2e-6)], k=1)
     Link(alpha=1e-07, bandwidth=10000000000000.0, gather=None, reduce_scatter=None, all_to_all=None)
+    >>> round(link.measured_seconds("all_reduce", 65536, 2) * 1e6, 3)  # the timings too (interpolated between)
+    85.536
     >>> gather = fit_link([(b, 2e-5 + b / 1e9) for b in (4096, 65536)], 2,
     ...                   [(b, 4e-5 + b / 2e9) for b in (4096, 65536)]).gather  # one 40 us step, half the bytes
     >>> round(gather[0] * 1e6, 3), round(gather[1] / 1e9, 3)
@@ -262,7 +264,11 @@ def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=No
     link = Link(*_fit_ring(samples, 2 * (k - 1), 2 * (k - 1) / k))
     ring = [None if timed is None else _fit_ring(timed, k - 1, (k - 1) / k)
             for timed in (gathers, reduce_scatters, all_to_alls)]
-    return Link(link.alpha, link.bandwidth, *ring)
+    # the timings themselves too: the collective times interpolate them (Link.measured_seconds)
+    timed = (("all_reduce", samples), ("all_gather", gathers), ("reduce_scatter", reduce_scatters),
+             ("all_to_all", all_to_alls))
+    measured = (k, tuple((name, tuple(sorted(points))) for name, points in timed if points))
+    return Link(link.alpha, link.bandwidth, *ring, measured=measured)
 
 
 def _fit_ring(samples, steps: int, share: float) -> tuple[float, float]:

@@ -1,6 +1,6 @@
-"""Seconds of communication: alpha-beta collectives per mesh axis (ring formulas), one emitted collective forward
-and backward, a placement conversion, a redistribution over several axes. The links come from the hardware profile
-(cost/profiles.py).
+"""Seconds of communication: alpha-beta collectives per mesh axis (ring formulas; on an axis calibrate timed, its
+measured times interpolated, `Link.measured_seconds`), one emitted collective forward and backward, a placement
+conversion, a redistribution over several axes. The links come from the hardware profile (cost/profiles.py).
 
 Byte conventions (also what the runtime counts): all_reduce/reduce_scatter/all_to_all carry the
 rank's input tensor, all_gather the gathered output.
@@ -24,8 +24,14 @@ def all_reduce_time(nbytes: float, k: int, link: Link) -> float:
 
     >>> all_reduce_time(1e6, 4, Link(1e-5, 1e9))
     0.00156
+    >>> timed = Link(1e-3, 1e8, measured=(4, (("all_reduce", ((4096, 0.004), (1048576, 0.010))),)))
+    >>> all_reduce_time(526336, 4, timed)  # between the sizes calibrate timed on this axis
+    0.007
     """
-    return 0.0 if k == 1 else 2 * (k - 1) / k * nbytes / link.bandwidth + 2 * (k - 1) * link.alpha
+    if k == 1:
+        return 0.0
+    measured = link.measured_seconds("all_reduce", nbytes, k)
+    return measured if measured is not None else 2 * (k - 1) / k * nbytes / link.bandwidth + 2 * (k - 1) * link.alpha
 
 
 def grad_sync_time(nbytes: float, k: int, link: Link) -> float:
@@ -54,7 +60,10 @@ def all_gather_time(out_bytes: float, k: int, link: Link) -> float:
     0.00078
     """
     link = link.of("all_gather")
-    return 0.0 if k == 1 else (k - 1) / k * out_bytes / link.bandwidth + (k - 1) * link.alpha
+    if k == 1:
+        return 0.0
+    measured = link.measured_seconds("all_gather", out_bytes, k)
+    return measured if measured is not None else (k - 1) / k * out_bytes / link.bandwidth + (k - 1) * link.alpha
 
 
 def reduce_scatter_time(in_bytes: float, k: int, link: Link, latency_share: float = 1.0) -> float:
@@ -68,7 +77,12 @@ def reduce_scatter_time(in_bytes: float, k: int, link: Link, latency_share: floa
     0.00303
     """
     link = link.of("reduce_scatter")
-    return 0.0 if k == 1 else (k - 1) / k * in_bytes / link.bandwidth + (k - 1) * link.alpha * latency_share
+    if k == 1:
+        return 0.0
+    measured = link.measured_seconds("reduce_scatter", in_bytes, k)
+    if measured is not None:  # less the latency (the smallest message's time) others pay
+        return measured - (1.0 - latency_share) * link.measured_seconds("reduce_scatter", 0, k)
+    return (k - 1) / k * in_bytes / link.bandwidth + (k - 1) * link.alpha * latency_share
 
 
 def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
@@ -78,7 +92,10 @@ def all_to_all_time(local_bytes: float, k: int, link: Link) -> float:
     0.00078
     """
     link = link.of("all_to_all")
-    return 0.0 if k == 1 else (k - 1) / k * local_bytes / link.bandwidth + (k - 1) * link.alpha
+    if k == 1:
+        return 0.0
+    measured = link.measured_seconds("all_to_all", local_bytes, k)
+    return measured if measured is not None else (k - 1) / k * local_bytes / link.bandwidth + (k - 1) * link.alpha
 
 
 # Each emitted collective (autoshard.comm's "op") as the ring collectives its forward and backward run

@@ -7,6 +7,7 @@ whose sizes multiply to at most 8 are intra-node, the rest inter-node (DESIGN: a
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -26,6 +27,11 @@ class Link:
     0.00101
     >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).of("reduce_scatter").alpha
     2e-05
+
+    `measured` (calibrate's): the axis's size and, per collective, the seconds it took at each size it was timed at;
+    the collective times interpolate these over the sizes measured (`measured_seconds`) rather than take the fitted
+    line, which on a machine whose time per byte grows with the size (gloo's exact sums on this VM) is exact only
+    at the sizes that set it.
     """
 
     alpha: float
@@ -33,6 +39,30 @@ class Link:
     gather: tuple | None = None  # (alpha, bandwidth) of all-gathers
     reduce_scatter: tuple | None = None  # of reduce-scatters (else the gathers')
     all_to_all: tuple | None = None  # of all-to-alls (else the gathers')
+    measured: tuple = field(default=(), repr=False)  # (axis size, ((collective, ((bytes, seconds), ...)), ...))
+
+    def measured_seconds(self, collective: str, nbytes: float, k: int) -> float | None:
+        """Seconds of `collective` moving `nbytes` (its byte convention: cost/collective_time.py) over `k` ranks,
+        interpolated between the sizes calibrate timed on this axis (linearly in the bytes; past the largest, that
+        last segment's slope; below the smallest, the smallest's time); None where nothing was measured for it.
+
+        >>> link = Link(1e-3, 1e8, measured=(4, (("all_reduce", ((4096, 0.004), (1048576, 0.010))),)))
+        >>> link.measured_seconds("all_reduce", 526336, 4), link.measured_seconds("all_gather", 4096, 4)
+        (0.007, None)
+        >>> link.measured_seconds("all_reduce", 2048, 4), link.measured_seconds("all_reduce", 4096, 2)  # other k: none
+        (0.004, None)
+        """
+        if not self.measured or self.measured[0] != k:
+            return None
+        points = dict(self.measured[1]).get(collective)
+        if not points:
+            return None
+        if nbytes <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in itertools.pairwise(points):
+            if nbytes <= b1 or (b1, t1) == points[-1]:
+                return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
+        return points[-1][1]
 
     def of(self, collective: str) -> Link:
         """The link's figures for one ring collective ("all_reduce", "all_gather", "reduce_scatter", "all_to_all").
@@ -46,7 +76,7 @@ class Link:
             return self
         own = {"reduce_scatter": self.reduce_scatter, "all_to_all": self.all_to_all}.get(collective)
         figures = own or self.gather
-        return Link(*figures) if figures is not None else self
+        return Link(*figures, measured=self.measured) if figures is not None else self
 
     def latency_only(self) -> Link:
         """The same latencies with unlimited bandwidth (what a collective costs whatever its bytes).
@@ -63,25 +93,40 @@ class Link:
 
         >>> Link(1e-5, 1e9, gather=(2e-5, 2e9)).to_json()
         [1e-05, 1000000000.0, 2e-05, 2000000000.0]
+        >>> Link(1e-5, 1e9, measured=(2, (("all_reduce", ((4096, 1e-4),)),))).to_json()  # then what calibrate timed
+        [1e-05, 1000000000.0, {'k': 2, 'all_reduce': [[4096, 0.0001]]}]
         """
         own = [self.alpha, self.bandwidth]
         if self.reduce_scatter is None and self.all_to_all is None:
-            return own + list(self.gather or ())
-        gather = self.gather or (self.alpha, self.bandwidth)
-        return own + [*gather, *(self.reduce_scatter or gather), *(self.all_to_all or gather)]
+            numbers = own + list(self.gather or ())
+        else:
+            gather = self.gather or (self.alpha, self.bandwidth)
+            numbers = own + [*gather, *(self.reduce_scatter or gather), *(self.all_to_all or gather)]
+        if not self.measured:
+            return numbers
+        k, timed = self.measured
+        return numbers + [{"k": k, **{name: [list(point) for point in points] for name, points in timed}}]
 
     @classmethod
     def from_json(cls, values) -> Link:
-        """The inverse of `to_json` (2, 4 or 8 numbers).
+        """The inverse of `to_json` (2, 4 or 8 numbers, then what calibrate timed when it did).
 
         >>> Link.from_json([1e-5, 1e9, 2e-5, 2e9]).gather, Link.from_json([1, 2, 3, 4, 5, 6, 7, 8]).all_to_all
         ((2e-05, 2000000000.0), (7, 8))
+        >>> Link.from_json([1e-5, 1e9, {"k": 2, "all_reduce": [[4096, 1e-4]]}]).measured
+        (2, (('all_reduce', ((4096, 0.0001),)),))
         """
+        values = list(values)
+        timed = values.pop() if values and isinstance(values[-1], dict) else None
         if len(values) not in (2, 4, 8):
             raise UserInputError(f"a link is [alpha, bandwidth] with the all-gathers' two and the reduce-scatters' "
-                                 f"and all-to-alls' two after them (2, 4 or 8 numbers); got {values!r}")
+                                 f"and all-to-alls' two after them (2, 4 or 8 numbers; then calibrate's timings); "
+                                 f"got {values!r}")
         pairs = [tuple(values[i:i + 2]) for i in range(2, len(values), 2)] + [None] * 3
-        return cls(values[0], values[1], *pairs[:3])
+        measured = () if timed is None else (
+            int(timed["k"]), tuple((name, tuple(tuple(point) for point in points))
+                                   for name, points in timed.items() if name != "k"))
+        return cls(values[0], values[1], *pairs[:3], measured=measured)
 
 
 @dataclass(frozen=True)
