@@ -51,6 +51,8 @@ class Link:
         (0.007, None)
         >>> link.measured_seconds("all_reduce", 2048, 4), link.measured_seconds("all_reduce", 4096, 2)  # other k: none
         (0.004, None)
+        >>> round(link.measured_seconds("all_reduce", 2093056, 4), 9)  # past the largest: its segment's slope
+        0.016
         """
         if not self.measured or self.measured[0] != k:
             return None
@@ -60,9 +62,13 @@ class Link:
         if nbytes <= points[0][0] or len(points) == 1:
             return points[0][1]
         for (b0, t0), (b1, t1) in itertools.pairwise(points):
-            if nbytes <= b1 or (b1, t1) == points[-1]:
+            if nbytes <= b1:
                 return t0 + (nbytes - b0) * (t1 - t0) / (b1 - b0)
-        return points[-1][1]
+        (b0, t0), (b1, t1) = points[-2], points[-1]
+        slope = (t1 - t0) / (b1 - b0)
+        if slope <= 0.0:  # noise made the largest message no slower: the table's mean slope
+            slope = max((t1 - points[0][1]) / (b1 - points[0][0]), 0.0)
+        return t1 + (nbytes - b1) * slope
 
     def of(self, collective: str) -> Link:
         """The link's figures for one ring collective ("all_reduce", "all_gather", "reduce_scatter", "all_to_all").
