@@ -119,8 +119,8 @@ class Link:
 
         >>> Link.from_json([1e-5, 1e9, 2e-5, 2e9]).gather, Link.from_json([1, 2, 3, 4, 5, 6, 7, 8]).all_to_all
         ((2e-05, 2000000000.0), (7, 8))
-        >>> Link.from_json([1e-5, 1e9, {"k": 2, "all_reduce": [[4096, 1e-4]]}]).measured
-        (2, (('all_reduce', ((4096, 0.0001),)),))
+        >>> Link.from_json([1e-5, 1e9, {"k": 2, "all_reduce": [[65536, 2e-4], [4096, 1e-4]]}]).measured
+        (2, (('all_reduce', ((4096, 0.0001), (65536, 0.0002))),))
         """
         values = list(values)
         timed = values.pop() if values and isinstance(values[-1], dict) else None
@@ -130,7 +130,7 @@ class Link:
                                  f"got {values!r}")
         pairs = [tuple(values[i:i + 2]) for i in range(2, len(values), 2)] + [None] * 3
         measured = () if timed is None else (
-            int(timed["k"]), tuple((name, tuple(tuple(point) for point in points))
+            int(timed["k"]), tuple((name, tuple(sorted(dict(map(tuple, points)).items())))  # by size, each once
                                    for name, points in timed.items() if name != "k"))
         return cls(values[0], values[1], *pairs[:3], measured=measured)
 
