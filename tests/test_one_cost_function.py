@@ -16,7 +16,7 @@ import pytest
 import autoshard
 from autoshard import zoo
 from autoshard.cost.profiles import HardwareProfile, Link
-from autoshard.cost.sync_buckets import bucket_shortfall
+from autoshard.cost.sync_buckets import bucket_correction
 from autoshard.ir import meta
 from autoshard.ir.meta import NODE_COST
 from autoshard.ir.placement import Shard
@@ -42,7 +42,7 @@ def test_objective_of_the_chosen_plan_is_its_predicted_step(name, mesh):
     assert sharded, "the plan is replicated: nothing was priced"
     step, objective = prog.plan.predicted["step_time_s"], prog.state.objective_s
     # predict prices the gradient buckets' latencies whole; the linear ILP gives each parameter its bytes' share
-    buckets = sum(bucket_shortfall(prog.state).values())
+    buckets = sum(bucket_correction(prog.state).values())
     assert math.isclose(objective + buckets, step, rel_tol=1e-9), (objective, buckets, step)
 
 

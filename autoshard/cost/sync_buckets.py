@@ -1,8 +1,11 @@
-"""The gradient sync's latencies as the runtime pays them: one per bucket and axis (autoshard/runtime/grad_sync.py
-cuts the synced gradients into buckets of up to BUCKET_BYTES), where the ILP's linear price (`grad_sync_time`) gives
-each parameter its bytes' share of a full bucket's latency. A model whose gradients fill less than a bucket waits
-one whole latency; the linear price charged it that fraction of one. predict adds the difference (`bucket_shortfall`)
-to each synced parameter's row, in proportion to its bytes, and to the step.
+"""The gradient sync as the runtime pays it: one all-reduce per bucket and axis (autoshard/runtime/grad_sync.py cuts
+the synced gradients into buckets of up to BUCKET_BYTES), where the ILP's linear price (`grad_sync_time`) gives each
+parameter its bytes' share of a full bucket's latency and the fitted bandwidth's time for its bytes. predict adds the
+difference (`bucket_correction`) to each synced parameter's row, in proportion to its bytes, and to the step: a model
+whose gradients fill less than a bucket waits one whole latency where the linear price charged it that fraction of one;
+where calibrate timed the axis's all-reduces, each bucket costs the time measured at its size (interpolated:
+`Link.measured_seconds`), which the line fitted through those timings can miss either way (on this VM's 2 gloo
+ranks a 13 MiB bucket took 22 ms where the line says 42).
 
 The examples use a data-parallel MLP, whose gradients are one bucket:
 
@@ -31,17 +34,31 @@ class _Gradient(SizedTensor):
         self.node = node
 
 
-def bucket_shortfall(state, within=None) -> dict:
-    """{parameter node: seconds} the runtime's buckets add to each synced parameter's linear sync price: per bucket
-    and axis it reduces on, one latency (2 (k - 1) alpha, `all_reduce_time`'s) less the shares its parameters were
-    charged, spread over them by bytes. An axis where ZeRO-2/3 reduce-scatters the gradients is not bucketed.
+def bucket_correction(state, within=None) -> dict:
+    """{parameter node: seconds} the runtime's buckets add to (or, where calibrate timed the all-reduces, may take
+    from) each synced parameter's linear sync price: per bucket and axis it reduces on, the bucket's all-reduce
+    (`all_reduce_time` of its bytes: the measured time where there is one, else the line) less what its parameters
+    were charged, spread over them by bytes. An axis where ZeRO-2/3 reduce-scatters the gradients is not bucketed.
     `within`: only these parameters, bucketed on their own (a pipeline stage's, which its module syncs).
 
+    Without timings the bytes' time is the same line both ways, so what is added is one latency (2 (k - 1) alpha)
+    less the shares charged:
+
     >>> from autoshard.runtime.grad_sync import BUCKET_BYTES
-    >>> shortfall = bucket_shortfall(prog.state)
+    >>> correction = bucket_correction(prog.state)
     >>> link = prog.state.options.profile.link((2,), 0)
     >>> synced = prog.plan.predicted.comm_bytes_per_step["dp"].sync  # under one bucket: one latency in all
-    >>> abs(sum(shortfall.values()) - 2 * link.alpha * (1 - synced / BUCKET_BYTES)) < 1e-12
+    >>> abs(sum(correction.values()) - 2 * link.alpha * (1 - synced / BUCKET_BYTES)) < 1e-12
+    True
+
+    With timings (a calibrated profile), the sync costs each bucket's measured time:
+
+    >>> from autoshard.cost.profiles import HardwareProfile
+    >>> timed = Link(1e-3, 1e9, measured=(2, (("all_reduce", ((4096, 0.004), (1 << 24, 0.008))),)))
+    >>> on_timed = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
+    ...                                  hints={"input:0": {"dp": "S(0)"}}, profile=HardwareProfile(axis_links=(timed,)))
+    >>> paid = sum(n.meta[meta.NODE_COST].sync_s for n in on_timed.state.gm.graph.nodes if meta.NODE_COST in n.meta)
+    >>> round(paid, 12) == round(all_reduce_time(synced, 2, timed), 12)
     True
     """
     mesh, profile = state.mesh, state.options.profile
@@ -50,9 +67,11 @@ def bucket_shortfall(state, within=None) -> dict:
         total = sum(g.nbytes for g in bucket)
         for name in axes:
             axis = mesh.axis(name)
-            k, latency = mesh.shape[axis], Link(profile.link(mesh.shape, axis).alpha, math.inf)  # no bytes' time
-            missing = all_reduce_time(0.0, k, latency) - sum(grad_sync_time(g.nbytes, k, latency) for g in bucket)
-            if total <= 0 or missing <= 0:
+            k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
+            if link.measured_seconds("all_reduce", total, k) is None:  # the line: only the latencies differ
+                link = Link(link.alpha, math.inf)
+            missing = all_reduce_time(total, k, link) - sum(grad_sync_time(g.nbytes, k, link) for g in bucket)
+            if total <= 0 or missing == 0.0:
                 continue
             for g in bucket:
                 out[g.node] = out.get(g.node, 0.0) + missing * g.nbytes / total
@@ -79,3 +98,36 @@ def bucket_layout(state, within=None) -> list[tuple[tuple, list]]:
             groups.setdefault(axes, []).append(_Gradient(node, local_bytes(node, node.meta[meta.SPEC], mesh)))
     # backward's order, as the runtime's layout
     return [(axes, bucket) for axes, gradients in groups.items() for bucket in buckets(reversed(gradients), lambda g: g)]
+
+
+def tied_sync_seconds(state, config) -> dict:
+    """{stage: seconds} of the all-reduces over the pipeline axis that sum the gradients of parameters used on
+    several pp ranks (a tied embedding and head: `PipelineRank.sync_tied_grads`, one all-reduce per parameter on
+    every pp rank, with zeros where a rank holds none of it), put on each pp rank's first stage; {} when no
+    parameter spans two pp ranks. `config`: the pipeline's PipelineConfig (its `link` is the pp axis's).
+
+    >>> import torch
+    >>> from autoshard.zoo import gpt2
+    >>> model, inputs, loss_fn = gpt2(n_layers=2)
+    >>> pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+    ...                              pipeline={"microbatches": 2})
+    >>> tied = tied_sync_seconds(pipe.state, pipe.config)
+    >>> sorted(tied), tied[0] == all_reduce_time(64 * 32 * 4, 2, pipe.config.link)  # wte: vocab x dim, float32
+    ([0, 1], True)
+    """
+    if config.pp_size < 2:
+        return {}
+    seconds = 0.0
+    for node in state.gm.graph.nodes:
+        if node.op != "placeholder" or node.meta.get(meta.KIND) != "param":
+            continue
+        ranks = {config.stage_rank(u.meta[meta.STAGE]) for u in node.users if meta.STAGE in u.meta}
+        if len(ranks) > 1:
+            seconds += all_reduce_time(local_bytes(node, node.meta[meta.SPEC], state.mesh), config.pp_size,
+                                       config.link)
+    if not seconds:
+        return {}
+    first = {}
+    for stage in range(config.num_stages):
+        first.setdefault(config.stage_rank(stage), stage)
+    return {stage: seconds for stage in first.values()}

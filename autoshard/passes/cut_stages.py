@@ -40,7 +40,7 @@ from autoshard.cost.pipeline_schedule import (
 )
 from autoshard.cost.prediction import MemoryParts, node_cost
 from autoshard.cost.recompute_cost import op_seconds
-from autoshard.cost.sync_buckets import bucket_shortfall
+from autoshard.cost.sync_buckets import bucket_correction, tied_sync_seconds
 from autoshard.cost.zero_cost import gather_seconds, reduce_scatter_shares
 from autoshard.frontend.cut_points import find_layers
 from autoshard.frontend.request import CompileOptions
@@ -457,8 +457,10 @@ def stage_summary(state, config) -> list[dict]:
         later = [u for u in node.users if u.meta.get(meta.STAGE, -1) > node.meta[meta.STAGE]]
         if later and isinstance(node.meta.get("val"), torch.Tensor):
             row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
-    for row, params in zip(out, held):  # a stage's module syncs its own gradients: its own buckets' latencies
-        row["sync_s"] += sum(bucket_shortfall(state, params).values())
+    for row, params in zip(out, held):  # a stage's module syncs its own gradients in its own buckets
+        row["sync_s"] += sum(bucket_correction(state, params).values())
+    for stage, seconds in tied_sync_seconds(state, config).items():  # a tied weight's gradient summed over pp
+        out[stage]["sync_s"] += seconds
     kept, _ = stage_activations(state, stage_nodes(state, config.num_stages))  # recomputed regions' less
     for row in out:
         once = row["seconds"] - row["recompute_s"]  # backward ~ 2x forward, and the recompute runs in backward

@@ -44,7 +44,7 @@ from autoshard.cost.prediction import (
 )
 from autoshard.cost.recompute_cost import account_recompute
 from autoshard.cost.saved_tensors import kept_for_backward
-from autoshard.cost.sync_buckets import bucket_shortfall
+from autoshard.cost.sync_buckets import bucket_correction
 from autoshard.cost.zero_cost import (
     apply_zero,
     gather_bytes,
@@ -156,7 +156,7 @@ def predict(state) -> None:
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
     if state.options.pipeline is None:  # a pipeline's stages bucket their own gradients (cut_stages adds theirs)
-        for node, seconds in bucket_shortfall(state).items():  # one latency per bucket, not a linear share
+        for node, seconds in bucket_correction(state).items():  # each bucket as the runtime pays it
             node.meta[NODE_COST] = replace(node.meta[NODE_COST], sync_s=node.meta[NODE_COST].sync_s + seconds)
             state.predicted.add_comm(seconds)
     settle_prediction(state)
