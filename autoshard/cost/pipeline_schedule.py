@@ -28,7 +28,7 @@ from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.prediction import node_cost
 from autoshard.cost.recompute_cost import region_savings
-from autoshard.cost.zero_cost import memory_breakdown
+from autoshard.cost.zero_cost import memory_breakdowns
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
 from autoshard.ir.meta import RECOMPUTE
@@ -189,11 +189,10 @@ def rank_memory(state, config) -> list[dict]:
     per_stage = stage_nodes(state, config.num_stages)
     kept, largest = stage_activations(state, per_stage)
     orders = schedule_order(config)
+    held = [set().union(*(per_stage[s] for s in config.stages_of(rank))) for rank in range(config.pp_size)]
     out = []
-    for rank in range(config.pp_size):
+    for rank, (nodes, parts) in enumerate(zip(held, memory_breakdowns(state, held))):
         stages = config.stages_of(rank)
-        nodes = set().union(*(per_stage[s] for s in stages))
-        parts = memory_breakdown(state, within=nodes)
         parts["inputs"] = config.microbatches * sum(local_bytes(n, n.meta[meta.SPEC], state.mesh) for n in nodes
                                                     if n.op == "placeholder" and n.meta.get(meta.KIND) == "input")
         parts["params"] += sum(local_bytes(n, n.meta[meta.SPEC], state.mesh) for n in nodes  # frozen: held as is

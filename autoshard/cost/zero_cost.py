@@ -108,26 +108,41 @@ def memory_breakdown(state, within: set | None = None) -> dict:
     >>> memory_breakdown(prog.state)
     {'params': 16704, 'grads': 16704, 'optimizer': 33408, 'gathered': 16384}
     """
+    return memory_breakdowns(state, [within])[0]
+
+
+def memory_breakdowns(state, groups: list) -> list[dict]:
+    """`memory_breakdown` of each node set in `groups` (None: the whole graph), the parameters walked once (a
+    pipeline's pp ranks: one walk, not one per rank).
+
+    >>> memory_breakdowns(prog.state, [None, set()])[1]
+    {'params': 0, 'grads': 0, 'optimizer': 0, 'gathered': 0}
+    """
     mesh, zero = state.mesh, state.zero
     f = state.options.optimizer_state_factor
     axis = mesh.axis(zero.axis) if zero is not None else None
-    out = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
+    per_param = []  # in graph order: each group sums its parameters' parts in that order
     for node, spec, numel, itemsize, kept in _trained_param_shards(state):
-        if within is not None and node not in within:
-            continue
         if zero is None:
             parts = {"params": kept, "grads": kept, "optimizer": f * kept}
         else:
             owned = zero.stage == 3 and isinstance(spec[axis], Shard)
             parts = param_memory(kept, numel, itemsize, zero.stage, mesh.shape[axis], f, owned)
-        for key, value in parts.items():
-            out[key] += value
-    for node in state.gm.graph.nodes if within is None else within:
-        gathered = [a for a in node.all_input_nodes if meta.COMM in a.meta and a.meta[meta.COMM]["op"] ==
-                    "param_all_gather"]
-        out["gathered"] = max(out["gathered"], sum(_local_numel(a, a.meta[meta.SPEC], mesh) *
-                                                   a.meta["val"].element_size() for a in gathered))
-    return {key: int(value) for key, value in out.items()}
+        per_param.append((node, parts))
+    outs = []
+    for within in groups:
+        out = {"params": 0, "grads": 0, "optimizer": 0, "gathered": 0}
+        for node, parts in per_param:
+            if within is None or node in within:
+                for key, value in parts.items():
+                    out[key] += value
+        for node in state.gm.graph.nodes if within is None else within:
+            gathered = [a for a in node.all_input_nodes if meta.COMM in a.meta and a.meta[meta.COMM]["op"] ==
+                        "param_all_gather"]
+            out["gathered"] = max(out["gathered"], sum(_local_numel(a, a.meta[meta.SPEC], mesh) *
+                                                       a.meta["val"].element_size() for a in gathered))
+        outs.append({key: int(value) for key, value in out.items()})
+    return outs
 
 
 def optimizer_step_time(state) -> float:

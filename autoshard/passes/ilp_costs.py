@@ -295,8 +295,13 @@ def ilp_costs(nodes, axes, combos, choices, state, models, semi_auto) -> IlpCost
         fixed.update({b: c for b, c in combo.items() if b != axis})
         return fixed
 
-    breakdowns = {n: [[models[a].node(n, combo[a], others(n, combo, a)) for a in axes] for combo in combos[n]]
-                  for n in nodes}
+    if len(axes) == 1:  # one axis decided: every candidate sees the same earlier decisions (made once per node)
+        (axis,) = axes
+        decided = {n: dict(enumerate(choices[n])) for n in nodes}
+        breakdowns = {n: [[models[axis].node(n, combo[axis], decided[n])] for combo in combos[n]] for n in nodes}
+    else:
+        breakdowns = {n: [[models[a].node(n, combo[a], others(n, combo, a)) for a in axes] for combo in combos[n]]
+                      for n in nodes}
     classes, class_of = decision_classes(
         nodes, lambda n: (tuple(tuple(sorted(c.items())) for c in combos[n]), node_bytes(n),
                           tuple(c.output for c in choices[n])))

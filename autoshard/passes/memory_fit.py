@@ -197,6 +197,7 @@ def recompute_dropped(nodes, regions=None) -> set:
     ['layers.2']
     """
     by_instance: dict = {}
+    regions = None if regions is None else set(regions)  # outermost (checkpoint_regions): at most one holds a node
     for node in nodes:
         if node.op != "call_function":
             continue

@@ -66,8 +66,9 @@ def recompute(state) -> None:
     regions = [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]  # outermost wins
     # The plan records the regions, chosen or asked for: applying the saved plan recomputes the same layers.
     hints.recompute = list(regions)
+    outermost = set(regions)
     for node in ops:
-        region = region_of(node, regions)
+        region = region_of(node, outermost)
         if region is not None:
             node.meta[RECOMPUTE] = region
     state.recompute_regions = [r for r in dict.fromkeys(n.meta.get(RECOMPUTE) for n in ops) if r]
@@ -104,14 +105,19 @@ def checkpoint_regions(option, ops) -> list[str]:
     return [r for r in regions if not any(r != o and r.startswith(o + ".") for o in regions)]
 
 
-def region_of(node, regions):
-    """The region (of `checkpoint_regions`) whose module holds `node`, or None.
+def region_of(node, regions: set):
+    """The region whose module holds `node`, or None; `regions`: a set of module paths none of which is inside
+    another (`checkpoint_regions`' outermost ones), so at most one holds it: its path or a parent's.
 
-    >>> region_of(ops[0], ["layers.0"]) in ("layers.0", None)
+    >>> region_of(ops[0], {"layers.0"}) in ("layers.0", None)
     True
     """
     path = node.meta.get(meta.PATH, "")
-    return next((r for r in regions if path == r or path.startswith(r + ".")), None)
+    while path:
+        if path in regions:
+            return path
+        path = path.rpartition(".")[0]
+    return None
 
 
 def _ladder_recomputes(state) -> bool:
