@@ -67,6 +67,7 @@ class PipelineProgram(Program):
         self.config = config
         self.pp_axis = mesh.axis(config.axis)
         self.tied_params = self._tied_params()
+        self.search_records: dict = {}  # the pipeline search's records of this plan (`record`)
         if state.options.rng == "exact":
             self._check_batch_first_draws()
 
@@ -119,6 +120,18 @@ class PipelineProgram(Program):
         """
         return self._planned.bubble_fraction()
 
+    def record(self, key: str, value) -> None:
+        """Keep the pipeline search's record `key` (why this micro-batch count, schedule, ...) in the plan's
+        `pipeline` record, without building the plan for a candidate the search may drop.
+
+        >>> prog.record("schedule_search", [])
+        >>> prog.search_records, prog.plan.pipeline["schedule_search"]
+        ({'schedule_search': []}, [])
+        """
+        self.search_records[key] = value
+        if "plan" in self.__dict__:  # built already (a cached property)
+            self.plan.pipeline[key] = value
+
     @functools.cached_property
     def plan(self):
         """The intra-op plan of one micro-batch, with each row's stage and the `pipeline` record (stage
@@ -134,7 +147,8 @@ class PipelineProgram(Program):
                          "tied_params": {k: list(v) for k, v in sorted(self.tied_params.items())},
                          "stage_ranks": [self.config.stage_rank(s) for s in range(self.config.num_stages)],
                          "memory_bytes_per_pp_rank": [sum(parts.values()) for parts in rank_memory(self.state,
-                                                                                                   self.config)]}
+                                                                                                   self.config)],
+                         **self.search_records}
         for row, node in zip(plan.rows, (n for n in self.state.gm.graph.nodes if meta.SPEC in n.meta)):
             row.stage = node.meta.get(meta.STAGE)
         return plan

@@ -295,14 +295,24 @@ class Program:
         """
         return RankProgram(**self._rank_program_fields())
 
+    @functools.cached_property
+    def param_specs(self) -> dict:
+        """{FQN: spec} of every parameter and buffer: the rank program's `param_specs`, without building it (the
+        pipeline and mesh searches read them of candidates they may not keep).
+
+        >>> prog.param_specs == prog.rank_program.param_specs
+        True
+        """
+        return {n.meta[meta.PATH]: n.meta[meta.SPEC] for n in self.state.gm.graph.nodes
+                if n.op == "placeholder" and n.meta.get(meta.KIND) in ("param", "buffer")}
+
     def _rank_program_fields(self) -> dict:
         placeholders = [n for n in self.state.gm.graph.nodes if n.op == "placeholder"]
         inputs = [n.meta["val"] for n in placeholders if n.meta.get(meta.KIND) == "input"]
         return {"mesh": self.state.mesh, "input_specs": self.input_specs,
                 "inputs": tuple((tuple(v.shape), v.dtype) for v in inputs), "output_spec": self.output_spec,
                 "output_specs": self.output_specs,
-                "param_specs": {n.meta[meta.PATH]: n.meta[meta.SPEC] for n in placeholders
-                                if n.meta.get(meta.KIND) in ("param", "buffer")},
+                "param_specs": self.param_specs,
                 "attr_names": self.attr_names, "params": frozenset(self.traced.params),
                 "grad_reduce": self.grad_reduce, "zero": self.zero,
                 "param_meta": {fqn: (tuple(t.shape), t.dtype) for fqn, t in self.traced.params.items()},

@@ -427,8 +427,8 @@ def describe_roles(prog) -> str:
                      f"{pipeline['microbatches']} micro-batches, {pipeline['schedule']})")
     names = [n for n in prog.mesh.names if not pipeline or n != pipeline["axis"]]
     batch = sorted({names[a] for spec in prog.input_specs for a, p in enumerate(spec) if p == Shard(0)})
-    specs = prog.rank_program.param_specs
-    params = sorted({names[a] for fqn in prog.rank_program.params for a, p in enumerate(specs[fqn])
+    specs = prog.param_specs
+    params = sorted({names[a] for fqn in prog.traced.params for a, p in enumerate(specs[fqn])
                      if isinstance(p, Shard)})
     # other values split on an axis that carries neither (a sequence, the experts' token groups)
     activations = sorted({names[a] for node in prog.state.gm.graph.nodes if node.op == "call_function"

@@ -169,9 +169,9 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
         if step < best.predicted_step_s:
             best = other
     for key in SEARCH_RECORDS[:2]:  # the micro-batch count was searched under 1F1B
-        if key in prog.plan.pipeline:
-            best.plan.pipeline[key] = prog.plan.pipeline[key]
-    best.plan.pipeline["schedule_search"] = rows
+        if key in prog.search_records:
+            best.record(key, prog.search_records[key])
+    best.record("schedule_search", rows)
     return best
 
 
@@ -224,7 +224,7 @@ def _from_saved(request: CompileRequest, pipeline):
     prog.plan.search = dict(saved.search)  # the records of why this axis, micro-batch count and schedule (made
     for key in SEARCH_RECORDS:             # where the plan was made)
         if key in record:
-            prog.plan.pipeline[key] = record[key]
+            prog.record(key, record[key])
     if request.plan_other_shapes:  # other shapes: another fingerprint, but every node in its stage
         moved = [r.name for r, s in zip(prog.plan.rows, saved.rows) if r.kind != "comm" and r.stage != s.stage]
         if moved or len(prog.plan.rows) != len(saved.rows):
@@ -330,9 +330,9 @@ def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: 
         except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep the planned counts
             log.info("pipelining with %d micro-batches is not possible (%s)", best, exc)
     prog = min(planned.values(), key=lambda prog: (prog.predicted_step_s, prog.config.microbatches))
-    prog.plan.pipeline["microbatch_search"] = {str(m): expected[m][0] for m in sorted(expected)}
+    prog.record("microbatch_search", {str(m): expected[m][0] for m in sorted(expected)})
     if pruned:
-        prog.plan.pipeline["not_replanned"] = {"microbatches": best, "expected_step_s": expected[best][0]}
+        prog.record("not_replanned", {"microbatches": best, "expected_step_s": expected[best][0]})
     return prog
 
 
@@ -433,7 +433,7 @@ def _plan_axis(request: CompileRequest, axis: str, opts: dict, to_beat: float, c
         candidates.append({**row, "error": str(exc).splitlines()[0]})
         errors.append(exc)
         return None
-    skipped = prog.plan.pipeline.get("not_replanned")
+    skipped = prog.search_records.get("not_replanned")
     if skipped:  # its best count was not planned: it cannot win
         candidates.append({**row, "microbatches": skipped["microbatches"],
                            "predicted_step_s": skipped["expected_step_s"], "estimated": True})
@@ -456,7 +456,7 @@ def _zero_data_request(request: CompileRequest, prog):
     """
     inner = prog.inner_mesh
     batch_on = {a for spec in prog.input_specs for a, p in enumerate(spec) if p == Shard(0)}
-    specs = prog.rank_program.param_specs
+    specs = prog.param_specs
     params_on = {a for spec in specs.values() for a, p in enumerate(spec) if isinstance(p, Shard)}
     inputs = request.example_inputs
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
