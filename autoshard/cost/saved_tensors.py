@@ -112,8 +112,10 @@ def _attention_saves(node) -> Saves:
     return Saves(tuple(range(min(3, distinct))), True, 4 / (out.shape[-1] * out.element_size()), None)
 
 
-def op_saves(node, grad: dict) -> Saves:
-    """What `node`'s op keeps for backward, given which values carry a gradient (`needs_grad`).
+def op_saves(node, grad: dict, seen: dict | None = None) -> Saves:
+    """What `node`'s op keeps for backward, given which values carry a gradient (`needs_grad`). `seen`: a dict
+    kept over one walk of a graph, where the copies of a repeated layer's op (an unfolded trace's) share their
+    arguments' `val` objects: found there by those objects' ids, not by their shapes.
 
     >>> first, second = [n for n in state.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     >>> op_saves(second, needs_grad(state.gm.graph))  # its input (for the weight's gradient) and its weight
@@ -135,6 +137,10 @@ def op_saves(node, grad: dict) -> Saves:
         return _attention_saves(node)
     if not isinstance(node.target, torch._ops.OpOverload) or not all("val" in t.meta for t in tensors):
         return _KEEPS_OUTPUT
+    if seen is not None:
+        same = (node.target, _by_identity(node.args, grad), _by_identity(tuple(node.kwargs.items()), grad))
+        if same in seen:
+            return seen[same]
     key = (node.target, _hashable([_signature(a, grad) for a in node.args]),
            _hashable(sorted((k, _signature(v, grad)) for k, v in node.kwargs.items())))
     if key not in _PROBED:
@@ -144,7 +150,19 @@ def op_saves(node, grad: dict) -> Saves:
             _PROBED[key] = _probe(node.target, [fresh[t] for t in tensors], swap(node.args), swap(dict(node.kwargs)))
         except Exception:  # noqa: BLE001  (an op meta tensors cannot run: keep its output, as before)
             _PROBED[key] = _KEEPS_OUTPUT
+    if seen is not None:
+        seen[same] = _PROBED[key]
     return _PROBED[key]
+
+
+def _by_identity(value, grad):
+    """An argument tree as `op_saves`' `seen` keys it: a node by its value's identity and whether it carries a
+    gradient (ids are stable while the graph holds the values: `seen` lives for one walk)."""
+    if isinstance(value, torch.fx.Node):
+        return id(value.meta.get("val")), bool(grad.get(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_by_identity(v, grad) for v in value)
+    return _hashable(value)
 
 
 def _hashable(value):
@@ -237,7 +255,8 @@ def kept_split(graph, grad: dict) -> KeptSplit:
     >>> whole == kept_for_backward(state.gm.graph, needs_grad(state.gm.graph))
     True
     """
-    saves = {n: op_saves(n, grad) for n in graph.nodes}
+    seen: dict = {}
+    saves = {n: op_saves(n, grad, seen) for n in graph.nodes}
     through: dict = {}  # node -> its value (or a view of it) is saved
     keepers: dict = {}
     for node in reversed(graph.nodes):
@@ -277,7 +296,8 @@ def kept_for_backward(graph, grad: dict) -> dict:
     """
     kept = {}
     roots = set()
-    all_saves = {n: op_saves(n, grad) for n in graph.nodes}  # once per node: storage_root walks chains of views
+    seen: dict = {}
+    all_saves = {n: op_saves(n, grad, seen) for n in graph.nodes}  # once per node: storage_root walks view chains
     for node in graph.nodes:
         saves = all_saves[node]
         if saves.extra:

@@ -50,11 +50,12 @@ def unfold(state) -> None:
     in_middle, in_first, in_last = set(middle), set(first), set(groups[fold.last])
     copies: list[dict] = [{} for _ in range(fold.n_layers - 1)]  # copies[k]: middle node -> its copy in layer k
     graph, env = fx.Graph(), {}
+    stacks: dict = {}  # (layer, a module stack's entries) -> renamed: a layer's ops share a few stacks
 
     def copy_run(run):
         for k in range(1, fold.n_layers - 1):
             for node in run:
-                copies[k][node] = _copy(graph, node, fold, k, lambda a, k=k, node=node: lookup(a, k, node))
+                copies[k][node] = _copy(graph, node, fold, k, lambda a, k=k, node=node: lookup(a, k, node), stacks)
 
     def lookup(value, k, consumer):
         carried = consumer.meta.get(meta.FOLD_CARRIED)
@@ -96,8 +97,9 @@ def _runs(graph, members) -> list[list]:
     return runs + ([current] if current else [])
 
 
-def _copy(graph, node, fold, k, arg_transform):
-    """The copy of a middle-layer node in layer k: renamed, re-pathed, its decisions kept."""
+def _copy(graph, node, fold, k, arg_transform, stacks: dict):
+    """The copy of a middle-layer node in layer k: renamed, re-pathed, its decisions kept; `stacks` caches the
+    renamed module stacks."""
     if k == 1:
         new = copy_node(graph, node, arg_transform)
     else:
@@ -113,9 +115,13 @@ def _copy(graph, node, fold, k, arg_transform):
         path = node.meta.get(meta.PATH, "")
         new.meta[meta.PATH] = fold.instance(k) + path[len(fold.middle):]
         if "nn_module_stack" in node.meta:  # module paths as export wrote them (cut_stages reads them)
-            old_path, new_path = f"model.{fold.middle}", f"model.{fold.instance(k)}"
-            new.meta["nn_module_stack"] = {_renamed(key, old_path, new_path): (_renamed(p, old_path, new_path), kind)
-                                           for key, (p, kind) in node.meta["nn_module_stack"].items()}
+            entries = (k, tuple(node.meta["nn_module_stack"].items()))
+            renamed = stacks.get(entries)
+            if renamed is None:
+                old_path, new_path = f"model.{fold.middle}", f"model.{fold.instance(k)}"
+                renamed = stacks[entries] = {_renamed(key, old_path, new_path): (_renamed(p, old_path, new_path), kind)
+                                             for key, (p, kind) in node.meta["nn_module_stack"].items()}
+            new.meta["nn_module_stack"] = dict(renamed)
     return new
 
 
