@@ -1,7 +1,7 @@
 """The ILP's objective and predict's step come from one cost model (autoshard/cost/profiles.py's collective table,
 axis_cost's compute and memory): the chosen plan's objective (`state.objective_s`, the joint ILP
 evaluated at the choice) equals the step `predict` reports for the emitted program, less what the gradient buckets'
-latencies come to beyond the linear share the ILP gives each parameter (cost/sync_buckets.py, added by predict).
+all-reduces come to beyond the linear share the ILP gives each parameter (cost/sync_buckets.py, added by predict).
 
 A slow-compute profile makes every zoo model's plan parallel, so the collectives are really priced.
 They agree to rounding on every mesh: a conversion is charged once per chain insert_comm emits (shared
@@ -41,7 +41,7 @@ def test_objective_of_the_chosen_plan_is_its_predicted_step(name, mesh):
     sharded = [n for n in prog.state.gm.graph.nodes if any(isinstance(p, Shard) for p in n.meta.get(meta.SPEC, ()))]
     assert sharded, "the plan is replicated: nothing was priced"
     step, objective = prog.plan.predicted["step_time_s"], prog.state.objective_s
-    # predict prices the gradient buckets' latencies whole; the linear ILP gives each parameter its bytes' share
+    # predict prices each gradient bucket's all-reduce whole; the linear ILP gives each parameter its bytes' share
     buckets = sum(bucket_correction(prog.state).values())
     assert math.isclose(objective + buckets, step, rel_tol=1e-9), (objective, buckets, step)
 

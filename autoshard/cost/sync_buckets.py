@@ -102,11 +102,10 @@ def bucket_layout(state, within=None) -> list[tuple[tuple, list]]:
 
 def tied_sync_seconds(state, config) -> dict:
     """{stage: seconds} of the all-reduces over the pipeline axis that sum the gradients of parameters used on
-    several pp ranks (a tied embedding and head: `PipelineRank.sync_tied_grads`, one all-reduce per parameter on
+    several pp ranks (a tied embedding and head: `PipelineRankModule.sync_tied_grads`, one all-reduce per parameter on
     every pp rank, with zeros where a rank holds none of it), put on each pp rank's first stage; {} when no
     parameter spans two pp ranks. `config`: the pipeline's PipelineConfig (its `link` is the pp axis's).
 
-    >>> import torch
     >>> from autoshard.zoo import gpt2
     >>> model, inputs, loss_fn = gpt2(n_layers=2)
     >>> pipe = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
