@@ -16,7 +16,7 @@ import pytest
 import autoshard
 from autoshard import zoo
 from autoshard.cost.profiles import HardwareProfile, Link
-from autoshard.cost.sync_buckets import bucket_correction
+from autoshard.cost.sync_buckets import bucket_correction, tied_sync_seconds
 from autoshard.ir import meta
 from autoshard.ir.meta import NODE_COST
 from autoshard.ir.placement import Shard
@@ -64,3 +64,16 @@ def test_a_saved_plan_applied_again_has_the_same_objective():
     again = _plan("mlp", (2, 2), pipeline=False, plan=prog.plan)
     assert again.state.objective_s == prog.state.objective_s
     assert again.plan.predicted["step_time_s"] == prog.plan.predicted["step_time_s"]
+
+
+def test_a_weight_tied_across_pipeline_ranks_is_summed_over_pp_in_the_predicted_step():
+    """GPT-2's head is its embedding: on two pp ranks `sync_tied_grads` all-reduces its gradient over pp on both, and
+    the prediction pays that on each rank (no data parallelism here: it is the whole sync); an untied model pays none."""
+    pipe = _plan("gpt2", (2,), names=("pp",), pipeline={"microbatches": 2, "schedule": "1F1B"})
+    tied = tied_sync_seconds(pipe.state, pipe.config)
+    assert pipe.tied_params and sorted(tied) == [0, 1] and tied[0] > 0
+    assert [row["sync_s"] for row in pipe.state.pipeline_stages] == [tied[0], tied[1]]
+    synced = [end - start for rank, _, label, _, start, end in pipe.planned_timeline().events if label == "S"]
+    assert synced == pytest.approx([tied[0], tied[1]], rel=1e-9)
+    untied = _plan("llama", (2,), names=("pp",), pipeline={"microbatches": 2, "schedule": "1F1B"})
+    assert not untied.tied_params and tied_sync_seconds(untied.state, untied.config) == {}
