@@ -290,18 +290,15 @@ def ilp_costs(nodes, axes, combos, choices, state, models, semi_auto) -> IlpCost
     free_sync = data_parallel_axes(nodes) if semi_auto else set()  # gradient sync there is the user's choice
     profile = models[0].profile
 
-    def others(node, combo, axis):
-        fixed = {b: c for b, c in enumerate(choices[node])}
-        fixed.update({b: c for b, c in combo.items() if b != axis})
-        return fixed
+    decided = {n: dict(enumerate(choices[n])) for n in nodes}  # the earlier axes' strategies, made once per node
 
-    if len(axes) == 1:  # one axis decided: every candidate sees the same earlier decisions (made once per node)
-        (axis,) = axes
-        decided = {n: dict(enumerate(choices[n])) for n in nodes}
-        breakdowns = {n: [[models[axis].node(n, combo[axis], decided[n])] for combo in combos[n]] for n in nodes}
-    else:
-        breakdowns = {n: [[models[a].node(n, combo[a], others(n, combo, a)) for a in axes] for combo in combos[n]]
-                      for n in nodes}
+    def others(node, combo, axis):
+        if len(combo) == 1:  # one axis decided: every candidate sees the earlier decisions alone
+            return decided[node]
+        return {**decided[node], **{b: c for b, c in combo.items() if b != axis}}
+
+    breakdowns = {n: [[models[a].node(n, combo[a], others(n, combo, a)) for a in axes] for combo in combos[n]]
+                  for n in nodes}
     classes, class_of = decision_classes(
         nodes, lambda n: (tuple(tuple(sorted(c.items())) for c in combos[n]), node_bytes(n),
                           tuple(c.output for c in choices[n])))
