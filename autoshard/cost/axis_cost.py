@@ -194,6 +194,13 @@ class AxisCostModel:
         self.optimizer_state_factor = optimizer_state_factor
         # bytes saved for backward per byte of output (kept_for_backward of the graph `grad` covers)
         self.kept = kept if kept is not None else kept_for_backward(next(iter(grad)).graph, grad) if grad else {}
+        self._bytes: dict = {}  # node -> node_bytes: the ILP's build asks for each edge and candidate pair
+
+    def _node_bytes(self, node) -> float:
+        nbytes = self._bytes.get(node)
+        if nbytes is None:
+            nbytes = self._bytes[node] = float(node_bytes(node))
+        return nbytes
 
     def _shrink(self, nbytes, placements) -> float:
         for b, p in placements.items():
@@ -207,7 +214,7 @@ class AxisCostModel:
         >>> model.local_bytes(linear, {})  # the [8, 8] float32 output of the first linear
         256.0
         """
-        return self._shrink(float(node_bytes(node)), {b: c.output for b, c in other.items()})
+        return self._shrink(self._node_bytes(node), {b: c.output for b, c in other.items()})
 
     def input_bytes(self, producer, pos, other: dict) -> float:
         """Bytes of `producer` as the consumer takes it at input `pos` (placements of the other axes).
@@ -215,7 +222,7 @@ class AxisCostModel:
         >>> model.input_bytes(linear.args[1], 1, {})  # the [8, 4] weight
         128.0
         """
-        return self._shrink(float(node_bytes(producer)), {b: c.inputs[pos] for b, c in other.items()})
+        return self._shrink(self._node_bytes(producer), {b: c.inputs[pos] for b, c in other.items()})
 
     def node(self, node, cand, other: dict) -> CostBreakdown:
         """The breakdown of one candidate: data parallel halves the work and syncs the weight's gradient.

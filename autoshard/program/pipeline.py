@@ -243,12 +243,15 @@ class PipelineNotReplanned(AutoshardError):
     """
 
 
-def parallelize_pipeline(request: CompileRequest, axis: str, options: dict, worth_replanning=None):
+def parallelize_pipeline(request: CompileRequest, axis: str, options: dict, worth_replanning=None,
+                         planned: PipelineProgram | None = None):
     """Plan the pipelined program of `request` over mesh axis `axis` with pipeline `options`: the intra-op
     plan on the other axes at micro-batch shape, then the cut. `parallelize` calls it for a mesh axis named
     "pp" (or `pipeline={"axis": ...}`); a saved pipelined plan in `request.plan` is applied, not solved. A plan whose
     fullest pp rank overflows the budget is planned again against a tighter one, unless `worth_replanning(program)`
-    (the overflowing PipelineProgram) gives a reason not to: PipelineNotReplanned says it.
+    (the overflowing PipelineProgram) gives a reason not to: PipelineNotReplanned says it. `planned` is this
+    compile's result when the caller has it already (`recut_pipeline`'s cut: what a fresh compile gives): only the
+    plans against a tighter budget are made.
 
     >>> piped = parallelize_pipeline(CompileRequest(model, prog.mesh, inputs, loss_fn=loss_fn), "pp",
     ...                              {"microbatches": 4})
@@ -266,7 +269,7 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict, wort
                             example_inputs=microbatch_inputs(example_inputs, config.microbatches),
                             options=request.options.replace(profile=inner_profile(profile, mesh, axis),
                                                             pipeline=config))
-    state, history = compile_state(micro, pipeline=True)
+    state, history = (planned.state, planned.history) if planned is not None else compile_state(micro, pipeline=True)
     budget = CompileOptions.of(request.options).budget_bytes
     fullest = state.predicted.memory_bytes_per_rank  # the fullest pp rank's, counted after the cut
     tightened = budget
@@ -315,10 +318,11 @@ def recut_pipeline(request: CompileRequest, prog: PipelineProgram, options: dict
                          request.options.profile)
     if not recuttable(prog.config, config):  # its ILP counts other activations in flight: plan it afresh
         return parallelize_pipeline(request, prog.config.axis, options, worth_replanning)
-    state, history = recut(prog.state, prog.history, config)
-    if state.predicted.memory_bytes_per_rank > CompileOptions.of(request.options).budget_bytes:
-        return parallelize_pipeline(request, prog.config.axis, options, worth_replanning)
-    return PipelineProgram(state, history, prog.mesh, config)
+    recutted = PipelineProgram(*recut(prog.state, prog.history, config), prog.mesh, config)
+    if recutted.state.predicted.memory_bytes_per_rank > CompileOptions.of(request.options).budget_bytes:
+        # a fresh compile at this budget would give this very cut: only the plans against a tighter one are made
+        return parallelize_pipeline(request, prog.config.axis, options, worth_replanning, planned=recutted)
+    return recutted
 
 
 def pipeline_memory_error(fullest: float, budget: float, config: PipelineConfig) -> MemoryBudgetError:

@@ -74,6 +74,32 @@ def test_a_recut_program_is_the_fresh_compile_of_its_schedule():
     assert first.config.schedule == "1F1B" and first.plan.pipeline["stages"] == 2  # the original is untouched
 
 
+
+def test_a_recut_that_overflows_the_budget_is_planned_again_only_against_tighter_budgets(monkeypatch):
+    """A schedule's cut whose fullest pp rank overflows the budget (ZBV's here: 1.13 MB against 1 MB, where 1F1B's
+    plan keeps 0.72 MB) gives the program a fresh compile of that schedule gives, without compiling the micro-batch
+    program again at the budget the cut overflowed: only the plans against tighter budgets are made."""
+    from autoshard.frontend.request import CompileRequest
+    from autoshard.program import pipeline
+
+    model, inputs, loss_fn = gpt2(n_layers=4)
+    request = CompileRequest(model, autoshard.Mesh((2, 2), ("pp", "dp")), inputs, loss_fn=loss_fn)
+    request = request.replace(options=request.options.replace(memory_budget=10**6))
+    first = pipeline.parallelize_pipeline(request, "pp", {"microbatches": 4, "schedule": "1F1B"})
+    zbv = {"microbatches": 4, "schedule": "ZBVZeroBubble", "virtual_stages": 2}
+    compiled, original = [], pipeline.compile_state
+
+    def counted(micro, **kwargs):
+        compiled.append(micro.options.memory_budget)
+        return original(micro, **kwargs)
+
+    monkeypatch.setattr(pipeline, "compile_state", counted)
+    fresh = pipeline.parallelize_pipeline(request, "pp", zbv)
+    fresh_budgets, compiled[:] = list(compiled), []
+    again = pipeline.recut_pipeline(request, first, zbv)
+    assert again.plan.dumps() == fresh.plan.dumps()
+    assert fresh_budgets[0] == 10**6 and compiled == fresh_budgets[1:] and compiled  # the tighter ones only
+
 def test_the_ilp_counts_the_activations_each_schedule_keeps_in_flight():
     """GPipe keeps every micro-batch's activations until the backward, 1F1B's first rank p of its 1/p of the layers:
     the ILP's memory row (before the cut) comes within the imbalance of the cut of the fullest rank (after it)."""
