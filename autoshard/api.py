@@ -139,7 +139,8 @@ def _compile(request: CompileRequest, pipeline):
     with fewer_collections(), reuse_exports(), reuse_normalized(), warning_scope(), \
             solver_session(request.options.ilp_time_limit):
         on_mesh = functools.partial(_compile_on_mesh, pipeline=pipeline)
-        prog = on_mesh(request) if request.devices is None else plan_on_devices(request, request.devices, on_mesh)
+        prog = on_mesh(request) if request.devices is None else \
+            plan_on_devices(request, request.devices, on_mesh, pipeline)
         if prog.state.ilp_stopped:
             warn_once(f"autoshard: {describe_stopped(prog.state.ilp_stopped)}. A process that plans on its own may "
                       "get another plan: plan once and give the plan to every rank (plan=; verify and parallelize "

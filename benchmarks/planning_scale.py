@@ -30,11 +30,8 @@ from autoshard.cost.profiles import load_profile
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.ir.placement import Shard, Spec
 from autoshard.passes.pass_lists import trace_for_plan
-from autoshard.search.mesh_search import (
-    candidate_shapes,
-    describe_roles,
-    predicted_step_s,
-)
+from autoshard.search.mesh_search import candidate_shapes
+from autoshard.search.shape_result import describe_roles, predicted_step_s
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2
 

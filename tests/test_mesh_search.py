@@ -16,14 +16,10 @@ from autoshard.ir.errors import PlanError, UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.ir.warn_once import warn_once, warning_scope
 from autoshard.search.hand_plan_search import plan_with_hand_plans
-from autoshard.search.mesh_search import (
-    candidate_shapes,
-    describe_roles,
-    plan_on_devices,
-    predicted_step_s,
-)
+from autoshard.search.mesh_search import candidate_shapes, plan_on_devices
 from autoshard.search.pipeline_search import choose_pipeline
 from autoshard.search.planning_workers import WORKERS_ENV, run_tasks
+from autoshard.search.shape_result import describe_roles, predicted_step_s
 from autoshard.solver.errors import MemoryBudgetError
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import gpt2, mlp

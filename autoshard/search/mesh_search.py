@@ -36,7 +36,6 @@ than room, those of whole-node inner axes are spread evenly from the shallowest 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import math
@@ -44,15 +43,12 @@ import time
 
 from autoshard.cost.profiles import HardwareProfile
 from autoshard.frontend.request import CompileRequest
-from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError, UserInputError
 from autoshard.ir.mesh import Mesh
-from autoshard.ir.placement import Shard
 from autoshard.ir.warn_once import caught_warnings
 from autoshard.passes.pass_lists import trace_ahead
 from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import batch_size, microbatch_inputs
-from autoshard.report.accuracy import predicted_memory_bytes
 from autoshard.search.hand_plan_search import (
     compare_hand_plans,
     hand_plans_deferred,
@@ -65,6 +61,12 @@ from autoshard.search.planning_workers import (
     run_tasks,
     tell,
     worker_pool,
+)
+from autoshard.search.shape_parts import assembled, plan_part, shape_tasks
+from autoshard.search.shape_result import (
+    ShapeResult,
+    deferred_flat_step,
+    shape_result,
 )
 from autoshard.solver.errors import MemoryBudgetError
 
@@ -143,42 +145,13 @@ def check_devices(devices) -> None:
         raise UserInputError(f"devices={devices!r} must be a positive number of devices, e.g. devices=64")
 
 
-def predicted_step_s(prog) -> float:
-    """The step a Program is predicted to take: its pipeline's (1F1B-family formula over the stages) when it
-    pipelines, else its intra-op plan's.
-
-    >>> import autoshard
-    >>> from autoshard.zoo import mlp
-    >>> model, inputs, loss_fn = mlp(n_layers=2)
-    >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",))
-    >>> predicted_step_s(prog) == prog.plan.predicted.step_time_s
-    True
-    """
-    pipeline = prog.plan.pipeline
-    return pipeline["predicted_step_s"] if pipeline else prog.plan.predicted.step_time_s
-
-
-@dataclasses.dataclass
-class _ShapeResult:
-    """One candidate shape planned: its row of `plan.search["mesh_candidates"]`, its predicted step, the plan (a plan
-    file's content, which a worker process returns), the Program when planned in this process, the predicted step
-    of its flat automatic plan when the hand plans were deferred (`flat_step`), and its refusal when none plans."""
-    shape: tuple
-    row: dict
-    step: float = math.inf
-    plan: dict | None = None
-    program: object = None
-    flat_step: float | None = None
-    ilp_stats: list = dataclasses.field(default_factory=list)
-    ilp_stopped: list = dataclasses.field(default_factory=list)
-    error: AutoshardError | None = None
-
-
-def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
+def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh, pipeline=None):
     """The Program with the fastest predicted step over `candidate_shapes(devices, ...)`: `compile_on_mesh(request)`
     plans `request` on one candidate mesh (parallelize's own compile). A shape no plan fits is skipped; when none
     fits, the refusal with the smallest footprint is raised. The shapes are planned side by side in worker processes
-    where there are cores for them (autoshard/search/planning_workers.py); the plan kept is applied here.
+    where there are cores for them (autoshard/search/planning_workers.py); the plan kept is applied here. `pipeline`
+    is parallelize's option, which `compile_on_mesh` applies too (it decides whether a shape's search weighs each
+    axis as the pipeline's, and those are planned as tasks of their own: autoshard/search/shape_parts.py).
 
     >>> import autoshard
     >>> from autoshard.zoo import mlp
@@ -192,9 +165,9 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh):
     trace_ahead(request.replace(mesh=Mesh(shapes[0])))  # every shape (and worker) starts from this trace
     if workers > 1:
         _trace_microbatches_ahead(request, shapes)
-        planned, compared, applied = _plan_in_workers(request, compile_on_mesh, shapes, workers)
+        planned, compared, applied = _plan_in_workers(request, compile_on_mesh, pipeline, shapes, workers)
     else:
-        planned, compared, applied = _plan_here(request, compile_on_mesh, shapes)
+        planned, compared, applied = _plan_here(request, compile_on_mesh, pipeline, shapes)
     results = [result for result, _ in planned]
     kept, reach = _kept_and_reach(results)
     kept.program = kept.program or applied
@@ -233,39 +206,52 @@ def _kept_and_reach(results: list) -> tuple:
     return kept, sorted(reach, key=lambda result: result is not kept)
 
 
-def _plan_here(request: CompileRequest, compile_on_mesh, shapes: list) -> tuple:
+def _plan_here(request: CompileRequest, compile_on_mesh, pipeline, shapes: list) -> tuple:
     """(every shape's (result, warnings), {shape: (hand plans' result, warnings)} on those in reach, None): planned
-    in this process, one after the other (the first shapes, then the others bounded by the best step among them)."""
+    in this process, one after the other (the first shapes, then the others' tasks, those that prune bounded by the
+    best step among the first: `_later_tasks`)."""
     first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
-    planned = run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, True, math.inf), first, 1)
+    runners = _runners(request, compile_on_mesh, pipeline, keep_program=True)
+    planned = run_tasks(lambda shape: runners["shape"]((math.inf, shape)), first, 1)
     bound = min(result.step for result, _ in planned)
-    planned += run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, True, bound), later, 1)
+    bounded, free = _later_tasks(request, pipeline, later)
+    tasks = bounded + free
+    done = dict(zip(tasks, run_tasks(lambda task: runners[task[0]]((bound, task[1])), tasks, 1)))
+    outcomes: dict = {}
+    planned += [_shape_outcome(request, pipeline, shape, done, bound, outcomes) for shape in later]
     _, reach = _kept_and_reach([result for result, _ in planned])
     compared = run_tasks(functools.partial(_plan_hand_plans, request, True), reach, 1)
     return planned, {result.shape: hand for result, hand in zip(reach, compared)}, None
 
 
-def _plan_in_workers(request: CompileRequest, compile_on_mesh, shapes: list, workers: int) -> tuple:
+def _plan_in_workers(request: CompileRequest, compile_on_mesh, pipeline, shapes: list, workers: int) -> tuple:
     """What `_plan_here` gives, planned in `workers` forked processes, and the kept shape's Program applied here
     meanwhile. The first shapes (a fixed number, whatever the number of workers, so that the pruning and the plan
-    do not depend on it), then the others bounded by the best step among them, queued longest first
-    (`_planning_order`); when they leave a worker idle, it compares the hand plans of the shape kept so far (then of
-    those within its reach): Llama 3 70B over 512 devices spent 12 s of its 79 with one worker idle there. Once
-    every shape is planned, the hand plans of the shapes in reach that were not compared yet are, and a pipelined
-    kept plan is applied here meanwhile (its Program, unless a hand plan wins: then that one is applied after)."""
+    do not depend on it) and the later shapes' flat plans, which prune nothing, then the others' tasks bounded by
+    the best step among the first (`_later_tasks`); when they leave a worker idle, it compares the hand plans of the
+    shape kept so far (then of those within its reach): Llama 3 70B over 512 devices spent 12 s of its 79 with one
+    worker idle there. Once every shape is planned, the hand plans of the shapes in reach that were not compared
+    yet are, and a pipelined kept plan is applied here meanwhile (its Program, unless a hand plan wins: then that
+    one is applied after)."""
     first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
-    planned = run_tasks(functools.partial(_plan_shape, request, compile_on_mesh, False, math.inf), first,
-                        min(workers, len(first)))
-    bound = min(result.step for result, _ in planned)
-    tasks = {"shape": functools.partial(_plan_shape, request, compile_on_mesh, False, bound),
-             "hand": functools.partial(_plan_hand_plans, request, False)}
-    with worker_pool(tasks, workers) as pool:
-        futures = {shape: pool.submit("shape", shape) for shape in _planning_order(later, request.options.profile)}
+    bounded, free = _later_tasks(request, pipeline, later)
+    runners = _runners(request, compile_on_mesh, pipeline, keep_program=False)
+    with worker_pool({**runners, "hand": functools.partial(_plan_hand_plans, request, False)}, workers) as pool:
+        firsts = [pool.submit("shape", (math.inf, shape)) for shape in first]
+        # the flat plans fill the workers the first shapes leave idle (the bound is the slowest of those)
+        futures = {task: pool.submit(task[0], (math.inf, task[1])) for task in free}
+        planned = [future.result() for future in firsts]
+        bound = min(result.step for result, _ in planned)
+        futures.update({task: pool.submit(task[0], (bound, task[1])) for task in bounded})
         hand: dict = {}
-        pending = set(futures.values())
+        outcomes: dict = {}
+        pending = {future for future in futures.values() if not future.done()}
         while not all(future.done() for future in futures.values()):
             _, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            known = [result for result, _ in planned] + [f.result()[0] for f in futures.values() if f.done()]
+            done = {task: future.result() for task, future in futures.items() if future.done()}
+            known = [result for result, _ in planned] + [
+                outcome[0] for outcome in (_shape_outcome(request, pipeline, shape, done, bound, outcomes)
+                                           for shape in later) if outcome is not None]
             if all(result.error is not None for result in known):
                 continue
             for result in _kept_and_reach(known)[1]:  # the best so far first: likely kept
@@ -274,7 +260,8 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, shapes: list, wor
                 if result.shape not in hand:
                     hand[result.shape] = pool.submit("hand", result)
                     pending.add(hand[result.shape])
-        planned += [futures[shape].result() for shape in later]
+        done = {task: future.result() for task, future in futures.items()}
+        planned += [_shape_outcome(request, pipeline, shape, done, bound, outcomes) for shape in later]
         kept, reach = _kept_and_reach([result for result, _ in planned])
         needed = {result.shape for result in reach}
         for shape, future in hand.items():
@@ -286,6 +273,55 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, shapes: list, wor
         # a flat kept plan gives way to its hand plans' comparison, which plans it again (`_kept_or_hand`)
         applied = _applied(request, kept, compile_on_mesh) if kept.plan.get("pipeline") else None
         return planned, {shape: hand[shape].result() for shape in needed}, applied
+
+
+def _runners(request: CompileRequest, compile_on_mesh, pipeline, keep_program: bool) -> dict:
+    """The functions that run the search's tasks, by name, each on (the step to beat, a whole shape or one task of a
+    shape's search: `_later_tasks`)."""
+    return {"shape": lambda item: _plan_shape(request, compile_on_mesh, keep_program, *item),
+            "part": lambda item: plan_part(request, pipeline, *item)}
+
+
+def _later_tasks(request: CompileRequest, pipeline, later: list) -> tuple[list, list]:
+    """The tasks that plan the shapes after the first ones, as (runner name, item): each shape's search split into
+    its flat plan and its pipeline axes where it weighs them one by one (autoshard/search/shape_parts.py; the
+    workers then finish together instead of one idling while the other plans the last shape), else the shape as one
+    task. Returns (the tasks whose pipeline searches prune by the first shapes' best step: the whole shapes and the
+    pipeline axes, shapes in `_planning_order`: the longest tasks, and the shortest fill the end; the flat plans,
+    which prune nothing and may start before that step is known).
+
+    >>> from autoshard.zoo import mlp
+    >>> model, inputs, loss_fn = mlp(n_layers=3)
+    >>> _later_tasks(CompileRequest(model, Mesh((4,)), inputs, loss_fn=loss_fn), None, [(2, 2)])
+    ([('part', ((2, 2), 'a0'))], [('part', ((2, 2), None))])
+    """
+    bounded, free = [], []
+    for shape in _planning_order(later, request.options.profile):
+        parts = shape_tasks(request, pipeline, shape)
+        if parts is None:
+            bounded.append(("shape", shape))
+        else:
+            free.append(("part", parts[0]))
+            bounded += [("part", part) for part in parts[1:]]
+    return bounded, free
+
+
+def _shape_outcome(request: CompileRequest, pipeline, shape: tuple, done: dict, bound: float, outcomes: dict):
+    """(result, warnings) of a later `shape` from its tasks' in `done` ({task: (result, warnings)}; its parts put
+    together once, kept in `outcomes`), or None while one of its tasks is not done."""
+    if shape in outcomes:
+        return outcomes[shape]
+    parts = shape_tasks(request, pipeline, shape)
+    tasks = [("shape", shape)] if parts is None else [("part", part) for part in parts]
+    if any(task not in done for task in tasks):
+        return None
+    if parts is None:
+        outcomes[shape] = done[tasks[0]]
+    else:
+        finished = [done[task] for task in tasks]
+        outcomes[shape] = (assembled(request, [result for result, _ in finished], bound),
+                           [warning for _, told in finished for warning in told])
+    return outcomes[shape]
 
 
 def _trace_microbatches_ahead(request: CompileRequest, shapes: list) -> None:
@@ -314,7 +350,7 @@ def _planning_order(shapes: list, profile) -> list:
 
 
 def _plan_shape(request: CompileRequest, compile_on_mesh, keep_program: bool, to_beat: float,
-                shape: tuple) -> _ShapeResult:
+                shape: tuple) -> ShapeResult:
     """`request` planned on the mesh `shape` (run_tasks' task: in a worker the Program stays behind), its pipeline
     search pruned by `to_beat`, a step another shape reaches, and its hand plans deferred (compared on the kept
     shape and those within reach, `plan_on_devices`)."""
@@ -323,15 +359,15 @@ def _plan_shape(request: CompileRequest, compile_on_mesh, keep_program: bool, to
         with hand_plans_deferred(), step_to_beat(to_beat):
             prog = compile_on_mesh(request.replace(mesh=Mesh(shape)))
     except AutoshardError as exc:
-        return _ShapeResult(shape, {"mesh": list(shape), "error": str(exc).splitlines()[0],
+        return ShapeResult(shape, {"mesh": list(shape), "error": str(exc).splitlines()[0],
                                    "seconds": round(time.perf_counter() - started, 3)}, error=picklable(exc))
-    result = _result(shape, prog, started, keep_program, flat_step=_deferred_flat_step(prog))
+    result = shape_result(shape, prog, started, keep_program, flat_step=deferred_flat_step(prog))
     if to_beat < result.step:  # its search was pruned: what it found, not all it could
         result.row["bounded_by_s"] = to_beat
     return result
 
 
-def _plan_hand_plans(request: CompileRequest, keep_program: bool, planned: _ShapeResult) -> _ShapeResult:
+def _plan_hand_plans(request: CompileRequest, keep_program: bool, planned: ShapeResult) -> ShapeResult:
     """The flat plan the hand plans and the ILP give on `planned`'s shape (run_tasks' task); a flat Program planned
     in this process is compared with the hand plans as it is, not planned again."""
     started = time.perf_counter()
@@ -342,32 +378,19 @@ def _plan_hand_plans(request: CompileRequest, keep_program: bool, planned: _Shap
         chosen = compare_hand_plans(on_shape, prog)
         if chosen is not prog:  # a hand plan: the pipeline search's record (no axis pipelined) stays with it
             chosen.plan.search = {**prog.plan.search, **chosen.plan.search}
-        return _result(planned.shape, chosen, started, keep_program)
+        return shape_result(planned.shape, chosen, started, keep_program)
     try:
         flat = plan_with_hand_plans(on_shape)
     except AutoshardError:  # planned before, so not expected: the shape's plan stands
-        return _ShapeResult(planned.shape, {"seconds": round(time.perf_counter() - started, 3)})
-    return _result(planned.shape, flat, started, keep_program)
+        return ShapeResult(planned.shape, {"seconds": round(time.perf_counter() - started, 3)})
+    return shape_result(planned.shape, flat, started, keep_program)
 
 
-def _result(shape: tuple, prog, started: float, keep_program: bool, flat_step: float | None = None) -> _ShapeResult:
-    plan = dict(prog.plan.to_json(), fingerprint=prog.plan.fingerprint)
-    return _ShapeResult(shape, {"mesh": list(shape), **_figures_of(prog),
-                               "seconds": round(time.perf_counter() - started, 3)},
-                       predicted_step_s(prog), plan, prog if keep_program else None, flat_step,
-                       list(prog.state.ilp_stats), list(prog.state.ilp_stopped))
-
-
-def _figures_of(prog) -> dict:
-    return {"predicted_step_s": predicted_step_s(prog), "memory_bytes_per_rank": predicted_memory_bytes(prog),
-            "plan": describe_roles(prog)}
-
-
-def _row_figures(result: _ShapeResult) -> dict:
+def _row_figures(result: ShapeResult) -> dict:
     return {k: result.row[k] for k in ("predicted_step_s", "memory_bytes_per_rank", "plan")}
 
 
-def _kept_or_hand(kept: _ShapeResult, hand: _ShapeResult) -> _ShapeResult:
+def _kept_or_hand(kept: ShapeResult, hand: ShapeResult) -> ShapeResult:
     """The kept shape's plan (planned with the hand plans deferred) or, when it pipelines and the flat plan of the
     hand plans predicts a faster step, that one; the search records merged (its pipeline search's, the hand plans')."""
     search = {k: v for k, v in kept.plan["search"].items() if k != "hand_plans_deferred"}
@@ -386,7 +409,7 @@ def _kept_or_hand(kept: _ShapeResult, hand: _ShapeResult) -> _ShapeResult:
     return chosen
 
 
-def _applied(request: CompileRequest, result: _ShapeResult, compile_on_mesh):
+def _applied(request: CompileRequest, result: ShapeResult, compile_on_mesh):
     """The Program of a plan a worker made: its decisions applied on its mesh (no solving), its search records kept."""
     # no fingerprint to check: its search records were merged here after the worker made it
     plan = Plan.from_json(dict(result.plan, fingerprint=None), source=f"the plan for mesh {result.shape}")
@@ -397,52 +420,6 @@ def _applied(request: CompileRequest, result: _ShapeResult, compile_on_mesh):
     prog.plan.search = dict(result.plan.get("search", {}))
     prog.state.ilp_stats, prog.state.ilp_stopped = result.ilp_stats, result.ilp_stopped  # the solves that made it
     return prog
-
-
-def _deferred_flat_step(prog) -> float | None:
-    """The predicted step of the flat automatic plan of `prog`'s mesh when its hand plans were deferred, else None."""
-    if not prog.plan.search.get("hand_plans_deferred"):
-        return None
-    if not prog.plan.pipeline:
-        return predicted_step_s(prog)
-    return next(c["predicted_step_s"] for c in prog.plan.search["candidates"] if c["axis"] is None)
-
-
-def describe_roles(prog) -> str:
-    """What each mesh axis does in `prog`'s plan, in a few words: the pipeline axis, the axes the batch is split
-    on (data parallelism), the axes parameters are split on (tensor parallelism, or ZeRO-3's), the axes only other
-    values are split on (a sequence, the experts' token groups; an axis in none of these only replicates), and ZeRO.
-
-    >>> import autoshard
-    >>> from autoshard.zoo import mlp
-    >>> model, inputs, loss_fn = mlp(n_layers=2)
-    >>> describe_roles(autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
-    ...                                      hints={"input:0": {"dp": "S(0)"}}))
-    "batch on ['dp']"
-    """
-    parts = []
-    pipeline = prog.plan.pipeline
-    if pipeline:
-        parts.append(f"pipeline over {pipeline['axis']!r} ({pipeline['stages']} stages, "
-                     f"{pipeline['microbatches']} micro-batches, {pipeline['schedule']})")
-    names = [n for n in prog.mesh.names if not pipeline or n != pipeline["axis"]]
-    batch = sorted({names[a] for spec in prog.input_specs for a, p in enumerate(spec) if p == Shard(0)})
-    specs = prog.param_specs
-    params = sorted({names[a] for fqn in prog.traced.params for a, p in enumerate(specs[fqn])
-                     if isinstance(p, Shard)})
-    # other values split on an axis that carries neither (a sequence, the experts' token groups)
-    activations = sorted({names[a] for node in prog.state.gm.graph.nodes if node.op == "call_function"
-                          for a, p in enumerate(node.meta.get(meta.SPEC, ())) if isinstance(p, Shard)}
-                         - set(batch) - set(params))
-    if batch:
-        parts.append(f"batch on {batch}")
-    if params:
-        parts.append(f"parameters split on {params}")
-    if activations:
-        parts.append(f"activations split on {activations}")
-    if prog.zero is not None:
-        parts.append(repr(prog.zero))
-    return ", ".join(parts) or "replicated"
 
 
 def _why(rows: list, chosen: list) -> str:

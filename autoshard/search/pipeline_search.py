@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import math
 import os
@@ -108,13 +109,29 @@ def choose_pipeline(request: CompileRequest, pipeline, unnamed: bool):
     if axis is None and pipeline is not None and not unnamed:
         raise UserInputError(f"pipeline options given but no pipeline axis: name a mesh axis 'pp' or pass "
                              f"pipeline={{'axis': ...}} (mesh axes: {list(mesh.names)})")
-    if axis is None and (not unnamed or request.hints or not isinstance(request.model, torch.nn.Module)):
+    if axis is None and not (unnamed and searches_axes(request, pipeline)):
         return None  # hints name axis roles (the user has decided them); a non-module fails in the front end
     if axis is not None:
         if axis not in mesh.names:
             raise UserInputError(f"pipeline axis {axis!r} is not a mesh axis; mesh axes: {list(mesh.names)}")
         return best_schedule(request, _best_microbatches(request, axis, opts), opts)
     return _search_axes(request, opts)
+
+
+def searches_axes(request: CompileRequest, pipeline) -> bool:
+    """Whether `choose_pipeline` weighs every axis of `request`'s mesh as the pipeline's (`_search_axes`): an unnamed
+    mesh without hints (they name the axes' roles) or a saved plan, and no pipeline axis given.
+
+    >>> from autoshard.frontend.request import CompileRequest
+    >>> [searches_axes(CompileRequest(model, mesh, inputs, loss_fn=loss_fn), None)
+    ...  for mesh in (autoshard.Mesh((2,)), autoshard.Mesh((2,), ("pp",)))]
+    [True, False]
+    """
+    if pipeline is False or request.plan is not None or request.hints or request.mesh.named:
+        return False
+    if not isinstance(request.model, torch.nn.Module):
+        return False
+    return check_options(pipeline).get("axis") is None and "pp" not in request.mesh.names
 
 
 # Besides 1F1B, the schedules the search weighs (with two stages per rank): zero bubble fills the bubble with
@@ -370,7 +387,6 @@ def _first_counts(p: int, batch: int, inner: tuple) -> list[int]:
 
 def _search_axes(request: CompileRequest, opts: dict):
     """No pipeline, or one axis of each (size, link) class as pp (equal classes plan alike)."""
-    mesh = request.mesh
     try:
         flat = plan_with_hand_plans(request)
         candidates = [{"axis": None, "predicted_step_s": flat.plan.predicted.step_time_s}]
@@ -378,42 +394,97 @@ def _search_axes(request: CompileRequest, opts: dict):
     except AutoshardError as exc:  # e.g. no intra-op plan fits the memory budget: a pipeline may
         flat, flat_error, best_step = None, exc, float("inf")
         candidates = [{"axis": None, "error": str(exc).splitlines()[0]}]
-    best, seen, errors = None, {}, [] if flat is not None else [flat_error]
-    profile = request.options.profile
-    # The slowest links first, the longest axis first among them (Megatron's place for a pipeline): the likeliest
-    # winner planned early gives the others' re-plans a tight bound to prune against (`_replan_bound`, and the
-    # micro-batch counts' estimates), which skip only what they say cannot win: the order moves the time, not the
-    # plan (the same plans for Llama 3 8B / 70B / 405B and every pinned case). Llama-3-405B on (2, 32, 8): a1 (32
-    # stages) before a0 (2), whose ZeRO-data variant was planned four times against the flat plan's 108 s.
+    best, errors = None, [] if flat is not None else [flat_error]
+    for name, same_as in pipeline_axes(request):
+        if same_as is not None:
+            candidates.append({"axis": name, "same_as": same_as})
+            continue
+        part = search_axis(request, name, opts, best_step)
+        candidates += part.rows
+        errors += part.errors
+        best, best_step = _faster(part.best, best, best_step)
+    if best is None and flat is None:
+        log.info(_why(candidates, None))
+        raise smallest_footprint(errors)
+    target = best if best is not None else flat
+    target.plan.search = pipeline_record(flat.plan.search if flat is not None else None, target is flat, candidates,
+                                         best.config.axis if best is not None else None)
+    return target
+
+
+def pipeline_axes(request: CompileRequest) -> list[tuple[str, str | None]]:
+    """The axes an unnamed mesh may pipeline over, in the order the search plans them, each with the axis of its
+    (size, link) class planned before it (None for the first of its class: those plan alike, so only the first is
+    planned). The slowest links first, the longest axis first among them (Megatron's place for a pipeline): the
+    likeliest winner planned early gives the others' re-plans a tight bound to prune against (`_replan_bound`, and
+    the micro-batch counts' estimates), which skip only what they say cannot win: the order moves the time, not the
+    plan (the same plans for Llama 3 8B / 70B / 405B and every pinned case). Llama-3-405B on (2, 32, 8): a1 (32
+    stages) before a0 (2), whose ZeRO-data variant was planned four times against the flat plan's 108 s.
+
+    >>> from autoshard.frontend.request import CompileRequest
+    >>> pipeline_axes(CompileRequest(model, autoshard.Mesh((4, 4, 4)), inputs, loss_fn=loss_fn))  # a0, a1 across nodes
+    [('a0', None), ('a1', 'a0'), ('a2', None)]
+    """
+    mesh, profile = request.mesh, request.options.profile
     order = sorted(range(mesh.ndim), key=lambda i: (profile.link(mesh.shape, i).bandwidth, -mesh.shape[i], i))
+    axes, seen = [], {}
     for i in order:
-        name = mesh.names[i]
-        key = (mesh.shape[i], profile.link(mesh.shape, i))
         if mesh.shape[i] < 2:
             continue
-        if key in seen:
-            candidates.append({"axis": name, "same_as": seen[key]})
-            continue
-        seen[key] = name
-        planned = _plan_axis(request, name, opts, min(best_step, _STEP_TO_BEAT.get()), candidates, errors)
-        best, best_step = _faster(planned, best, best_step)
-        # then the same pipeline with the batch and ZeRO-2 on an axis where that plan split parameters instead
-        variant = _zero_data_request(request, planned) if planned is not None else None
-        if variant is not None:
-            best, best_step = _faster(_plan_axis(variant, name, opts, min(best_step, _STEP_TO_BEAT.get()),
-                                                 candidates, errors), best, best_step)
-    chosen = best.config.axis if best is not None else None
+        key = (mesh.shape[i], profile.link(mesh.shape, i))
+        axes.append((mesh.names[i], seen.get(key)))
+        seen.setdefault(key, mesh.names[i])
+    return axes
+
+
+@dataclasses.dataclass
+class AxisSearch:
+    """One axis's part of the pipeline search (`search_axis`): the fastest pipeline over it that beats the step it
+    was given (None when none does), its rows of `plan.search["candidates"]` and the refusals among them.
+
+    >>> AxisSearch(None, [{"axis": "a0", "error": "no plan fits"}], []).best is None
+    True
+    """
+    best: object
+    rows: list
+    errors: list
+
+
+def search_axis(request: CompileRequest, axis: str, opts: dict, best_step: float = math.inf) -> AxisSearch:
+    """The pipeline over `axis` (micro-batch count and schedule searched), then the same pipeline with the batch and
+    ZeRO-2 on an axis where that plan split parameters instead (`_zero_data_request`); each pruned by `best_step`
+    (the step to beat: the flat plan's or another axis's) and by `step_to_beat`. The mesh search plans the axes of
+    a shape as separate tasks this way (`best_step` unknown there: each is compared afterwards).
+
+    >>> from autoshard.frontend.request import CompileRequest
+    >>> part = search_axis(CompileRequest(model, autoshard.Mesh((2,)), inputs, loss_fn=loss_fn), "a0", {})
+    >>> part.best.config.axis, [row["axis"] for row in part.rows]
+    ('a0', ['a0'])
+    """
+    rows, errors, best = [], [], None
+    planned = _plan_axis(request, axis, opts, min(best_step, _STEP_TO_BEAT.get()), rows, errors)
+    best, best_step = _faster(planned, best, best_step)
+    variant = _zero_data_request(request, planned) if planned is not None else None
+    if variant is not None:
+        best, best_step = _faster(_plan_axis(variant, axis, opts, min(best_step, _STEP_TO_BEAT.get()), rows, errors),
+                                  best, best_step)
+    return AxisSearch(best, rows, errors)
+
+
+def pipeline_record(flat_search: dict | None, flat_kept: bool, candidates: list, chosen: str | None) -> dict:
+    """The search record (`plan.search`) of the plan the pipeline search keeps: the flat plan's own record
+    (`flat_search`: the hand plans it was compared with) when it is kept (`flat_kept`), else only its hand-plan rows,
+    as the no-pipeline candidate's alternatives; then every candidate's row and why the `chosen` axis (None: none).
+
+    >>> pipeline_record({"hand_plans_deferred": True, "other": 1}, False, [{"axis": "a0", "predicted_step_s": 1.0}],
+    ...                 "a0")["why"]
+    "pipelined over axis 'a0' (fastest predicted step): pipeline over a0: predicted step 1 s"
+    """
     why = _why(candidates, chosen)
     log.info(why)
-    if best is None and flat is None:
-        raise _smallest_footprint(errors)
-    target = best if best is not None else flat
-    # The flat plan's record (the hand plans it was compared with) is kept beside the pipeline candidates; for a
-    # pipelined plan only the rows, as the no-pipeline candidate's alternatives.
-    kept = {} if flat is None else flat.plan.search if target is flat else \
-        {k: v for k, v in flat.plan.search.items() if k in ("hand_plans", "hand_plans_deferred")}
-    target.plan.search = {**kept, "candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
-    return target
+    kept = {} if flat_search is None else flat_search if flat_kept else \
+        {k: v for k, v in flat_search.items() if k in ("hand_plans", "hand_plans_deferred")}
+    return {**kept, "candidates": candidates, "chosen_pipeline_axis": chosen, "why": why}
 
 
 def _faster(prog, best, best_step: float) -> tuple:
@@ -469,9 +540,13 @@ def _zero_data_request(request: CompileRequest, prog):
     return request.replace(hints=hints, options=request.options.replace(zero={name: 2}))
 
 
-def _smallest_footprint(errors: list) -> AutoshardError:
+def smallest_footprint(errors: list) -> AutoshardError:
     """The refusal when no candidate plans: the memory refusal with the smallest footprint over every
-    candidate (flat and each pipeline), else the flat plan's error."""
+    candidate (flat and each pipeline), else the flat plan's error.
+
+    >>> str(smallest_footprint([UserInputError("no batch")]))
+    'no batch'
+    """
     memory = [e for e in errors if isinstance(e, MemoryBudgetError)]
     if len(memory) < len(errors) or not memory:
         return errors[0]
