@@ -29,15 +29,16 @@ def test_a_pipeline_that_splits_parameters_where_the_batch_could_go_is_also_plan
     gathers or reductions every micro-batch on that axis), the search also plans the same pipeline with the batch
     and ZeRO-2 on that axis, and keeps the faster."""
     from autoshard.frontend.request import CompileRequest
-    from autoshard.search.pipeline_search import _best_microbatches, _zero_data_request
+    from autoshard.search.microbatch_search import best_microbatches
+    from autoshard.search.pipeline_search import _zero_data_request
     model, inputs, loss_fn = gpt2(n_layers=4)
     mesh = autoshard.Mesh((2, 2), ("pp", "a"))
     split = CompileRequest(model, mesh, inputs, loss_fn=loss_fn,
                            hints={"input:0": {"a": "R"}, "layers.*.mlp.fc1.weight": {"a": "S(0)"}})
-    prog = _best_microbatches(split, "pp", {})
+    prog = best_microbatches(split, "pp", {})
     variant = _zero_data_request(split.replace(hints=None), prog)
     assert variant.options.zero == {"a": 2} and variant.hints == {"input:0": {"a": "S(0)"}}
-    planned = _best_microbatches(variant, "pp", {})
+    planned = best_microbatches(variant, "pp", {})
     assert planned.zero is not None and (planned.zero.axis, planned.zero.stage) == ("a", 2)
     assert any(p == autoshard.Shard(0) for spec in planned.input_specs for p in spec)
     plain = variant.replace(hints=None, options=variant.options.replace(zero=None))
@@ -46,14 +47,14 @@ def test_a_pipeline_that_splits_parameters_where_the_batch_could_go_is_also_plan
 
 def test_a_search_does_not_replan_an_overflowing_pipeline_that_cannot_win(monkeypatch):
     """A pipeline whose fullest pp rank overflows the budget is planned again against a tighter one (up to REPLANS
-    times), unless the caller's `worth_replanning` says it cannot win (the search's bound: pipeline_search's
-    `_replan_bound`, least step against the best so far); then PipelineNotReplanned says why."""
+    times), unless the caller's `worth_replanning` says it cannot win (the search's bound: microbatch_search's
+    `replan_bound`, least step against the best so far); then PipelineNotReplanned says why."""
     import pytest
 
     from autoshard.frontend.request import CompileRequest
     from autoshard.ir.errors import AutoshardError
     from autoshard.program import pipeline
-    from autoshard.search.pipeline_search import _replan_bound
+    from autoshard.search.microbatch_search import replan_bound
 
     model, inputs, loss_fn = gpt2(n_layers=4)
     request = CompileRequest(model, autoshard.Mesh((2,), ("pp",)), inputs, loss_fn=loss_fn)
@@ -68,9 +69,9 @@ def test_a_search_does_not_replan_an_overflowing_pipeline_that_cannot_win(monkey
 
     monkeypatch.setattr(pipeline, "compile_state", overflowing)
     with pytest.raises(pipeline.PipelineNotReplanned, match="cannot beat 1e-09 s"):
-        pipeline.parallelize_pipeline(request, "pp", {"microbatches": 4}, _replan_bound(1e-9, "1F1B", 1))
+        pipeline.parallelize_pipeline(request, "pp", {"microbatches": 4}, replan_bound(1e-9, "1F1B", 1))
     assert len(compiled) == 1  # planned once, not again
     compiled.clear()
     with pytest.raises(AutoshardError, match="no plan fits the memory budget"):  # may win: planned again, refused
-        pipeline.parallelize_pipeline(request, "pp", {"microbatches": 4}, _replan_bound(1e9, "1F1B", 1))
+        pipeline.parallelize_pipeline(request, "pp", {"microbatches": 4}, replan_bound(1e9, "1F1B", 1))
     assert len(compiled) == 1 + pipeline.REPLANS and compiled[1] < compiled[0]

@@ -54,7 +54,8 @@ from autoshard.search.hand_plan_search import (
     hand_plans_deferred,
     plan_with_hand_plans,
 )
-from autoshard.search.pipeline_search import first_microbatch_counts, step_to_beat
+from autoshard.search.microbatch_search import first_microbatch_counts
+from autoshard.search.pipeline_search import step_to_beat
 from autoshard.search.planning_workers import (
     picklable,
     planning_workers,

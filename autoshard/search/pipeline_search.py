@@ -1,15 +1,11 @@
-"""Whether to pipeline, over which axis, with how many micro-batches: decided by predicted step time.
+"""Whether to pipeline, and over which axis: decided by predicted step time.
 
-A named axis "pp" (or `pipeline={"axis": ...}`) fixes the axis; the micro-batch count, when not given,
-is the multiple of p dividing the batch with the least predicted step time: planned at p or 2p (and at Megatron's
-count, one sample per data-parallel device, when that first plan does not split its micro-batch over them all),
-every other count estimated from those plans (see `estimate_step`), and re-planned once if another count wins. On an unnamed mesh without
-hints every axis of size >= 2 is a candidate pp axis besides not pipelining at all (one per class of equal size and
-links); each is planned (intra-op plan on the other axes + cut) and, where that plan splits parameters on an
-inner axis that does not carry the batch, planned again with the batch and ZeRO-2 there (`_zero_data_request`); the
-fastest predicted step wins. The predicted
-step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1) x the slowest stage + the
-slowest stage's gradient sync; `plan.pipeline["search"]` keeps every candidate's figures (the why).
+A named axis "pp" (or `pipeline={"axis": ...}`) fixes the axis; its micro-batch count and schedule, when not given,
+are searched (autoshard/search/microbatch_search.py). On an unnamed mesh without hints every axis of size >= 2 is a
+candidate pp axis besides not pipelining at all (one per class of equal size and links); each is planned (intra-op
+plan on the other axes + cut) and, where that plan splits parameters on an inner axis that does not carry the
+batch, planned again with the batch and ZeRO-2 there (`_zero_data_request`); the fastest predicted step wins;
+`plan.search["candidates"]` keeps every candidate's figures (the why).
 
 On an unnamed mesh the planner compares pipelining over each axis with not pipelining:
 
@@ -39,11 +35,14 @@ from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import (
     batch_size,
     check_options,
-    inner_mesh,
     parallelize_pipeline,
-    recut_pipeline,
 )
 from autoshard.search.hand_plan_search import plan_with_hand_plans
+from autoshard.search.microbatch_search import (
+    SEARCH_RECORDS,
+    best_microbatches,
+    best_schedule,
+)
 from autoshard.solver.errors import MemoryBudgetError
 
 log = logging.getLogger(__name__)
@@ -69,17 +68,6 @@ def step_to_beat(seconds: float):
         yield
     finally:
         _STEP_TO_BEAT.reset(token)
-
-
-def predicted_step(stages: list[dict], m: int, virtual: int = 1) -> float:
-    """Step time of a pipeline whose stages take `stages[s]["seconds"]` per micro-batch.
-
-    >>> predicted_step([{"seconds": 1.0, "sync_s": 0.5}, {"seconds": 2.0, "sync_s": 0.0}], m=4)  # 3 + 3 x 2 + 0.5
-    9.5
-    """
-    per_rank = max(s["seconds"] for s in stages) * virtual
-    sync = max(s["sync_s"] for s in stages)
-    return sum(s["seconds"] for s in stages) + (m - 1) * per_rank + sync
 
 
 def choose_pipeline(request: CompileRequest, pipeline, unnamed: bool):
@@ -114,7 +102,7 @@ def choose_pipeline(request: CompileRequest, pipeline, unnamed: bool):
     if axis is not None:
         if axis not in mesh.names:
             raise UserInputError(f"pipeline axis {axis!r} is not a mesh axis; mesh axes: {list(mesh.names)}")
-        return best_schedule(request, _best_microbatches(request, axis, opts), opts)
+        return best_schedule(request, best_microbatches(request, axis, opts), opts)
     return _search_axes(request, opts)
 
 
@@ -132,98 +120,6 @@ def searches_axes(request: CompileRequest, pipeline) -> bool:
     if not isinstance(request.model, torch.nn.Module):
         return False
     return check_options(pipeline).get("axis") is None and "pp" not in request.mesh.names
-
-
-# Besides 1F1B, the schedules the search weighs (with two stages per rank): zero bubble fills the bubble with
-# weight gradients (Qi et al. 2023), interleaving shrinks it by the number of stages per rank (Narayanan et al.
-# 2021; torchtitan measured interleaved 1F1B 28% faster than 1F1B on Llama 3 405B). Zero bubble first: it keeps
-# 1F1B's activations in flight, so it is a recut of the same plan (cheap), and its step may rule out interleaving,
-# which keeps more in flight and is planned afresh (on Llama 3 70B over (2, 32, 8): 14 s of a 51 s plan).
-SEARCHED_SCHEDULES = (("ZBVZeroBubble", 2), ("Interleaved1F1B", 2))
-# What a pipelined plan's record keeps of its searches (part of its fingerprint; a saved plan carries them).
-SEARCH_RECORDS = ("microbatch_search", "not_replanned", "schedule_search")
-
-
-def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = float("inf")):
-    """`prog`'s pipeline (one stage per rank, 1F1B) or, when its predicted step is shorter, the same axis and
-    micro-batch count under each of SEARCHED_SCHEDULES: each is the same micro-batch program cut into twice the
-    stages (`recut_pipeline`), and its step is the simulated timeline of the schedule's own action order. A schedule
-    or virtual stages the user gave are kept; `plan.pipeline["schedule_search"]` lists what was compared. A schedule
-    whose least step (`least_step`) cannot beat `to_beat` (the best step found so far) or the best schedule so far
-    is not planned.
-
-    >>> from autoshard.frontend.request import CompileRequest
-    >>> deep, deep_inputs, deep_loss = mlp(n_layers=8)
-    >>> request = CompileRequest(deep, autoshard.Mesh((2,), ("pp",)), deep_inputs, loss_fn=deep_loss)
-    >>> piped = best_schedule(request, _best_microbatches(request, "pp", {}), {})
-    >>> [row["schedule"] for row in piped.plan.pipeline["schedule_search"]]
-    ['1F1B', 'ZBVZeroBubble', 'Interleaved1F1B']
-    """
-    if "schedule" in opts or "virtual_stages" in opts:
-        return prog
-    work = prog.predicted_step_s * (1 - prog.predicted_bubble)  # its step without the bubble
-    if work >= to_beat:
-        return prog
-    config = prog.config
-    rows = [{"schedule": config.schedule, "virtual_stages": config.virtual,
-             "predicted_step_s": prog.predicted_step_s}]
-    best = prog
-    for schedule, virtual in SEARCHED_SCHEDULES:
-        least = least_step(work, config.pp_size, config.microbatches, schedule, virtual)
-        beat = min(to_beat, best.predicted_step_s)
-        if least >= beat:
-            rows.append({"schedule": schedule, "virtual_stages": virtual,
-                         "not_planned": f"its least step {least:.4g} s cannot beat {beat:.4g} s"})
-            continue
-        try:  # the same micro-batch program, cut into `virtual` stages per rank
-            other = recut_pipeline(request, prog, dict(opts, microbatches=config.microbatches, schedule=schedule,
-                                                       virtual_stages=virtual), _replan_bound(beat, schedule, virtual))
-        except AutoshardError as exc:  # e.g. fewer layers than stages
-            rows.append({"schedule": schedule, "virtual_stages": virtual, "error": str(exc).splitlines()[0]})
-            continue
-        step = other.predicted_step_s
-        rows.append({"schedule": schedule, "virtual_stages": virtual, "predicted_step_s": step})
-        if step < best.predicted_step_s:
-            best = other
-    for key in SEARCH_RECORDS[:2]:  # the micro-batch count was searched under 1F1B
-        if key in prog.search_records:
-            best.record(key, prog.search_records[key])
-    best.record("schedule_search", rows)
-    return best
-
-
-def _replan_bound(to_beat: float, schedule: str, virtual: int):
-    """parallelize_pipeline's `worth_replanning` for a search whose best step so far is `to_beat`: a plan whose
-    fullest pp rank overflows the budget is planned again against a tighter one (one to three more plans of the
-    micro-batch program) only if its least step (`least_step` of its work) can beat `to_beat`: the tighter budget
-    only constrains it more. None (always re-plan) while nothing is known to beat.
-
-    >>> _replan_bound(float("inf"), "1F1B", 1) is None
-    True
-    """
-    if math.isinf(to_beat):
-        return None
-
-    def reason(prog) -> str | None:
-        config = prog.config
-        least = least_step(prog.predicted_step_s * (1 - prog.predicted_bubble), config.pp_size, config.microbatches,
-                           schedule, virtual)
-        return None if least < to_beat else f"not planned again: its least step {least:.4g} s cannot beat {to_beat:.4g} s"
-    return reason
-
-
-def least_step(work: float, p: int, m: int, schedule: str, virtual: int) -> float:
-    """The least step a schedule can take for a pipeline whose 1F1B plan does `work` seconds besides its bubble:
-    interleaving leaves a bubble of (p - 1) / (virtual x m) of the work (Narayanan et al. 2021), zero bubble none. A
-    bound as the search's other prunes are: a plan of this schedule keeps at least as many activations in flight,
-    so its ILP is at least as constrained and its work per micro-batch no smaller.
-
-    >>> least_step(64.0, p=32, m=64, schedule="Interleaved1F1B", virtual=2), least_step(64.0, 32, 64, "ZBVZeroBubble", 2)
-    (79.5, 64.0)
-    """
-    if schedule == "Interleaved1F1B":
-        return work * (1 + (p - 1) / (virtual * m))
-    return work
 
 
 def _from_saved(request: CompileRequest, pipeline):
@@ -253,136 +149,6 @@ def _from_saved(request: CompileRequest, pipeline):
                                 f"annotations and profile= as when it was made (the cut weighs each stage's "
                                 f"predicted time; its cut: {record['cut']})")
     return prog
-
-
-def _microbatch_candidates(p: int, batch: int) -> list[int]:
-    """The counts the first plan is made at (the smallest bubble per planning second)."""
-    return [m for m in (p, 2 * p, 4 * p) if m <= batch and batch % m == 0] or [1]
-
-
-def _data_devices(inner: tuple) -> int:
-    """The devices Megatron's rule gives data parallelism in an inner mesh: all but its innermost axis (tensor
-    parallelism inside a node); none of a one-axis mesh."""
-    return math.prod(inner[:-1]) if len(inner) > 1 else 1
-
-
-def _batch_ways(prog) -> int:
-    """Over how many devices of the inner mesh the first plan splits a micro-batch (its data parallelism)."""
-    shape = prog.inner_mesh.shape
-    specs = [spec for spec in prog.input_specs if spec]
-    return max((math.prod(shape[a] for a, p in enumerate(spec) if p == Shard(0)) for spec in specs), default=1)
-
-
-def _finer_counts(p: int, batch: int, ways: int) -> list[int]:
-    """The micro-batch counts estimated from the first plan: every multiple of the pp size dividing the batch
-    whose micro-batch still splits over the `ways` devices the first plan gives the batch (Megatron runs 8 to 24
-    micro-batches per stage: the bubble (p - 1) / (m + p - 1) shrinks with m while each micro-batch's latencies
-    stay).
-
-    >>> _finer_counts(2, 48, 4)  # micro-batches of 24, 12, 8, 4 sequences over 4 data-parallel devices
-    [2, 4, 6, 12]
-    """
-    return [m for m in range(p, batch + 1, p) if batch % m == 0 and (batch // m) % ways == 0]
-
-
-def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link, action_s: float = 0.0) -> float:
-    """The predicted step with `m` micro-batches from stage times measured at `m0`: the bandwidth and
-    compute parts scale with the micro-batch size, the latencies (collectives, stage sends, the runtime's
-    `action_s` per forward and backward) do not.
-
-    >>> from autoshard.cost.profiles import Link
-    >>> stages = [{"seconds": 1.0, "sync_s": 0.0}, {"seconds": 1.0, "sync_s": 0.0}]
-    >>> estimate_step(stages, m0=2, m=4, virtual=1, link=Link(0.0, 1e9))  # half the time per micro-batch, 4 + 1
-    2.5
-    """
-    scaled = []
-    for row in stages:
-        fixed = row.get("latency_s", 0.0) + 4 * link.alpha
-        scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed + 2 * action_s))
-    return predicted_step(scaled, m, virtual)
-
-
-def _best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: float = float("inf")):
-    """Plan at one or two micro-batch counts (`_first_counts`), estimate the others from each plan, re-plan once if
-    another count is expected to be faster; the fastest planned count wins. The re-plan is skipped when even without
-    its gradient sync (the only cost a plan for another count weighs differently: its share per micro-batch) the
-    estimate cannot beat `to_beat`, the best step found so far."""
-    if "microbatches" in opts:
-        return parallelize_pipeline(request, axis, opts)
-    inputs = request.example_inputs
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    mesh = request.mesh
-    p, batch = mesh.shape[mesh.axis(axis)], batch_size(inputs)
-    request = request.replace(example_inputs=inputs)
-    planned, errors = {}, []
-    replan = _replan_bound(to_beat, "1F1B", 1)
-    inner = inner_mesh(mesh, axis).shape
-    for m in _first_counts(p, batch, inner):
-        if planned and all(_batch_ways(prog) >= _data_devices(inner) for prog in planned.values()):
-            break  # the first plan splits its micro-batch over every data device: it estimates the finer count
-        try:
-            planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m), replan)
-        except AutoshardError as exc:  # e.g. micro-batches too large to fit: the finer count may
-            errors.append(exc)
-    if not planned:
-        raise errors[0]
-    expected = {}  # count -> (expected step, the planned count it is estimated from)
-    for m0, prog in planned.items():
-        config, stages = prog.config, prog.state.pipeline_stages
-        own = estimate_step(stages, m0, m0, config.virtual, config.link, config.action_s)
-        for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
-            # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
-            step = estimate_step(stages, m0, m, config.virtual, config.link, config.action_s) \
-                * prog.predicted_step_s \
-                / own if m != m0 else prog.predicted_step_s
-            if m not in expected or step < expected[m][0]:
-                expected[m] = (step, m0)
-    best = min(expected, key=lambda m: (expected[m][0], m))
-    base = planned[expected[best][1]]
-    sync = max(row.get("sync_s", 0.0) for row in base.state.pipeline_stages)
-    pruned = best not in planned and expected[best][0] - sync >= to_beat
-    if best not in planned and not pruned:
-        try:
-            planned[best] = parallelize_pipeline(request, axis, dict(opts, microbatches=best), replan)
-        except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep the planned counts
-            log.info("pipelining with %d micro-batches is not possible (%s)", best, exc)
-    prog = min(planned.values(), key=lambda prog: (prog.predicted_step_s, prog.config.microbatches))
-    prog.record("microbatch_search", {str(m): expected[m][0] for m in sorted(expected)})
-    if pruned:
-        prog.record("not_replanned", {"microbatches": best, "expected_step_s": expected[best][0]})
-    return prog
-
-
-def first_microbatch_counts(shape: tuple, batch: int) -> list[int]:
-    """The micro-batch counts the pipeline search plans first on a mesh of `shape`, over every axis it may pipeline
-    (`_first_counts` of each): the mesh search traces these micro-batches before it forks its workers, which would
-    otherwise each trace them again.
-
-    >>> first_microbatch_counts((8, 8), 16), first_microbatch_counts((2, 4, 8), 16)
-    ([16], [4, 8, 16])
-    """
-    counts = set()
-    for i, p in enumerate(shape):
-        if p >= 2:
-            counts.update(_first_counts(p, batch, shape[:i] + shape[i + 1:]))
-    return sorted(counts)
-
-
-def _first_counts(p: int, batch: int, inner: tuple) -> list[int]:
-    """The micro-batch counts planned before the others are estimated: the largest of p, 2p that divides the
-    batch (a small bubble for few micro-batches), and, when it is at least four times as many, Megatron's count:
-    one sample per data-parallel device and micro-batch, the data-parallel devices taken as the inner mesh less
-    its innermost axis (tensor parallelism inside a node). A plan at a large micro-batch may shard very
-    differently (its activations crowd out the parameters): estimates from it alone would miss the fine counts.
-
-    >>> _first_counts(2, 1536, (32, 8)), _first_counts(2, 8, (2,))
-    ([4, 48], [4])
-    """
-    coarse = _microbatch_candidates(p, batch)
-    first = max([m for m in coarse if m <= 2 * p] or coarse[:1])
-    data = _data_devices(inner)
-    fine = [m for m in _finer_counts(p, batch, data) if batch // m == data] if data > 1 else []
-    return [first] + [m for m in fine if m >= 4 * first]
 
 
 def _search_axes(request: CompileRequest, opts: dict):
@@ -416,7 +182,7 @@ def pipeline_axes(request: CompileRequest) -> list[tuple[str, str | None]]:
     """The axes an unnamed mesh may pipeline over, in the order the search plans them, each with the axis of its
     (size, link) class planned before it (None for the first of its class: those plan alike, so only the first is
     planned). The slowest links first, the longest axis first among them (Megatron's place for a pipeline): the
-    likeliest winner planned early gives the others' re-plans a tight bound to prune against (`_replan_bound`, and
+    likeliest winner planned early gives the others' re-plans a tight bound to prune against (`replan_bound`, and
     the micro-batch counts' estimates), which skip only what they say cannot win: the order moves the time, not the
     plan (the same plans for Llama 3 8B / 70B / 405B and every pinned case). Llama-3-405B on (2, 32, 8): a1 (32
     stages) before a0 (2), whose ZeRO-data variant was planned four times against the flat plan's 108 s.
@@ -499,7 +265,7 @@ def _plan_axis(request: CompileRequest, axis: str, opts: dict, to_beat: float, c
     is appended to `candidates` (a refusal's to `errors` too)."""
     row = {"axis": axis} if request.options.zero is None else {"axis": axis, "zero": request.options.zero}
     try:
-        prog = best_schedule(request, _best_microbatches(request, axis, opts, to_beat=to_beat), opts, to_beat=to_beat)
+        prog = best_schedule(request, best_microbatches(request, axis, opts, to_beat=to_beat), opts, to_beat=to_beat)
     except AutoshardError as exc:
         candidates.append({**row, "error": str(exc).splitlines()[0]})
         errors.append(exc)
@@ -522,7 +288,7 @@ def _zero_data_request(request: CompileRequest, prog):
 
     >>> from autoshard.frontend.request import CompileRequest
     >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("pp", "a")), inputs, loss_fn=loss_fn)
-    >>> _zero_data_request(request, _best_microbatches(request, "pp", {})) is None  # it splits the batch on a
+    >>> _zero_data_request(request, best_microbatches(request, "pp", {})) is None  # it splits the batch on a
     True
     """
     inner = prog.inner_mesh
