@@ -63,7 +63,13 @@ from autoshard.search.planning_workers import (
     tell,
     worker_pool,
 )
-from autoshard.search.shape_parts import assembled, plan_part, shape_tasks
+from autoshard.search.shape_parts import (
+    FIRST_TASKS,
+    assembled,
+    plan_part,
+    shape_tasks,
+    step_found,
+)
 from autoshard.search.shape_result import (
     ShapeResult,
     deferred_flat_step,
@@ -209,15 +215,18 @@ def _kept_and_reach(results: list) -> tuple:
 
 def _plan_here(request: CompileRequest, compile_on_mesh, pipeline, shapes: list) -> tuple:
     """(every shape's (result, warnings), {shape: (hand plans' result, warnings)} on those in reach, None): planned
-    in this process, one after the other (the first shapes, then the others' tasks, those that prune bounded by the
-    best step among the first: `_later_tasks`)."""
+    in this process, one after the other (the first shapes, then the others' tasks, bounded by the best step among
+    the first and, after a shape's first tasks, by theirs: `_later_tasks`)."""
     first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
     runners = _runners(request, compile_on_mesh, pipeline, keep_program=True)
     planned = run_tasks(lambda shape: runners["shape"]((math.inf, shape)), first, 1)
     bound = min(result.step for result, _ in planned)
-    bounded, free = _later_tasks(request, pipeline, later)
-    tasks = bounded + free
+    opening, free, rest = _later_tasks(request, pipeline, later)
+    tasks = opening + free
     done = dict(zip(tasks, run_tasks(lambda task: runners[task[0]]((bound, task[1])), tasks, 1)))
+    for first_tasks, others in rest.values():
+        best = step_found([done[task][0] for task in first_tasks])
+        done.update(zip(others, run_tasks(lambda task, best=best: runners["part"]((bound, task[1], best)), others, 1)))
     outcomes: dict = {}
     planned += [_shape_outcome(request, pipeline, shape, done, bound, outcomes) for shape in later]
     _, reach = _kept_and_reach([result for result, _ in planned])
@@ -229,13 +238,13 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, pipeline, shapes:
     """What `_plan_here` gives, planned in `workers` forked processes, and the kept shape's Program applied here
     meanwhile. The first shapes (a fixed number, whatever the number of workers, so that the pruning and the plan
     do not depend on it) and the later shapes' flat plans, which prune nothing, then the others' tasks bounded by
-    the best step among the first (`_later_tasks`); when they leave a worker idle, it compares the hand plans of the
-    shape kept so far (then of those within its reach): Llama 3 70B over 512 devices spent 12 s of its 79 with one
-    worker idle there. Once every shape is planned, the hand plans of the shapes in reach that were not compared
-    yet are, and a pipelined kept plan is applied here meanwhile (its Program, unless a hand plan wins: then that
-    one is applied after)."""
+    the best step among the first (`_later_tasks`: a shape's other axes once its first tasks are done); when they
+    leave a worker idle, it compares the hand plans of the shape kept so far (then of those within its reach):
+    Llama 3 70B over 512 devices spent 12 s of its 79 with one worker idle there. Once every shape is planned, the
+    hand plans of the shapes in reach that were not compared yet are, and a pipelined kept plan is applied here
+    meanwhile (its Program, unless a hand plan wins: then that one is applied after)."""
     first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
-    bounded, free = _later_tasks(request, pipeline, later)
+    opening, free, rest = _later_tasks(request, pipeline, later)
     runners = _runners(request, compile_on_mesh, pipeline, keep_program=False)
     with worker_pool({**runners, "hand": functools.partial(_plan_hand_plans, request, False)}, workers) as pool:
         firsts = [pool.submit("shape", (math.inf, shape)) for shape in first]
@@ -243,13 +252,21 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, pipeline, shapes:
         futures = {task: pool.submit(task[0], (math.inf, task[1])) for task in free}
         planned = [future.result() for future in firsts]
         bound = min(result.step for result, _ in planned)
-        futures.update({task: pool.submit(task[0], (bound, task[1])) for task in bounded})
+        futures.update({task: pool.submit(task[0], (bound, task[1])) for task in opening})
         hand: dict = {}
         outcomes: dict = {}
         pending = {future for future in futures.values() if not future.done()}
-        while not all(future.done() for future in futures.values()):
+        # until every shape is planned (not the hand plans: the kept plan is applied here while they run)
+        while rest or not all(future.done() for future in futures.values()):
             _, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
             done = {task: future.result() for task, future in futures.items() if future.done()}
+            for shape, (first_tasks, others) in list(rest.items()):  # a shape's other axes, once its first are done
+                if all(task in done for task in first_tasks):
+                    best = step_found([done[task][0] for task in first_tasks])
+                    for task in others:
+                        futures[task] = pool.submit("part", (bound, task[1], best))
+                        pending.add(futures[task])
+                    del rest[shape]
             known = [result for result, _ in planned] + [
                 outcome[0] for outcome in (_shape_outcome(request, pipeline, shape, done, bound, outcomes)
                                            for shape in later) if outcome is not None]
@@ -278,33 +295,37 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, pipeline, shapes:
 
 def _runners(request: CompileRequest, compile_on_mesh, pipeline, keep_program: bool) -> dict:
     """The functions that run the search's tasks, by name, each on (the step to beat, a whole shape or one task of a
-    shape's search: `_later_tasks`)."""
+    shape's search: `_later_tasks`[, the step the shape's first tasks found])."""
     return {"shape": lambda item: _plan_shape(request, compile_on_mesh, keep_program, *item),
             "part": lambda item: plan_part(request, pipeline, *item)}
 
 
-def _later_tasks(request: CompileRequest, pipeline, later: list) -> tuple[list, list]:
+def _later_tasks(request: CompileRequest, pipeline, later: list) -> tuple[list, list, dict]:
     """The tasks that plan the shapes after the first ones, as (runner name, item): each shape's search split into
     its flat plan and its pipeline axes where it weighs them one by one (autoshard/search/shape_parts.py; the
     workers then finish together instead of one idling while the other plans the last shape), else the shape as one
-    task. Returns (the tasks whose pipeline searches prune by the first shapes' best step: the whole shapes and the
-    pipeline axes, shapes in `_planning_order`: the longest tasks, and the shortest fill the end; the flat plans,
-    which prune nothing and may start before that step is known).
+    task. Returns (the tasks pruned by the first shapes' step: the whole shapes and each shape's first axis, shapes
+    in `_planning_order`; the flat plans, which prune nothing and may start before that step is known; {shape: (its
+    first tasks, its other axes)}: those are pruned by the first tasks' step too, `step_found`).
 
     >>> from autoshard.zoo import mlp
     >>> model, inputs, loss_fn = mlp(n_layers=3)
-    >>> _later_tasks(CompileRequest(model, Mesh((4,)), inputs, loss_fn=loss_fn), None, [(2, 2)])
-    ([('part', ((2, 2), 'a0'))], [('part', ((2, 2), None))])
+    >>> opening, free, rest = _later_tasks(CompileRequest(model, Mesh((8,)), inputs, loss_fn=loss_fn), None, [(2, 4)])
+    >>> opening, free, rest[(2, 4)][1]
+    ([('part', ((2, 4), 'a1'))], [('part', ((2, 4), None))], [('part', ((2, 4), 'a0'))])
     """
-    bounded, free = [], []
+    opening, free, rest = [], [], {}
     for shape in _planning_order(later, request.options.profile):
         parts = shape_tasks(request, pipeline, shape)
         if parts is None:
-            bounded.append(("shape", shape))
-        else:
-            free.append(("part", parts[0]))
-            bounded += [("part", part) for part in parts[1:]]
-    return bounded, free
+            opening.append(("shape", shape))
+            continue
+        tasks = [("part", part) for part in parts]
+        free.append(tasks[0])
+        opening += tasks[1:FIRST_TASKS]
+        if tasks[FIRST_TASKS:]:
+            rest[shape] = (tasks[:FIRST_TASKS], tasks[FIRST_TASKS:])
+    return opening, free, rest
 
 
 def _shape_outcome(request: CompileRequest, pipeline, shape: tuple, done: dict, bound: float, outcomes: dict):
