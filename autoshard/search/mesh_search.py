@@ -13,10 +13,14 @@ planning work, the same plan), and their rows say so (`bounded_by_s`). Every can
 (`plan.search["mesh_candidates"]`) and the choice is explained (`plan.search["why_mesh"]`).
 
 With several cores the shapes are planned in forked workers (`_plan_in_workers`): the model is traced first, at the
-whole batch and at the micro-batches the shapes' pipeline searches plan first (each worker traced them again); the
-later shapes are queued longest first, and a worker they leave idle compares the hand plans of the best shape so far;
-the kept plan is applied in this process while the last hand plans run. On this 2-core machine, the same plans:
-Llama 3 8B over 64 devices 26.0 -> 19.6 s, 70B over 512 78.8 -> 60.4 s, 405B over 512 87.8 -> 63.4 s.
+whole batch and at the micro-batches the shapes' pipeline searches plan first (each worker traced them again). A
+later shape's search is split into tasks, its flat plan and the pipeline over each axis (`_later_tasks`,
+autoshard/search/shape_parts.py): the flat plans fill the workers while the first shapes finish, and the workers
+end together (one task per shape left a worker idle 9 s of the MoE's 70 over 256 devices); a worker they leave
+idle compares the hand plans of the best shape so far; the kept plan is applied in this process while the last
+hand plans run. On this 2-core machine, the same plans: Llama 3 8B over 64 devices 26.0 -> 19.6 s, 70B over 512
+78.8 -> 60.4 s, 405B over 512 87.8 -> 63.4 s with the shapes as workers' tasks; the MoE 68.8 -> 61.4 s with them
+split (benchmarks/RESULTS.md sections 9 and 17).
 
 The candidates (`candidate_shapes`): axes run from the slowest links to the fastest (the profile's node rule,
 `HardwareProfile.link`). The innermost axis holds `d` devices of one node, `d` the node's size or half of it (tensor
@@ -360,8 +364,8 @@ def _trace_microbatches_ahead(request: CompileRequest, shapes: list) -> None:
 
 
 def _planning_order(shapes: list, profile) -> list:
-    """`shapes` in the order the workers take them: those with the most pipeline searches first (one per class of
-    axis, `_search_axes`), so that the shortest tasks fill the end.
+    """`shapes` in the order the workers take their tasks: those with the most pipeline searches first (one per class
+    of axis, `pipeline_axes`), so that the shortest tasks fill the end.
 
     >>> _planning_order([(2, 32, 8), (8, 8, 8), (2, 64, 4)], HardwareProfile())
     [(2, 32, 8), (2, 64, 4), (8, 8, 8)]
