@@ -182,7 +182,8 @@ def _why_missed(auto, hinted, bytes_ratio, memory_ratio) -> str:
 def report(rows) -> tuple[str, list, list]:
     headers = ["model", "mesh", "plan", "predicted MiB/step", "counted MiB/step", "CommLog MiB/step",
                "wire MiB/rank/step", "predicted mem MiB/rank", "measured mem MiB/rank"]
-    fmt = (lambda v: f"{v / MiB:.2f}" if isinstance(v, (int, float)) else "—")
+    def fmt(v):
+        return f"{v / MiB:.2f}" if isinstance(v, (int, float)) else "—"
     table_rows = [[r["model"], r["mesh"], r["variant"], fmt(r.get("predicted_logical")), fmt(r["counted_logical"]),
                    fmt(r["commlog"]) if r["variant"].startswith("autoshard") else "—", fmt(r["counted_wire"]),
                    fmt(r.get("predicted_memory")), fmt(r["memory"])] for r in rows]

@@ -222,7 +222,7 @@ def _cross_entropy(graph, node):
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
     ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
     smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
-    if smoothing or not val_of(target).dtype in (torch.int64, torch.int32):
+    if smoothing or val_of(target).dtype not in (torch.int64, torch.int32):
         return False
     dtype = val_of(node).dtype
     with graph.inserting_before(node):

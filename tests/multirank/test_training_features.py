@@ -86,7 +86,8 @@ def test_accumulation_syncs_gradients_once_per_step():
     sync = {axis: sum(c["sync"] for c in kinds.values()) for axis, kinds in once.collectives.items()}
     assert sync["dp"] >= 1
     assert sync == {axis: sum(c["sync"] for c in kinds.values()) for axis, kinds in twice.collectives.items()}
-    fwd = lambda report: sum(c["fwd"] for kinds in report.collectives.values() for c in kinds.values())
+    def fwd(report):
+        return sum(c["fwd"] for kinds in report.collectives.values() for c in kinds.values())
     assert fwd(twice) == 2 * fwd(once)  # the passes' own collectives run per pass
 
 

@@ -122,7 +122,8 @@ class AddMM(nn.Module):
 
 def test_addmm_and_baddbmm_become_matmul_plus_add():
     inputs = (torch.randn(3, 6), torch.randn(2, 3, 4))
-    loss = lambda out, x, y: out[0].sum() + out[1].sum()
+    def loss(out, x, y):
+        return out[0].sum() + out[1].sum()
     before, after = normalized(AddMM(), inputs, loss)
     assert ops(before)[:2] == ["aten.addmm.default", "aten.baddbmm.default"]
     assert ops(after)[:4] == ["aten.mm.default", "aten.add.Tensor", "aten.bmm.default", "aten.add.Tensor"]

@@ -84,7 +84,8 @@ def test_recomputed_collectives_are_counted_as_predicted():
 @pytest.mark.skipif(not FULL, reason="about 8 s; tests/passes/test_memory_fit.py covers recomputation under a budget "
                                      "by default; AUTOSHARD_FULL_MATRIX=1 runs it")
 def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
-    four_layers = lambda: gpt2(n_layers=4)
+    def four_layers():
+        return gpt2(n_layers=4)
     free, _ = _plan(four_layers, "gpt2", checkpoint="auto")
     assert free.state.recompute_regions == []  # no budget given: nothing to save
     high = _plan(four_layers, "gpt2")[0].plan.predicted["memory_bytes_per_rank"]
@@ -100,7 +101,8 @@ def test_auto_checkpointing_picks_layers_only_under_a_tight_budget():
 def test_auto_checkpointing_weighs_layers_in_model_order():
     """Ten layers and more: layers.10 comes after layers.9 (it sorted before layers.2 as a string, and a pipeline then
     left the layers of its first ranks without recomputation, each kept once per micro-batch in flight)."""
-    twelve = lambda: gpt2(n_layers=12)
+    def twelve():
+        return gpt2(n_layers=12)
     high = _plan(twelve, "gpt2")[0].plan.predicted["memory_bytes_per_rank"]
     low = _plan(twelve, "gpt2", checkpoint=["layers.*"])[0].plan.predicted["memory_bytes_per_rank"]
     tight, _ = _plan(twelve, "gpt2", checkpoint="auto", memory_budget=low + 2.5 * (high - low) / 12)
