@@ -45,7 +45,8 @@ from autoshard.search.shape_result import ShapeResult, figures_of, predicted_ste
 class PartResult:
     """One task of a shape's search (`plan_part`), as a worker returns it: the shape, the axis it pipelines over
     (None: the flat plan), its rows of `plan.search["candidates"]` and refusals, and of its fastest plan (none when
-    `step` is inf) the plan file's content, the row figures, the search record and the ILP solves that made it.
+    `step` is inf) the plan file's content, the row figures, the search record (the flat plan's only: the shape's
+    record keeps its hand-plan rows) and the ILP solves that made it.
 
     >>> PartResult((2, 2), "a0", [{"axis": "a0", "error": "no plan fits"}], []).step
     inf
@@ -121,8 +122,8 @@ def _part(shape: tuple, axis, rows: list, errors: list, prog, started: float) ->
     if prog is None:  # nothing planned beats the bound (or fits)
         return PartResult(shape, axis, rows, errors, seconds=time.perf_counter() - started)
     return PartResult(shape, axis, rows, errors, predicted_step_s(prog), prog.plan.to_json(), figures_of(prog),
-                      dict(prog.plan.search), list(prog.state.ilp_stats), list(prog.state.ilp_stopped),
-                      time.perf_counter() - started)
+                      dict(prog.plan.search) if axis is None else None, list(prog.state.ilp_stats),
+                      list(prog.state.ilp_stopped), time.perf_counter() - started)
 
 
 def assembled(request: CompileRequest, parts: list[PartResult], to_beat: float) -> ShapeResult:
