@@ -26,7 +26,7 @@ import torch
 
 from autoshard.ir.errors import PlanError
 from autoshard.ir.warn_once import caught_warnings, warn_once
-from autoshard.solver.highs import stop_solver_threads
+from autoshard.solver.highs import set_solver_threads, stop_solver_threads
 
 WORKERS_ENV = "AUTOSHARD_PLAN_WORKERS"
 
@@ -115,8 +115,8 @@ def worker_pool(tasks: dict, workers: int):
     _TASKS = dict(tasks)
     stop_solver_threads()
     try:  # an executor, not a Pool: a worker that dies raises BrokenProcessPool, not a hang
-        with concurrent.futures.ProcessPoolExecutor(max(workers, 1),
-                                                    mp_context=multiprocessing.get_context("fork")) as executor:
+        with concurrent.futures.ProcessPoolExecutor(max(workers, 1), mp_context=multiprocessing.get_context("fork"),
+                                                    initializer=_start_worker, initargs=(workers,)) as executor:
             yield WorkerPool(executor)
     except concurrent.futures.process.BrokenProcessPool as exc:
         raise PlanError(f"a planning worker process died before it finished ({exc}): the system may have killed "
@@ -124,6 +124,11 @@ def worker_pool(tasks: dict, workers: int):
                         "process, or a smaller number") from None
     finally:
         _TASKS = {}
+
+
+def _start_worker(workers: int) -> None:
+    """A forked worker's set-up: its share of the cores for the ILP solver (the workers solve side by side)."""
+    set_solver_threads(max(len(os.sched_getaffinity(0)) // max(workers, 1), 1))
 
 
 def _run_in_worker(name: str, item) -> tuple:
