@@ -138,6 +138,31 @@ def test_shapes_planned_in_worker_processes_give_the_plan_planned_in_one(monkeyp
         assert decided["2"][0]["pipeline"], "the budget was meant to make a pipeline win"
 
 
+def test_a_hand_plan_that_wins_is_the_plan_returned_whether_planned_here_or_in_workers(monkeypatch):
+    """GPT-2 (one layer) over 8 devices under 30% of its single-device memory, not pipelined: Megatron-SP beats the
+    ILP's plan on (2, 2, 2). The hand plans are compared one task per candidate (autoshard/search/hand_parts.py, the
+    shape's flat plan not planned again): the same plan, rows and record in this process and in workers, and the
+    plan returned is the one its record chose, at that record's step. (A time limit well above its solves, 3 s each:
+    past the default's soft limit, 5 s, a solve slowed by a busy machine could end at another plan.)"""
+    model, inputs, loss_fn = gpt2(n_layers=1)
+    single = autoshard.parallelize(model, (1,), inputs, loss_fn=loss_fn, profile="cpu")
+    decided = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, devices=8, pipeline=False,
+                                     profile="cpu", ilp_time_limit=60,
+                                     memory_budget=0.3 * single.plan.predicted.memory_bytes_per_rank)
+        decided[workers] = _without_timings(prog)
+    for part, serial, forked in zip(("plan", "rows", "search", "parameter specs", "ILP stats"), *decided.values()):
+        assert serial == forked, part
+    search = decided["2"][2]
+    rows = {row["name"]: row for row in search["hand_plans"]}
+    assert search["chosen_plan"] == "tp_sp" and "hand_plans_deferred" not in search
+    assert rows["tp_sp"]["predicted_step_s"] == prog.plan.predicted["step_time_s"] < rows["automatic"]["predicted_step_s"]
+    kept = next(row for row in decided["2"][1] if row["mesh"] == list(prog.mesh.shape))
+    assert kept["predicted_step_s"] == prog.plan.predicted["step_time_s"]
+
+
 def test_a_refusal_in_the_workers_is_the_smallest_footprint_over_the_shapes(monkeypatch):
     model, inputs, loss_fn = mlp(n_layers=3)
     errors = {}

@@ -68,42 +68,88 @@ def compare_hand_plans(request: CompileRequest, auto: Program) -> Program:
     """
     if not _hand_plans_may_win(request, auto):
         return auto
+    automatic = _row("automatic", "the ILP's plan", auto)
+    recompute = _recompute_variant_applies(request, auto)
     if _DEFERRED.get():
-        auto.plan.search = dict(auto.plan.search, hand_plans_deferred=True)
+        auto.plan.search = dict(auto.plan.search,
+                                hand_plans_deferred={"automatic": automatic, "recompute_variant": recompute})
         return auto
-    record = [_row("automatic", "the ILP's plan", auto)]
+    record = [automatic]
     planned = [(auto, [], "automatic")]
-    _add_recompute_variant(request, "automatic", "the ILP's plan", auto, record, planned, hand_plan=False)
-    for name, plan, why in applicable_hand_plans(request):
-        if plan is None:
-            record.append({"name": name, "not_planned": why})
-            continue
-        hand = request.replace(hints=plan.hints, options=request.options.replace(zero=plan.zero))
-        prog = _plan_quietly(hand, name, plan.description, record, planned)
-        if prog is not None:
-            _add_recompute_variant(hand, name, plan.description, prog, record, planned)
+    for name, plan, why in hand_candidates(request, recompute):
+        rows, progs = plan_hand_candidate(request, name, plan, why)
+        record += rows
+        planned += progs
     best, caught, chosen = min(planned, key=lambda entry: entry[0].state.predicted.step_time_s)  # first on a tie
     for warning in caught:  # a hand plan's warnings are told only when it is the plan returned
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     best.plan.search = dict(best.plan.search, hand_plans=record, chosen_plan=chosen,
-                            why_plan=_why(record, chosen))
+                            why_plan=why_plan(record, chosen))
     log.info(best.plan.search["why_plan"])
     return best
 
 
+# The automatic plan again with repeated layers recomputed: a candidate of its own (`_recompute_variant_applies`).
+AUTO_RECOMPUTE = "automatic + recomputation"
+
+
+def hand_candidates(request: CompileRequest, recompute_automatic: bool) -> list:
+    """The candidates the automatic plan of `request` is compared with, in the record's order, as
+    (name, HandPlan or None, why not planned): the automatic plan with recomputation when `recompute_automatic`
+    (`_recompute_variant_applies`), then each catalogue plan (`applicable_hand_plans`). The mesh search plans each
+    as a task of its own (autoshard/search/hand_parts.py).
+
+    >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("dp", "tp")), inputs, loss_fn=loss_fn)
+    >>> [name for name, _, _ in hand_candidates(request, recompute_automatic=True)]
+    ['automatic + recomputation', 'ddp', 'fsdp', 'fsdp_tp', 'tp_sp']
+    """
+    first = [(AUTO_RECOMPUTE, None, "")] if recompute_automatic else []
+    return first + applicable_hand_plans(request)
+
+
+def plan_hand_candidate(request: CompileRequest, name: str, plan, why: str) -> tuple[list, list]:
+    """One candidate of `hand_candidates` planned: (its rows of the record, [(Program, its warnings, name), ...]),
+    a catalogue plan followed by its own recomputation variant when that applies; a candidate not planned is its
+    row alone, a refusal its error row.
+
+    >>> request = CompileRequest(model, autoshard.Mesh((2, 2)), inputs, loss_fn=loss_fn)
+    >>> rows, planned = plan_hand_candidate(request, "ddp", None, "not this time")
+    >>> rows, planned
+    ([{'name': 'ddp', 'not_planned': 'not this time'}], [])
+    """
+    record: list = []
+    planned: list = []
+    if name == AUTO_RECOMPUTE:
+        _plan_quietly(request.replace(options=request.options.recomputing_as_needed()), AUTO_RECOMPUTE,
+                      "the ILP's plan, repeated layers recomputed as the budget needs", record, planned,
+                      hand_plan=False)
+    elif plan is None:
+        record.append({"name": name, "not_planned": why})
+    else:
+        hand = request.replace(hints=plan.hints, options=request.options.replace(zero=plan.zero))
+        prog = _plan_quietly(hand, name, plan.description, record, planned)
+        if prog is not None and _recompute_variant_applies(hand, prog):
+            _plan_quietly(hand.replace(options=hand.options.recomputing_as_needed()), f"{name} + recomputation",
+                          f"{plan.description}, repeated layers recomputed as the budget needs", record, planned)
+    return record, planned
+
+
 @contextlib.contextmanager
 def hand_plans_deferred():
-    """Within the block `plan_with_hand_plans` plans the ILP's plan only and marks it
-    (`plan.search["hand_plans_deferred"]`) where the hand plans could have won: the mesh search plans every candidate
-    shape this way and compares the hand plans on the shape it keeps (planning them on each shape cost a third of
-    its time, and the ILP's plan won on every shape of the benchmarks).
+    """Within the block `plan_with_hand_plans` plans the ILP's plan only and marks it where the hand plans could have
+    won: `plan.search["hand_plans_deferred"]` holds its row of the record and whether its recomputation variant is a
+    candidate (`_recompute_variant_applies`). The mesh search plans every candidate shape this way and compares the
+    hand plans on the shape it keeps and those within reach (planning them on each shape cost a third of its time,
+    and the ILP's plan won on every shape of the benchmarks), each hand plan a task of its own
+    (autoshard/search/hand_parts.py).
 
     >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("dp", "tp")), inputs, loss_fn=loss_fn,
     ...                          options=CompileOptions(memory_budget=1.2e6))
     >>> with hand_plans_deferred():
     ...     deferred = plan_with_hand_plans(request)
-    >>> "hand_plans" in deferred.plan.search, deferred.plan.search["hand_plans_deferred"]
-    (False, True)
+    >>> marker = deferred.plan.search["hand_plans_deferred"]
+    >>> "hand_plans" in deferred.plan.search, marker["automatic"]["name"], marker["recompute_variant"]
+    (False, 'automatic', False)
     """
     token = _DEFERRED.set(True)
     try:
@@ -126,17 +172,13 @@ def _plan_quietly(request: CompileRequest, name: str, description: str, record: 
     return prog
 
 
-def _add_recompute_variant(request: CompileRequest, name: str, description: str, prog: Program, record: list,
-                           planned: list, hand_plan: bool = True) -> None:
-    """Recomputation weighed, not only climbed to: a candidate that fits near the budget without recomputing
+def _recompute_variant_applies(request: CompileRequest, prog: Program) -> bool:
+    """Recomputation weighed, not only climbed to: whether a candidate that fits near the budget without recomputing
     (its placements bent to fit: activations resharded, weights moved) is planned again with repeated layers
-    recomputed as far as the budget needs, and the faster of the two counts."""
+    recomputed as far as the budget needs (the faster of the two counts)."""
     if request.options.checkpoint is not None or prog.state.recompute_regions:
-        return
-    if prog.state.predicted.memory_bytes_per_rank < NEAR_BUDGET * _budget(request):
-        return
-    _plan_quietly(request.replace(options=request.options.recomputing_as_needed()), f"{name} + recomputation",
-                  f"{description}, repeated layers recomputed as the budget needs", record, planned, hand_plan)
+        return False
+    return prog.state.predicted.memory_bytes_per_rank >= NEAR_BUDGET * _budget(request)
 
 
 def _row(name: str, description: str, prog: Program) -> dict:
@@ -148,7 +190,13 @@ def _row(name: str, description: str, prog: Program) -> dict:
             "savers": repr(prog.zero) if prog.zero is not None else ""}
 
 
-def _why(record: list, chosen: str) -> str:
+def why_plan(record: list, chosen: str) -> str:
+    """Why the plan `chosen` among the candidates of `record` (the rows of `plan.search["hand_plans"]`).
+
+    >>> why_plan([{"name": "automatic", "predicted_step_s": 1.0}, {"name": "ddp", "not_planned": "too big"}],
+    ...          "automatic")
+    "plan 'automatic' (fastest predicted step among the automatic and the hand plans): automatic 1 s; ddp: too big"
+    """
     parts = []
     for row in record:
         if "predicted_step_s" in row:

@@ -17,8 +17,9 @@ whole batch and at the micro-batches the shapes' pipeline searches plan first (e
 later shape's search is split into tasks, its flat plan and the pipeline over each axis (`_later_tasks`,
 autoshard/search/shape_parts.py): the flat plans fill the workers while the first shapes finish, and the workers
 end together (one task per shape left a worker idle 9 s of the MoE's 70 over 256 devices); a worker they leave
-idle compares the hand plans of the best shape so far; the kept plan is applied in this process while the last
-hand plans run. On this 2-core machine, the same plans: Llama 3 8B over 64 devices 26.0 -> 19.6 s, 70B over 512
+idle compares the hand plans of the best shape so far, one task per catalogue plan (autoshard/search/hand_parts.py:
+the shape's flat plan is not planned again); the kept plan is applied in this process while the last hand plans
+run. On this 2-core machine, the same plans: Llama 3 8B over 64 devices 26.0 -> 19.6 s, 70B over 512
 78.8 -> 60.4 s, 405B over 512 87.8 -> 63.4 s with the shapes as workers' tasks; the MoE 68.8 -> 61.4 s with them
 split (benchmarks/RESULTS.md sections 9 and 17).
 
@@ -53,11 +54,13 @@ from autoshard.ir.warn_once import caught_warnings
 from autoshard.passes.pass_lists import trace_ahead
 from autoshard.plan.plan import Plan
 from autoshard.program.pipeline import batch_size, microbatch_inputs
-from autoshard.search.hand_plan_search import (
-    compare_hand_plans,
-    hand_plans_deferred,
-    plan_with_hand_plans,
+from autoshard.search.hand_parts import (
+    HandComparison,
+    compared_hand_plans,
+    hand_tasks,
+    plan_hand_part,
 )
+from autoshard.search.hand_plan_search import hand_plans_deferred
 from autoshard.search.microbatch_search import first_microbatch_counts
 from autoshard.search.pipeline_search import step_to_beat
 from autoshard.search.planning_workers import (
@@ -185,18 +188,21 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh, pipe
     caught = {result.shape: told for result, told in planned}  # each shape's warnings (tell those of the one kept)
     best, best_caught = kept, caught[kept.shape]
     for result in reach:
-        hand, hand_caught = compared[result.shape]
-        result.row["seconds"] = round(result.row["seconds"] + hand.row["seconds"], 3)
-        chosen = _kept_or_hand(kept, hand) if result is kept else hand
-        if result is kept or chosen.step < result.step:
-            result.row.update(_row_figures(chosen))
-        if (result is kept and chosen is not kept) or chosen.step < best.step:  # the shape's warnings, then its
-            best, best_caught = chosen, caught[result.shape] + hand_caught      # hand plans' (told once each)
+        comparison = compared[result.shape]
+        result.row["seconds"] = round(result.row["seconds"] + comparison.seconds, 3)
+        hand = comparison.hand
+        if hand is None:  # the shape's own plan stands
+            result.plan["search"] = _with_hand_plans(result, comparison)
+            continue
+        hand.plan["search"] = _with_hand_plans(result, comparison, hand.plan.get("search", {}))
+        result.row.update(_row_figures(hand))
+        if hand.step < best.step:  # the shape's warnings, then its hand plan's (told once each)
+            best, best_caught = hand, caught[result.shape] + comparison.caught
     rows = [result.row for result in results]
     prog = best.program if best.program is not None else _applied(request, best, compile_on_mesh)
     tell(best_caught)
     why = _why(rows, list(prog.mesh.shape))
-    prog.plan.search = {**prog.plan.search, "mesh_candidates": rows, "chosen_mesh": list(prog.mesh.shape),
+    prog.plan.search = {**best.plan.get("search", {}), "mesh_candidates": rows, "chosen_mesh": list(prog.mesh.shape),
                         "why_mesh": why}
     log.info(why)
     return prog
@@ -218,7 +224,7 @@ def _kept_and_reach(results: list) -> tuple:
 
 
 def _plan_here(request: CompileRequest, compile_on_mesh, pipeline, shapes: list) -> tuple:
-    """(every shape's (result, warnings), {shape: (hand plans' result, warnings)} on those in reach, None): planned
+    """(every shape's (result, warnings), {shape: its HandComparison} on those in reach, None): planned
     in this process, one after the other (the first shapes, then the others' tasks, bounded by the best step among
     the first and, after a shape's first tasks, by theirs: `_later_tasks`)."""
     first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
@@ -234,8 +240,11 @@ def _plan_here(request: CompileRequest, compile_on_mesh, pipeline, shapes: list)
     outcomes: dict = {}
     planned += [_shape_outcome(request, pipeline, shape, done, bound, outcomes) for shape in later]
     _, reach = _kept_and_reach([result for result, _ in planned])
-    compared = run_tasks(functools.partial(_plan_hand_plans, request, True), reach, 1)
-    return planned, {result.shape: hand for result, hand in zip(reach, compared)}, None
+    hand = functools.partial(plan_hand_part, request, True)
+    compared = {result.shape: compared_hand_plans(result, [part for part, _ in
+                                                           run_tasks(hand, _hand_tasks(request, result), 1)])
+                for result in reach}
+    return planned, compared, None
 
 
 def _plan_in_workers(request: CompileRequest, compile_on_mesh, pipeline, shapes: list, workers: int) -> tuple:
@@ -245,19 +254,21 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, pipeline, shapes:
     the best step among the first (`_later_tasks`: a shape's other axes once its first tasks are done); when they
     leave a worker idle, it compares the hand plans of the shape kept so far (then of those within its reach):
     Llama 3 70B over 512 devices spent 12 s of its 79 with one worker idle there. Once every shape is planned, the
-    hand plans of the shapes in reach that were not compared yet are, and a pipelined kept plan is applied here
-    meanwhile (its Program, unless a hand plan wins: then that one is applied after)."""
+    hand plans of the shapes in reach that were not compared yet are, and the kept plan is applied here meanwhile
+    (its Program, unless a hand plan wins: then that one is applied after)."""
     first, later = shapes[:FIRST_SHAPES], shapes[FIRST_SHAPES:]
     opening, free, rest = _later_tasks(request, pipeline, later)
     runners = _runners(request, compile_on_mesh, pipeline, keep_program=False)
-    with worker_pool({**runners, "hand": functools.partial(_plan_hand_plans, request, False)}, workers) as pool:
+    hand_parts = functools.partial(plan_hand_part, request, False)
+    with worker_pool({**runners, "hand": hand_parts}, workers) as pool:
         firsts = [pool.submit("shape", (math.inf, shape)) for shape in first]
         # the flat plans fill the workers the first shapes leave idle (the bound is the slowest of those)
         futures = {task: pool.submit(task[0], (math.inf, task[1])) for task in free}
         planned = [future.result() for future in firsts]
         bound = min(result.step for result, _ in planned)
         futures.update({task: pool.submit(task[0], (bound, task[1])) for task in opening})
-        hand: dict = {}
+        hand: dict = {}  # (shape, candidate) -> the future of its hand-plan task
+        listed: dict = {}  # shape -> its hand-plan tasks
         outcomes: dict = {}
         pending = {future for future in futures.values() if not future.done()}
         # until every shape is planned (not the hand plans: the kept plan is applied here while they run)
@@ -276,25 +287,26 @@ def _plan_in_workers(request: CompileRequest, compile_on_mesh, pipeline, shapes:
                                            for shape in later) if outcome is not None]
             if all(result.error is not None for result in known):
                 continue
-            for result in _kept_and_reach(known)[1]:  # the best so far first: likely kept
-                if len(pending) >= workers:
-                    break
-                if result.shape not in hand:
-                    hand[result.shape] = pool.submit("hand", result)
-                    pending.add(hand[result.shape])
+            idle = [task for result in _kept_and_reach(known)[1]  # the best so far first: likely kept
+                    for task in _hand_tasks(request, result, listed) if task[:2] not in hand]
+            for task in idle[:max(workers - len(pending), 0)]:
+                hand[task[:2]] = pool.submit("hand", task)
+                pending.add(hand[task[:2]])
         done = {task: future.result() for task, future in futures.items()}
         planned += [_shape_outcome(request, pipeline, shape, done, bound, outcomes) for shape in later]
         kept, reach = _kept_and_reach([result for result, _ in planned])
-        needed = {result.shape for result in reach}
-        for shape, future in hand.items():
-            if shape not in needed:
+        needed = {task[:2]: task for result in reach for task in _hand_tasks(request, result, listed)}
+        for key, future in hand.items():
+            if key not in needed:
                 future.cancel()  # not needed after all (one already started runs to its end)
-        for result in reach:
-            if result.shape not in hand:
-                hand[result.shape] = pool.submit("hand", result)
-        # a flat kept plan gives way to its hand plans' comparison, which plans it again (`_kept_or_hand`)
-        applied = _applied(request, kept, compile_on_mesh) if kept.plan.get("pipeline") else None
-        return planned, {shape: hand[shape].result() for shape in needed}, applied
+        for key, task in needed.items():
+            if key not in hand:
+                hand[key] = pool.submit("hand", task)
+        applied = _applied(request, kept, compile_on_mesh)  # while the hand plans run
+        compared = {result.shape: compared_hand_plans(result, [hand[task[:2]].result()[0] for task in
+                                                               _hand_tasks(request, result, listed)])
+                    for result in reach}
+        return planned, compared, applied
 
 
 def _runners(request: CompileRequest, compile_on_mesh, pipeline, keep_program: bool) -> dict:
@@ -393,46 +405,35 @@ def _plan_shape(request: CompileRequest, compile_on_mesh, keep_program: bool, to
     return result
 
 
-def _plan_hand_plans(request: CompileRequest, keep_program: bool, planned: ShapeResult) -> ShapeResult:
-    """The flat plan the hand plans and the ILP give on `planned`'s shape (run_tasks' task); a flat Program planned
-    in this process is compared with the hand plans as it is, not planned again."""
-    started = time.perf_counter()
-    on_shape = request.replace(mesh=Mesh(planned.shape))
-    prog = planned.program
-    if prog is not None and not prog.plan.pipeline:
-        prog.plan.search = {k: v for k, v in prog.plan.search.items() if k != "hand_plans_deferred"}
-        chosen = compare_hand_plans(on_shape, prog)
-        if chosen is not prog:  # a hand plan: the pipeline search's record (no axis pipelined) stays with it
-            chosen.plan.search = {**prog.plan.search, **chosen.plan.search}
-        return shape_result(planned.shape, chosen, started, keep_program)
-    try:
-        flat = plan_with_hand_plans(on_shape)
-    except AutoshardError:  # planned before, so not expected: the shape's plan stands
-        return ShapeResult(planned.shape, {"seconds": round(time.perf_counter() - started, 3)})
-    return shape_result(planned.shape, flat, started, keep_program)
+def _hand_tasks(request: CompileRequest, result: ShapeResult, listed: dict | None = None) -> list[tuple]:
+    """The hand-plan tasks of `result`'s shape (`hand_tasks`: its step is the one to beat), listed once per shape
+    in `listed`. Listing them traces nothing new (the shapes' trace is cached); a warning it gives was given when the
+    shape was planned."""
+    listed = {} if listed is None else listed
+    if result.shape not in listed:
+        with caught_warnings():
+            listed[result.shape] = hand_tasks(request, result, result.step)
+    return listed[result.shape]
 
 
 def _row_figures(result: ShapeResult) -> dict:
     return {k: result.row[k] for k in ("predicted_step_s", "memory_bytes_per_rank", "plan")}
 
 
-def _kept_or_hand(kept: ShapeResult, hand: ShapeResult) -> ShapeResult:
-    """The kept shape's plan (planned with the hand plans deferred) or, when it pipelines and the flat plan of the
-    hand plans predicts a faster step, that one; the search records merged (its pipeline search's, the hand plans')."""
-    search = {k: v for k, v in kept.plan["search"].items() if k != "hand_plans_deferred"}
-    if hand.plan is None:  # the flat plans failed this time: the pipeline stands
-        chosen, merged = kept, search
-    elif not kept.plan.get("pipeline"):  # compared with the hand plans as it was (`_plan_hand_plans`)
-        return hand
-    elif hand.step >= kept.step:
-        chosen, merged = kept, dict(search, hand_plans=hand.plan["search"].get("hand_plans", []))
-    else:
-        why = f"{search.get('why', '')}; then the hand plans on this mesh: {hand.plan['search'].get('why_plan', '')}"
-        chosen, merged = hand, {**search, **hand.plan["search"], "chosen_pipeline_axis": None, "why": why}
-    chosen.plan["search"] = merged
-    if chosen.program is not None:
-        chosen.program.plan.search = merged
-    return chosen
+def _with_hand_plans(result: ShapeResult, comparison: HandComparison, hand_search: dict | None = None) -> dict:
+    """The search record of the plan returned for `result`'s shape once its hand plans are compared: the shape's own
+    (its pipeline search's) with the comparison's record, and, when the hand plan wins (`hand_search`, its own
+    record), that one's too; a pipeline the hand plan beats says so."""
+    search = {k: v for k, v in result.plan["search"].items() if k != "hand_plans_deferred"}
+    pipelined = bool(result.plan.get("pipeline"))
+    chosen = {"chosen_plan": comparison.chosen, "why_plan": comparison.why}
+    if hand_search is None:  # the shape's plan stands (a pipeline: the flat plans' choice is not it)
+        return {**search, "hand_plans": comparison.record, **({} if pipelined else chosen)}
+    merged = {**search, **hand_search, "hand_plans": comparison.record, **chosen}
+    if pipelined:
+        merged.update(chosen_pipeline_axis=None, why=f"{search.get('why', '')}; then the hand plans on this mesh: "
+                                                      f"{comparison.why}")
+    return merged
 
 
 def _applied(request: CompileRequest, result: ShapeResult, compile_on_mesh):
