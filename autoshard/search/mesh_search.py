@@ -399,7 +399,7 @@ def _plan_shape(request: CompileRequest, compile_on_mesh, keep_program: bool, to
     except AutoshardError as exc:
         return ShapeResult(shape, {"mesh": list(shape), "error": str(exc).splitlines()[0],
                                    "seconds": round(time.perf_counter() - started, 3)}, error=picklable(exc))
-    result = shape_result(shape, prog, started, keep_program, flat_step=deferred_flat_step(prog))
+    result = shape_result(shape, prog, started, keep_program, flat_step=deferred_flat_step(prog.plan.search))
     if to_beat < result.step:  # its search was pruned: what it found, not all it could
         result.row["bounded_by_s"] = to_beat
     return result

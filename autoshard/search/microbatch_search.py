@@ -120,7 +120,9 @@ def replan_bound(to_beat: float, schedule: str, virtual: int):
         config = prog.config
         least = least_step(prog.predicted_step_s * (1 - prog.predicted_bubble), config.pp_size, config.microbatches,
                            schedule, virtual)
-        return None if least < to_beat else f"not planned again: its least step {least:.4g} s cannot beat {to_beat:.4g} s"
+        if least < to_beat:
+            return None
+        return f"not planned again: its least step {least:.4g} s cannot beat {to_beat:.4g} s"
     return reason
 
 
@@ -130,8 +132,10 @@ def least_step(work: float, p: int, m: int, schedule: str, virtual: int) -> floa
     bound as the search's other prunes are: a plan of this schedule keeps at least as many activations in flight,
     so its ILP is at least as constrained and its work per micro-batch no smaller.
 
-    >>> least_step(64.0, p=32, m=64, schedule="Interleaved1F1B", virtual=2), least_step(64.0, 32, 64, "ZBVZeroBubble", 2)
-    (79.5, 64.0)
+    >>> least_step(64.0, p=32, m=64, schedule="Interleaved1F1B", virtual=2)
+    79.5
+    >>> least_step(64.0, 32, 64, "ZBVZeroBubble", 2)
+    64.0
     """
     if schedule == "Interleaved1F1B":
         return work * (1 + (p - 1) / (virtual * m))

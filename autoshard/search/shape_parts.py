@@ -1,9 +1,9 @@
 """A shape the mesh search plans after its first ones, as separate tasks: its flat plan, and the pipeline over each
 axis its search weighs (`search_axis`). Each task is pruned by the step the first shapes reached (`step_to_beat`), a
 bound fixed before any of them starts, so they may run in any order, in this process or in workers, and give the
-same plan; `assembled` puts their rows together as the shape's one search would have (pipeline_search's `_search_axes`), and
-keeps the fastest. Planned one task per shape, the MoE over 256 devices left a worker idle for 9 of its 70 s while the other
-planned the last shape (its four later shapes took 18 to 29 s each).
+same plan; `assembled` puts their rows together as the shape's one search would have (pipeline_search's
+`_search_axes`), and keeps the fastest. Planned one task per shape, the MoE over 256 devices left a worker idle for 9
+of its 70 s while the other planned the last shape (its four later shapes took 18 to 29 s each).
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
@@ -38,7 +38,7 @@ from autoshard.search.pipeline_search import (
     step_to_beat,
 )
 from autoshard.search.planning_workers import picklable
-from autoshard.search.shape_result import ShapeResult, figures_of, predicted_step_s
+from autoshard.search.shape_result import ShapeResult, deferred_flat_step, figures_of, predicted_step_s
 
 
 @dataclasses.dataclass
@@ -94,7 +94,8 @@ def step_found(first: list[PartResult]) -> float:
     return min(part.step for part in first)
 
 
-def plan_part(request: CompileRequest, pipeline, to_beat: float, task: tuple, best_step: float = math.inf) -> PartResult:
+def plan_part(request: CompileRequest, pipeline, to_beat: float, task: tuple,
+              best_step: float = math.inf) -> PartResult:
     """One task of `shape_tasks` planned: the shape's flat plan (its hand plans deferred, as the mesh search defers
     them on every shape) or the pipeline over one axis, pruned by `to_beat` (another shape's step) and `best_step`
     (the shape's own, `step_found`: a pipeline that does not beat it is planned no further, and not kept).
@@ -156,7 +157,7 @@ def assembled(request: CompileRequest, parts: list[PartResult], to_beat: float) 
     target = best if best is not None else flat
     plan = dict(target.plan, search=pipeline_record(flat.search, target is flat, candidates,
                                                     best.axis if best is not None else None))
-    flat_step = flat.step if flat.search is not None and flat.search.get("hand_plans_deferred") else None
+    flat_step = deferred_flat_step(flat.search) if flat.search is not None else None
     row = {"mesh": list(shape), **target.figures, "seconds": seconds}
     if to_beat < target.step:  # its search was pruned: what it found, not all it could
         row["bounded_by_s"] = to_beat

@@ -79,17 +79,15 @@ def figures_of(prog) -> dict:
             "plan": describe_roles(prog)}
 
 
-def deferred_flat_step(prog) -> float | None:
-    """The predicted step of the flat automatic plan of `prog`'s mesh when its hand plans were deferred, else None.
+def deferred_flat_step(search: dict) -> float | None:
+    """The predicted step of the flat automatic plan whose hand plans were deferred, from a search record (`search`:
+    `plan.search` of that plan or of the pipeline kept over it, which carries the deferral's record row), else None.
 
-    >>> deferred_flat_step(prog) is None  # planned outside the mesh search: its hand plans were not deferred
+    >>> deferred_flat_step(prog.plan.search) is None  # planned outside the mesh search: nothing was deferred
     True
     """
-    if not prog.plan.search.get("hand_plans_deferred"):
-        return None
-    if not prog.plan.pipeline:
-        return predicted_step_s(prog)
-    return next(c["predicted_step_s"] for c in prog.plan.search["candidates"] if c["axis"] is None)
+    deferred = search.get("hand_plans_deferred")
+    return deferred["automatic"]["predicted_step_s"] if deferred else None
 
 
 def describe_roles(prog) -> str:
