@@ -5,10 +5,12 @@ compute, as training calls them), and time = 2 (k-1) alpha + 2 (k-1)/k * bytes /
 cost model uses) gives alpha (latency: the smallest message) and bandwidth (the slope over the larger ones) per
 axis (`fit_link`), and likewise for all-gathers, reduce-scatters and all-to-alls (each as the runtime runs it);
 then how much of an asynchronous collective compute hides meanwhile (`comm_overlap_share`).
-Then every rank at once times matmuls per dtype, attention and a memory-bound op, forward and backward
-(autoshard/cost/compute_rates.py), so the rates include the contention of ranks sharing the machine, as training
-on it has; the slowest rank's figures are kept. Prints the fitted figures and writes a HardwareProfile JSON usable
-with `--profile` / `profile=`.
+Then the ranks time matmuls per dtype, attention and a memory-bound op, forward and backward
+(autoshard/cost/compute_rates.py), all at once on GPUs; CPU ranks as many at once as the host has cores, and the
+rates kept are those times the slowdown of all ranks computing at once (`compute_slowdown`: the contention training
+on this machine meets; a pipeline's idle ranks leave their cores to the busy ones, `HardwareProfile.host_cores`);
+the slowest rank's figures are kept. Prints the fitted figures and writes a HardwareProfile JSON usable with
+`--profile` / `profile=`.
 
     python -m autoshard calibrate --mesh 2,2 --axis-names dp,tp --output profile.json
 
@@ -18,6 +20,7 @@ Link(alpha=..., bandwidth=...)
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -47,10 +50,44 @@ def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
     links = _time_axis_task(rank, world, mesh_json, sizes)
     action = pipeline_action_seconds(rank, world) if world > 1 else 0.0
     overlap = comm_overlap_share(Mesh.from_json(mesh_json)) if world > 1 else 1.0
-    dist.barrier()
     device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     memory = torch.cuda.get_device_properties(device).total_memory if device != "cpu" else None
-    return links, measure_compute(device, dtypes).to_json(), memory, action, overlap
+    # CPU ranks measure no more at once than the host has cores (`calibrated_profile` adds the contention of all):
+    # four ranks of 2 cores timed together read each other's descheduling, 1.3-1.8x the steps they predicted
+    at_once = world if device != "cpu" else min(world, host_cores())
+    rates = None
+    for turn in range(-(-world // at_once)):
+        dist.barrier()
+        if rank // at_once == turn:
+            rates = measure_compute(device, dtypes).to_json()
+    dist.barrier()
+    slowdown = compute_slowdown(rank, world, at_once) if at_once < world else 1.0
+    return links, rates, memory, action, overlap, slowdown
+
+
+def compute_slowdown(rank: int, world: int, at_once: int, seconds: float = 0.3) -> float:
+    """How much longer a layer's compute (`_layer_compute`) takes on this rank with all `world` ranks computing at once
+    than with `at_once` (the host's cores): the host's cores shared by its ranks, and what sharing them costs besides
+    (the scheduler's slices: the ranks do not progress evenly). Every rank calls it.
+
+    >>> compute_slowdown(dist.get_rank(), 4, 2)  # doctest: +SKIP
+    2.3
+    """
+    def timed(active: bool) -> float:
+        dist.barrier()
+        if not active:
+            return 0.0
+        started, calls = time.perf_counter(), 0
+        while calls < 5 or time.perf_counter() - started < seconds:
+            _layer_compute()
+            calls += 1
+        return (time.perf_counter() - started) / calls
+
+    _layer_compute()
+    alone = [timed(rank // at_once == turn) for turn in range(-(-world // at_once))]
+    together = timed(True)
+    dist.barrier()
+    return together / max(alone)
 
 
 OVERLAP_BYTES = 4 * 2**20  # a gradient bucket's order (grad_sync.py's buckets, ZeRO-3's layer gathers)
@@ -337,7 +374,12 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                                 for c, label in (("all_reduce", "all-reduces"), ("all_gather", "all-gathers"),
                                                  ("reduce_scatter", "reduce-scatters"), ("all_to_all", "all-to-alls")))
             print(f"axis {name} (size {mesh.shape[axis]}): {figures}")
-    rates = slowest_rates([r[1] for r in results.values()])
+    memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
+    # CPU ranks share the host's cores: the rates of all mesh.size ranks computing at once, from those measured with
+    # as many at once as there are cores (the cores shared evenly: HardwareProfile.contention)
+    cores = 0 if memories else host_cores()
+    share = max(max(r[5] for r in results.values()), 1.0)  # a collective waits for the slowest rank
+    rates = slowest_rates([r[1] for r in results.values()]).scaled(share, share).work_scaled(share)
     if not quiet:
         print(", ".join(f"matmul {name} {rate / 1e9:.1f} GFLOP/s" for name, rate in rates.matmul_flops.items())
               + f", attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memory-bound ops "
@@ -351,7 +393,6 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
         print(f"pipeline runtime: {action * 1e3:.3f} ms per schedule action, a backward split in two (zero bubble) "
               f"{rates.split_backward_factor:.2f} x the fused one; compute hides {overlap:.0%} of an asynchronous "
               "collective")
-    memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
     return HardwareProfile(name="calibrated", peak_flops=rates.matmul_flops.get("float32", CPU_PROFILE.peak_flops),
                            memory_bandwidth=rates.memory_bandwidth,
                            memory_bytes=float(min(memories)) if memories else CPU_PROFILE.memory_bytes,
@@ -362,4 +403,17 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            recorded_op_overhead_s=rates.recorded_op_overhead_s,
                            view_overhead_s=rates.view_overhead_s, view_grad_overhead_s=rates.view_grad_overhead_s,
                            op_overheads=rates.op_overheads, pipeline_action_s=action,
-                           split_backward_factor=rates.split_backward_factor, comm_overlap=overlap)
+                           split_backward_factor=rates.split_backward_factor, comm_overlap=overlap,
+                           host_cores=cores, rates_ranks=mesh.size)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else the machine's count).
+
+    >>> host_cores() >= 1
+    True
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1

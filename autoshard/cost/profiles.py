@@ -179,6 +179,12 @@ class HardwareProfile:
     # The share of an asynchronous collective's time that compute running meanwhile does not pay (1: hidden whole,
     # a GPU's copy engines and NICs; CPU ranks whose gloo threads share the cores with the compute get less).
     comm_overlap: float = 1.0
+    # Ranks that outnumber their host's cores share them (CPU ranks): `host_cores` is one host's cores (0: every rank
+    # has a device of its own, a GPU), `rates_ranks` how many ranks computed at once when the rates above were
+    # measured (calibrate runs them all together: the rates include that contention). A pipeline's ranks idle in its
+    # bubble, and the busy ones then run faster (`contention`; autoshard/report/timeline.py `simulate`).
+    host_cores: int = 0
+    rates_ranks: int = 1
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -195,7 +201,8 @@ class HardwareProfile:
                 "grad_op_overhead_s": self.grad_op_overhead_s, "recorded_op_overhead_s": self.recorded_op_overhead_s,
                 "view_overhead_s": self.view_overhead_s, "view_grad_overhead_s": self.view_grad_overhead_s,
                 "op_overheads": [list(row) for row in self.op_overheads], "pipeline_action_s": self.pipeline_action_s,
-                "split_backward_factor": self.split_backward_factor, "comm_overlap": self.comm_overlap}
+                "split_backward_factor": self.split_backward_factor, "comm_overlap": self.comm_overlap,
+                "host_cores": self.host_cores, "rates_ranks": self.rates_ranks}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
@@ -244,6 +251,17 @@ class HardwareProfile:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_fixed_by_target"}
 
+    def contention(self, busy: float) -> float:
+        """How many times longer a rank's compute takes with `busy` ranks of its host computing at once than alone:
+        the cores shared evenly (1 where each rank has its own device, or the host's cores outnumber them).
+
+        >>> HardwareProfile(host_cores=2).contention(4), HardwareProfile(host_cores=2).contention(1)
+        (2.0, 1.0)
+        >>> HardwareProfile().contention(4)
+        1.0
+        """
+        return core_contention(busy, self.host_cores)
+
     def matmul_flops(self, dtype) -> float:
         """FLOP/s of a matmul in `dtype` (a torch.dtype or its name): the calibrated rate, else `peak_flops`.
 
@@ -268,6 +286,15 @@ class HardwareProfile:
             return self.axis_links[axis]
         inner = math.prod(mesh_shape[axis:])
         return self.intra_node if inner <= self.devices_per_node else self.inter_node
+
+
+def core_contention(busy: float, cores: int) -> float:
+    """`HardwareProfile.contention` for a host of `cores` cores (0: a device per rank, no contention).
+
+    >>> core_contention(3, 2), core_contention(3, 0)
+    (1.5, 1.0)
+    """
+    return max(1.0, busy / cores) if cores else 1.0
 
 
 DEFAULT_PROFILE = HardwareProfile()

@@ -65,6 +65,20 @@ class PipelineConfig:
     # The share of a stage-to-stage message's transfer its sending rank's compute pays (1 - HardwareProfile's
     # comm_overlap: gloo's copies on CPU ranks share the cores with the compute; a GPU's NIC or NVLink none).
     send_share: float = 0.0
+    # Ranks sharing a host's cores (HardwareProfile.host_cores, 0: none): the stage times were measured with
+    # `rates_ranks` ranks busy at once, and `host_ranks` of this pipeline's ranks share one host.
+    host_cores: int = 0
+    rates_ranks: int = 1
+    host_ranks: int = 1
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether busy ranks run faster while others idle: more ranks than cores, when calibrated or now.
+
+        >>> PipelineConfig("pp", 4, 8).shares_cores, PipelineConfig("pp", 4, 8, host_cores=2, host_ranks=4).shares_cores
+        (False, True)
+        """
+        return self.host_cores > 0 and max(self.rates_ranks, self.host_ranks) > self.host_cores
 
     @property
     def num_stages(self) -> int:
@@ -172,7 +186,8 @@ def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, p
                              f"size ({p})")
     link = profile.link(mesh.shape, mesh.axis(axis))
     return PipelineConfig(axis, p, m, schedule, virtual, annotations, link, profile.pipeline_action_s,
-                          profile.split_backward_factor, 1.0 - profile.comm_overlap)
+                          profile.split_backward_factor, 1.0 - profile.comm_overlap, profile.host_cores,
+                          profile.rates_ranks, min(mesh.size, profile.devices_per_node))
 
 
 def batch_size(example_inputs) -> int:

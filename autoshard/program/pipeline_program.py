@@ -120,6 +120,18 @@ class PipelineProgram(Program):
         """
         return self._planned.bubble_fraction()
 
+    @property
+    def predicted_work_s(self) -> float:
+        """The predicted step without its bubble, which no schedule of this micro-batch program can beat
+        (autoshard/search/microbatch_search.py `least_step`): the busy share of the step; where ranks share their
+        host's cores, the least step the timeline found (ranks in the bubble leave their cores to the busy ones).
+
+        >>> prog.predicted_work_s < prog.predicted_step_s
+        True
+        """
+        least = self._planned.least_s
+        return least if least is not None else self.predicted_step_s * (1 - self.predicted_bubble)
+
     def record(self, key: str, value) -> None:
         """Keep the pipeline search's record `key` (why this micro-batch count, schedule, ...) in the plan's
         `pipeline` record, without building the plan for a candidate the search may drop.

@@ -16,10 +16,12 @@ text rows per rank and plot with `autoshard.report.viz.plot_timeline`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from autoshard.cost.overlap import step_works, two_streams
 from autoshard.cost.pipeline_schedule import schedule_order
+from autoshard.cost.profiles import core_contention
 from autoshard.ir.errors import PlanError
 from autoshard.report.viz import plot_timeline
 
@@ -35,6 +37,8 @@ class Timeline:
     events: list = field(default_factory=list)
     source: str = "planned"
     rows: dict = field(default_factory=dict)  # row -> its name (default: "pp rank <row>")
+    # Where ranks share their host's cores: the least step any schedule of these stage times can take (`_shared_cores`)
+    least_s: float | None = None
 
     def row_name(self, row: int) -> str:
         """What row `row` shows: a pp rank, or the compute stream / a link of an overlap timeline.
@@ -122,7 +126,8 @@ def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0
     cost over a fused backward (`config.split_backward`); every action also takes the runtime's fixed cost per
     action (`config.action_s`). A message between stages arrives `transfer_s` after its action ends; an action that
     sends one (a forward but the last stage's, an input backward but the first stage's) also takes
-    `config.send_share` of `sent_s`, the message's bytes time (its rank's share of the copy).
+    `config.send_share` of `sent_s`, the message's bytes time (its rank's share of the copy). Where ranks share
+    their host's cores (`config.shares_cores`), the busy ones share them at each moment (`_shared_cores`).
 
     >>> from autoshard.program.pipeline import PipelineConfig
     >>> even = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}}
@@ -134,9 +139,45 @@ def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0
     """
     orders = schedule_order(config)
     done: dict = {}
+    ready = _ready_rule(config, done, transfer_s)
+    last = config.num_stages - 1
+
+    def seconds(stage, kind):
+        spent = config.action_s + (durations[stage]["F"] if kind == "F" else
+                                   durations[stage]["B"] * (1.0 if kind == "B" else 0.5 * config.split_backward))
+        if (kind == "F" and stage < last) or (kind in ("B", "I") and stage > 0):
+            spent += config.send_share * sent_s
+        return spent
+
+    if config.shares_cores:
+        return _shared_cores(config, orders, done, ready, seconds)
     position = {r: 0 for r in orders}
     free = {r: 0.0 for r in orders}
     events = []
+    remaining = sum(len(o) for o in orders.values())
+    while remaining:
+        progressed = False
+        for r, order in orders.items():
+            if position[r] >= len(order):
+                continue
+            stage, kind, mb = order[position[r]]
+            t = ready(stage, kind, mb)
+            if t is None:
+                continue
+            start = max(t, free[r])
+            done[(stage, kind, mb)] = free[r] = start + seconds(stage, kind)
+            events.append((r, stage, kind, mb, start, free[r]))
+            position[r] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            _deadlock(config, orders, position)
+    return Timeline(events, source="planned")
+
+
+def _ready_rule(config, done: dict, transfer_s: float):
+    """ready(stage, kind, micro-batch): when an action's inputs are there (its dependencies' ends in `done`, a
+    message `transfer_s` after the action that sends it), None while one of them has not run."""
     last = config.num_stages - 1
 
     def ready(stage, kind, mb):
@@ -155,31 +196,68 @@ def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0
         if any(t is None for t in times):
             return None
         return max(times, default=0.0) + (transfer_s if kind == "F" and stage > 0 else 0.0)
+    return ready
 
+
+def _shared_cores(config, orders: dict, done: dict, ready, seconds) -> Timeline:
+    """`simulate` where ranks share their host's cores (CPU ranks outnumbering the cores): the stage times were
+    measured with `config.rates_ranks` ranks busy at once, so an action's work alone is its time over that contention
+    (HardwareProfile.contention), and at each moment the busy ranks share the cores evenly. A rank waiting for a
+    message computes nothing (gloo's receive sleeps): a pipeline's bubble leaves its cores to the others, so on 4
+    ranks of 2 cores a 4-stage 1F1B step of 8 micro-batches takes 0.77 of the step the ranks would take busy in
+    lockstep (4 micro-batches: 0.64).
+
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> even = {s: {"F": 1.0, "B": 2.0} for s in range(4)}
+    >>> shared = PipelineConfig("pp", 4, 8, "1F1B", host_cores=2, rates_ranks=4, host_ranks=4)
+    >>> simulate(shared, even).span(), simulate(PipelineConfig("pp", 4, 8, "1F1B"), even).span()
+    (25.5, 33.0)
+    """
+    alone = core_contention(config.rates_ranks, config.host_cores)
+    works = [sum(seconds(stage, kind) for stage, kind, _ in order) / alone for order in orders.values()]
+    # The host's ranks together compute no faster than all its cores, and none faster than alone: the average rank's
+    # work alone times the contention bounds any cut of the same micro-batch program (its total work is the same,
+    # its busiest rank's may not be).
+    least = sum(works) / len(works) * core_contention(config.host_ranks, config.host_cores)
+    position = {r: 0 for r in orders}
+    running: dict = {}  # rank -> [action, work left (seconds alone), start]
+    events, now = [], 0.0
     remaining = sum(len(o) for o in orders.values())
     while remaining:
-        progressed = False
+        waiting = {}  # rank -> when its next action's inputs arrive
         for r, order in orders.items():
-            if position[r] >= len(order):
+            if r in running or position[r] >= len(order):
                 continue
-            stage, kind, mb = order[position[r]]
-            t = ready(stage, kind, mb)
-            if t is None:
-                continue
-            seconds = config.action_s + (durations[stage]["F"] if kind == "F" else
-                                         durations[stage]["B"] * (1.0 if kind == "B" else 0.5 * config.split_backward))
-            if (kind == "F" and stage < last) or (kind in ("B", "I") and stage > 0):
-                seconds += config.send_share * sent_s
-            start = max(t, free[r])
-            done[(stage, kind, mb)] = free[r] = start + seconds
-            events.append((r, stage, kind, mb, start, start + seconds))
-            position[r] += 1
-            remaining -= 1
-            progressed = True
-        if not progressed:
-            raise PlanError(f"the {config.schedule} action order deadlocks in simulation (at "
-                            f"{ {r: orders[r][position[r]] for r in orders if position[r] < len(orders[r])} })")
-    return Timeline(events, source="planned")
+            t = ready(*order[position[r]])
+            if t is not None and t <= now:
+                stage, kind, _ = order[position[r]]
+                running[r] = [order[position[r]], seconds(stage, kind) / alone, now]
+            elif t is not None:
+                waiting[r] = t
+        if not running:
+            if not waiting:
+                _deadlock(config, orders, position)
+            now = min(waiting.values())
+            continue
+        slowdown = core_contention(config.host_ranks * len(running) / config.pp_size, config.host_cores)
+        step = min(min(work for _, work, _ in running.values()) * slowdown,
+                   min(waiting.values(), default=math.inf) - now)
+        now += step
+        for r in list(running):
+            action, work, start = running[r]
+            running[r][1] = work - step / slowdown
+            if running[r][1] <= 1e-12 * max(work, 1.0):
+                done[action] = now
+                events.append((r, *action, start, now))
+                position[r] += 1
+                remaining -= 1
+                del running[r]
+    return Timeline(events, source="planned", least_s=least)
+
+
+def _deadlock(config, orders: dict, position: dict):
+    raise PlanError(f"the {config.schedule} action order deadlocks in simulation (at "
+                    f"{ {r: orders[r][position[r]] for r in orders if position[r] < len(orders[r])} })")
 
 
 def planned_timeline(program) -> Timeline:
@@ -242,6 +320,8 @@ def pipeline_timeline(config, table) -> Timeline:
     for row in table:
         sync[config.stage_rank(row["stage"])] += row.get("sync_s", 0.0)
     timeline.events += [(rank, -1, "S", -1, end, end + seconds) for rank, seconds in sorted(sync.items()) if seconds]
+    if timeline.least_s is not None:  # every rank syncs once its compute is done
+        timeline.least_s += min(sync.values(), default=0.0)
     return timeline
 
 

@@ -73,7 +73,7 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
     """
     if "schedule" in opts or "virtual_stages" in opts:
         return prog
-    work = prog.predicted_step_s * (1 - prog.predicted_bubble)  # its step without the bubble
+    work = prog.predicted_work_s  # its step without the bubble
     if work >= to_beat:
         return prog
     config = prog.config
@@ -81,7 +81,7 @@ def best_schedule(request: CompileRequest, prog, opts: dict, to_beat: float = fl
              "predicted_step_s": prog.predicted_step_s}]
     best = prog
     for schedule, virtual in SEARCHED_SCHEDULES:
-        least = least_step(work, config.pp_size, config.microbatches, schedule, virtual)
+        least = least_step(work, config.pp_size, config.microbatches, schedule, virtual, config.shares_cores)
         beat = min(to_beat, best.predicted_step_s)
         if least >= beat:
             rows.append({"schedule": schedule, "virtual_stages": virtual,
@@ -118,26 +118,27 @@ def replan_bound(to_beat: float, schedule: str, virtual: int):
 
     def reason(prog) -> str | None:
         config = prog.config
-        least = least_step(prog.predicted_step_s * (1 - prog.predicted_bubble), config.pp_size, config.microbatches,
-                           schedule, virtual)
+        least = least_step(prog.predicted_work_s, config.pp_size, config.microbatches, schedule, virtual,
+                           config.shares_cores)
         if least < to_beat:
             return None
         return f"not planned again: its least step {least:.4g} s cannot beat {to_beat:.4g} s"
     return reason
 
 
-def least_step(work: float, p: int, m: int, schedule: str, virtual: int) -> float:
+def least_step(work: float, p: int, m: int, schedule: str, virtual: int, shares_cores: bool = False) -> float:
     """The least step a schedule can take for a pipeline whose 1F1B plan does `work` seconds besides its bubble:
     interleaving leaves a bubble of (p - 1) / (virtual x m) of the work (Narayanan et al. 2021), zero bubble none. A
     bound as the search's other prunes are: a plan of this schedule keeps at least as many activations in flight,
-    so its ILP is at least as constrained and its work per micro-batch no smaller.
+    so its ILP is at least as constrained and its work per micro-batch no smaller. Where ranks share their host's
+    cores (`PipelineConfig.shares_cores`) a bubble may cost nothing (the busy ranks take its cores): `work` only.
 
     >>> least_step(64.0, p=32, m=64, schedule="Interleaved1F1B", virtual=2)
     79.5
     >>> least_step(64.0, 32, 64, "ZBVZeroBubble", 2)
     64.0
     """
-    if schedule == "Interleaved1F1B":
+    if schedule == "Interleaved1F1B" and not shares_cores:
         return work * (1 + (p - 1) / (virtual * m))
     return work
 

@@ -8,6 +8,7 @@ import torch
 
 import autoshard
 from autoshard.cost.axis_cost import compute_time
+from autoshard.cost.calibrate import compute_slowdown, host_cores
 from autoshard.cost.flops import node_flops
 from autoshard.cost.profiles import load_profile
 from autoshard.zoo import mlp
@@ -42,3 +43,14 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
     assert {name: costs for name, *costs in profile.op_overheads}["aten.linear.default"]  # timed on its own
     expected = 3 * node_flops(linear) / rates["float64"] + sum(profile.fixed_costs(linear.target))
     assert abs(compute_time(linear, 1, profile) - expected) <= 1e-12 * expected
+
+
+def _slowdown_task(rank, world):
+    return compute_slowdown(rank, world, at_once=2, seconds=0.1)
+
+
+def test_ranks_outnumbering_the_cores_measure_how_much_slower_they_compute_together(pool):
+    """calibrate times the compute rates with as many CPU ranks at once as the host has cores, then scales them by
+    the slowdown of all ranks computing together (8 ranks here: 4 per core of this 2-core machine, or more)."""
+    slowdowns = pool.run(_slowdown_task)
+    assert len(slowdowns) == 8 and max(slowdowns.values()) >= min(8, 4 * host_cores()) / 4, slowdowns
