@@ -48,7 +48,7 @@ def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
     then, every rank at once, its compute rates (as JSON) on the device it trains on: its GPU where the host has
     them (CUDA events time the kernels), else the CPU."""
     links = _time_axis_task(rank, world, mesh_json, sizes)
-    action = pipeline_action_seconds(rank, world) if world > 1 else 0.0
+    action = pipeline_runtime_seconds(rank, world) if world > 1 else (0.0, 0.0)
     overlap = comm_overlap_share(Mesh.from_json(mesh_json)) if world > 1 else 1.0
     device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     memory = torch.cuda.get_device_properties(device).total_memory if device != "cpu" else None
@@ -144,40 +144,63 @@ def _world_max(value: int) -> int:
 
 
 PIPELINE_COUNTS = (1, 4)  # micro-batches of the two timed steps, per stage (1F1B needs at least one per stage)
+FANOUT = 6  # tensors a stage sends in the second timed pipeline (transformers' stages send 3-7: masks, rotary tables)
 
 
-def pipeline_action_seconds(rank: int, world: int, repeats: int = 9) -> float:
-    """The seconds torch.distributed.pipelining spends per schedule action besides compute and transfer, on this
-    rank of a `world`-stage 1F1B pipeline of one small Linear per stage: the step's growth per micro-batch
-    (a forward, a backward and their two messages on the critical path) less a message's round trip, halved.
-    Measured on 2 ranks of this 2-core machine: 0.3-0.55 ms (a small Linear's forward and backward take 0.02).
-    Every rank of the default process group calls it (calibrate's ranks do):
+class _Fanout(torch.nn.Module):
+    """A pipeline stage of one small Linear that takes and sends `k` tensors (one when k is 1)."""
 
-    >>> pipeline_action_seconds(dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
-    0.00044
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.linear = k, torch.nn.Linear(16, 16)
+
+    def forward(self, *xs):
+        y = self.linear(xs[0] if len(xs) == 1 else sum(xs))
+        return y if self.k == 1 else tuple(y * (i + 1) for i in range(self.k))
+
+
+def pipeline_runtime_seconds(rank: int, world: int, repeats: int = 9) -> tuple[float, float]:
+    """(per schedule action, per tensor a stage sends beyond its first): the seconds torch.distributed.pipelining
+    spends besides compute and transfer, on this rank of a `world`-stage 1F1B pipeline of one small Linear per
+    stage. An action's: the step's growth per micro-batch (a forward, a backward and their two messages on the
+    critical path) less a message's round trip, halved. A tensor's: the same growth with the stages sending FANOUT
+    tensors each way (each is its own message), less the one-tensor growth, per extra tensor and direction.
+    Measured on 2 ranks of this 2-core machine: 0.3-0.55 ms an action (a small Linear's forward and backward take
+    0.02), about 0.1 ms a tensor. Every rank of the default process group calls it (calibrate's ranks do):
+
+    >>> pipeline_runtime_seconds(dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
+    (0.00044, 0.0001)
     """
     from torch.distributed.pipelining import (  # the runtime's; not at import: heavy
         PipelineStage,
         Schedule1F1B,
     )
 
-    steps, counts = {}, [world * count for count in PIPELINE_COUNTS]
-    for m in counts:
-        stage = PipelineStage(torch.nn.Linear(16, 16), rank, world, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, m, loss_fn=lambda out, target: out.sum())
-        x = torch.ones(4 * m, 16)
-        times = []
-        for _ in range(repeats + 2):
-            dist.barrier()
-            started = time.perf_counter()
-            if rank == 0:
-                schedule.step(x)
-            elif rank == world - 1:
-                schedule.step(target=x)
-            else:
-                schedule.step()
-            times.append(time.perf_counter() - started)
-        steps[m] = statistics.median(times[2:])
+    def loss(out, target):
+        return out.sum() if isinstance(out, torch.Tensor) else sum(o.sum() for o in out)
+
+    counts = [world * count for count in PIPELINE_COUNTS]
+    growth = {}
+    for k in (1, FANOUT):
+        steps = {}
+        for m in counts:
+            stage = PipelineStage(_Fanout(k), rank, world, torch.device("cpu"))
+            schedule = Schedule1F1B(stage, m, loss_fn=loss)
+            x = torch.ones(4 * m, 16)
+            times = []
+            for _ in range(repeats + 2):
+                dist.barrier()
+                started = time.perf_counter()
+                if rank == 0:
+                    schedule.step(x)
+                elif rank == world - 1:
+                    schedule.step(target=x)
+                else:
+                    schedule.step()
+                times.append(time.perf_counter() - started)
+            steps[m] = statistics.median(times[2:])
+        low, high = counts
+        growth[k] = (steps[high] - steps[low]) / (high - low)
     message, trips = torch.ones(64), []
     for _ in range(repeats):
         dist.barrier()
@@ -189,9 +212,8 @@ def pipeline_action_seconds(rank: int, world: int, repeats: int = 9) -> float:
             dist.recv(message, 0)
             dist.send(message, 0)
         trips.append(time.perf_counter() - started)
-    low, high = counts
-    growth = (steps[high] - steps[low]) / (high - low)
-    return max(growth - statistics.median(trips), 0.0) / 2
+    action = max(growth[1] - statistics.median(trips), 0.0) / 2
+    return action, max(growth[FANOUT] - growth[1], 0.0) / (2 * (FANOUT - 1))
 
 
 def slowest_rates(per_rank: list) -> ComputeRates:
@@ -387,10 +409,12 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
               f"{rates.recorded_op_overhead_s * 1e6:.1f} us when autograd records it) and "
               f"{rates.grad_op_overhead_s * 1e6:.1f} us backward, {rates.view_overhead_s * 1e6:.1f} us per view "
               f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward")
-    action = max(r[3] for r in results.values())
+    action = max(r[3][0] for r in results.values())
+    tensor = max(r[3][1] for r in results.values())
     overlap = min(r[4] for r in results.values())
     if not quiet and mesh.size > 1:
-        print(f"pipeline runtime: {action * 1e3:.3f} ms per schedule action, a backward split in two (zero bubble) "
+        print(f"pipeline runtime: {action * 1e3:.3f} ms per schedule action and {tensor * 1e3:.3f} ms per tensor a "
+              "stage sends beyond its first, a backward split in two (zero bubble) "
               f"{rates.split_backward_factor:.2f} x the fused one; compute hides {overlap:.0%} of an asynchronous "
               "collective")
     return HardwareProfile(name="calibrated", peak_flops=rates.matmul_flops.get("float32", CPU_PROFILE.peak_flops),
@@ -402,7 +426,7 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            grad_op_overhead_s=rates.grad_op_overhead_s,
                            recorded_op_overhead_s=rates.recorded_op_overhead_s,
                            view_overhead_s=rates.view_overhead_s, view_grad_overhead_s=rates.view_grad_overhead_s,
-                           op_overheads=rates.op_overheads, pipeline_action_s=action,
+                           op_overheads=rates.op_overheads, pipeline_action_s=action, pipeline_tensor_s=tensor,
                            split_backward_factor=rates.split_backward_factor, comm_overlap=overlap,
                            host_cores=cores, rates_ranks=mesh.size)
 

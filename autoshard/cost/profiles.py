@@ -174,6 +174,8 @@ class HardwareProfile:
     # The seconds torch.distributed.pipelining's runtime spends on one action of a schedule (a stage's forward or
     # backward of one micro-batch) besides its compute and its messages' transfer.
     pipeline_action_s: float = 0.0
+    # What each tensor a stage sends beyond its first adds to the action that sends it (each is its own message).
+    pipeline_tensor_s: float = 0.0
     # A zero-bubble schedule's backward split in two (input gradients, then weight gradients) over the fused one.
     split_backward_factor: float = 1.0
     # The share of an asynchronous collective's time that compute running meanwhile does not pay (1: hidden whole,
@@ -201,6 +203,7 @@ class HardwareProfile:
                 "grad_op_overhead_s": self.grad_op_overhead_s, "recorded_op_overhead_s": self.recorded_op_overhead_s,
                 "view_overhead_s": self.view_overhead_s, "view_grad_overhead_s": self.view_grad_overhead_s,
                 "op_overheads": [list(row) for row in self.op_overheads], "pipeline_action_s": self.pipeline_action_s,
+                "pipeline_tensor_s": self.pipeline_tensor_s,
                 "split_backward_factor": self.split_backward_factor, "comm_overlap": self.comm_overlap,
                 "host_cores": self.host_cores, "rates_ranks": self.rates_ranks}
 

@@ -421,8 +421,8 @@ def stage_summary(state, config) -> list[dict]:
     profile = state.options.profile
     shares = reduce_scatter_shares(state.gm.graph, state.mesh) if state.zero is not None else {}
     out = [{"stage": s, "ops": 0, "first_module": "", "last_module": "", "seconds": 0.0, "param_bytes": 0,
-            "activation_bytes": 0, "send_bytes": 0, "sync_s": 0.0, "latency_s": 0.0, "recompute_s": 0.0}
-           for s in range(config.num_stages)]
+            "activation_bytes": 0, "send_bytes": 0, "send_tensors": 0, "grad_tensors": 0, "sync_s": 0.0,
+            "latency_s": 0.0, "recompute_s": 0.0} for s in range(config.num_stages)]
     held = [set() for _ in out]  # each stage's parameters
     for node in state.gm.graph.nodes:
         cost = node_cost(node)
@@ -457,6 +457,15 @@ def stage_summary(state, config) -> list[dict]:
         later = [u for u in node.users if u.meta.get(meta.STAGE, -1) > node.meta[meta.STAGE]]
         if later and isinstance(node.meta.get("val"), torch.Tensor):
             row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
+    for node in state.gm.graph.nodes:  # each value crossing a boundary is a message of its own, and its gradient
+        made = 0 if node.op == "placeholder" and node.meta.get(meta.KIND) == "input" else node.meta.get(meta.STAGE)
+        if made is None or node.op not in ("placeholder", "call_function") \
+                or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        used = max((u.meta.get(meta.STAGE, -1) for u in node.users), default=-1)
+        for boundary in range(made, used):  # passed on by every stage in between
+            out[boundary]["send_tensors"] += 1
+            out[boundary]["grad_tensors"] += int(bool(grads.get(node)))
     for row, params in zip(out, held):  # a stage's module syncs its own gradients in its own buckets
         row["sync_s"] += sum(bucket_correction(state, params).values())
     for stage, seconds in tied_sync_seconds(state, config).items():  # a tied weight's gradient summed over pp

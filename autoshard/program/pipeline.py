@@ -61,6 +61,7 @@ class PipelineConfig:
     annotations: StageAnnotations | None = None
     link: Link = _DEFAULT_LINK
     action_s: float = 0.0  # the runtime's fixed cost per schedule action (HardwareProfile.pipeline_action_s)
+    tensor_s: float = 0.0  # and per tensor an action sends beyond its first (HardwareProfile.pipeline_tensor_s)
     split_backward: float = 1.0  # a backward split in I and W over the fused one (HardwareProfile's factor)
     # The share of a stage-to-stage message's transfer its sending rank's compute pays (1 - HardwareProfile's
     # comm_overlap: gloo's copies on CPU ranks share the cores with the compute; a GPU's NIC or NVLink none).
@@ -186,8 +187,8 @@ def make_config(mesh: Mesh, axis: str, options: dict, annotations, batch: int, p
                              f"size ({p})")
     link = profile.link(mesh.shape, mesh.axis(axis))
     return PipelineConfig(axis, p, m, schedule, virtual, annotations, link, profile.pipeline_action_s,
-                          profile.split_backward_factor, 1.0 - profile.comm_overlap, profile.host_cores,
-                          profile.rates_ranks, min(mesh.size, profile.devices_per_node))
+                          profile.pipeline_tensor_s, profile.split_backward_factor, 1.0 - profile.comm_overlap,
+                          profile.host_cores, profile.rates_ranks, min(mesh.size, profile.devices_per_node))
 
 
 def batch_size(example_inputs) -> int:

@@ -124,7 +124,8 @@ def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0
 
     `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split), times the split's
     cost over a fused backward (`config.split_backward`); every action also takes the runtime's fixed cost per
-    action (`config.action_s`). A message between stages arrives `transfer_s` after its action ends; an action that
+    action (`config.action_s`), and one that sends more than one tensor (`durations[stage]["F_sends"]` forward,
+    `["B_sends"]` backward, 1 when absent) `config.tensor_s` per tensor beyond the first. A message between stages arrives `transfer_s` after its action ends; an action that
     sends one (a forward but the last stage's, an input backward but the first stage's) also takes
     `config.send_share` of `sent_s`, the message's bytes time (its rank's share of the copy). Where ranks share
     their host's cores (`config.shares_cores`), the busy ones share them at each moment (`_shared_cores`).
@@ -146,7 +147,8 @@ def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0
         spent = config.action_s + (durations[stage]["F"] if kind == "F" else
                                    durations[stage]["B"] * (1.0 if kind == "B" else 0.5 * config.split_backward))
         if (kind == "F" and stage < last) or (kind in ("B", "I") and stage > 0):
-            spent += config.send_share * sent_s
+            sends = durations[stage].get("F_sends" if kind == "F" else "B_sends", 1)
+            spent += config.send_share * sent_s + config.tensor_s * max(sends - 1, 0)
         return spent
 
     if config.shares_cores:
@@ -311,7 +313,10 @@ def pipeline_timeline(config, table) -> Timeline:
     >>> round(pipeline_timeline(PipelineConfig("pp", 2, 4, "1F1B"), table).span(), 3)  # (m + p - 1) x 3 + 0.5
     15.5
     """
-    durations = {row["stage"]: {"F": row["fwd_s"], "B": row["bwd_s"]} for row in table}
+    sends = {row["stage"]: row.get("send_tensors", 1) for row in table}  # across the boundary after the stage
+    grads = {row["stage"] + 1: row.get("grad_tensors", 1) for row in table}  # back across the one before it
+    durations = {row["stage"]: {"F": row["fwd_s"], "B": row["bwd_s"], "F_sends": sends[row["stage"]],
+                                "B_sends": grads.get(row["stage"], 1)} for row in table}
     boundary = max((row["send_bytes"] for row in table), default=0)
     sent = boundary / 2 / config.link.bandwidth
     timeline = simulate(config, durations, config.link.alpha + sent, sent)

@@ -173,21 +173,26 @@ def _finer_counts(p: int, batch: int, ways: int) -> list[int]:
     return [m for m in range(p, batch + 1, p) if batch % m == 0 and (batch // m) % ways == 0]
 
 
-def estimate_step(stages: list[dict], m0: int, m: int, virtual: int, link, action_s: float = 0.0) -> float:
-    """The predicted step with `m` micro-batches from stage times measured at `m0`: the bandwidth and
-    compute parts scale with the micro-batch size, the latencies (collectives, stage sends, the runtime's
-    `action_s` per forward and backward) do not.
+def estimate_step(stages: list[dict], m0: int, m: int, config) -> float:
+    """The predicted step with `m` micro-batches from stage times measured at `m0` (`config` the PipelineConfig
+    planned): the bandwidth and compute parts scale with the micro-batch size, the latencies (collectives, stage
+    sends, the runtime's `action_s` per forward and backward and `tensor_s` per tensor sent beyond the first) do not.
 
     >>> from autoshard.cost.profiles import Link
+    >>> from autoshard.program.pipeline import PipelineConfig
     >>> stages = [{"seconds": 1.0, "sync_s": 0.0}, {"seconds": 1.0, "sync_s": 0.0}]
-    >>> estimate_step(stages, m0=2, m=4, virtual=1, link=Link(0.0, 1e9))  # half the time per micro-batch, 4 + 1
+    >>> estimate_step(stages, m0=2, m=4, config=PipelineConfig("pp", 2, 2, link=Link(0.0, 1e9)))  # 4 halves + 1
     2.5
     """
     scaled = []
-    for row in stages:
-        fixed = row.get("latency_s", 0.0) + 4 * link.alpha
-        scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed + 2 * action_s))
-    return predicted_step(scaled, m, virtual)
+    last = len(stages) - 1
+    for i, row in enumerate(stages):
+        fixed = row.get("latency_s", 0.0) + 4 * config.link.alpha
+        sends = (max(row.get("send_tensors", 1) - 1, 0) if i < last else 0) \
+            + (max(stages[i - 1].get("grad_tensors", 1) - 1, 0) if i > 0 else 0)
+        scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed + 2 * config.action_s
+                           + sends * config.tensor_s))
+    return predicted_step(scaled, m, config.virtual)
 
 
 def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: float = float("inf")):
@@ -224,10 +229,10 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
     expected = {}  # count -> (expected step, the planned count it is estimated from)
     for m0, prog in planned.items():
         config, stages = prog.config, prog.state.pipeline_stages
-        own = estimate_step(stages, m0, m0, config.virtual, config.link, config.action_s)
+        own = estimate_step(stages, m0, m0, config)
         for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
             # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
-            step = estimate_step(stages, m0, m, config.virtual, config.link, config.action_s) \
+            step = estimate_step(stages, m0, m, config) \
                 * prog.predicted_step_s \
                 / own if m != m0 else prog.predicted_step_s
             if m not in expected or step < expected[m][0]:
