@@ -182,9 +182,9 @@ class HardwareProfile:
     # a GPU's copy engines and NICs; CPU ranks whose gloo threads share the cores with the compute get less).
     comm_overlap: float = 1.0
     # Ranks that outnumber their host's cores share them (CPU ranks): `host_cores` is one host's cores (0: every rank
-    # has a device of its own, a GPU), `rates_ranks` how many ranks computed at once when the rates above were
-    # measured (calibrate runs them all together: the rates include that contention). A pipeline's ranks idle in its
-    # bubble, and the busy ones then run faster (`contention`; autoshard/report/timeline.py `simulate`).
+    # has a device of its own, a GPU), and the rates above are those of `rates_ranks` ranks computing at once (the
+    # contention calibrate measured). A pipeline's ranks idle in its bubble, and the busy ones then run faster
+    # (`core_contention`; autoshard/report/timeline.py `simulate`).
     host_cores: int = 0
     rates_ranks: int = 1
 
@@ -254,17 +254,6 @@ class HardwareProfile:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_fixed_by_target"}
 
-    def contention(self, busy: float) -> float:
-        """How many times longer a rank's compute takes with `busy` ranks of its host computing at once than alone:
-        the cores shared evenly (1 where each rank has its own device, or the host's cores outnumber them).
-
-        >>> HardwareProfile(host_cores=2).contention(4), HardwareProfile(host_cores=2).contention(1)
-        (2.0, 1.0)
-        >>> HardwareProfile().contention(4)
-        1.0
-        """
-        return core_contention(busy, self.host_cores)
-
     def matmul_flops(self, dtype) -> float:
         """FLOP/s of a matmul in `dtype` (a torch.dtype or its name): the calibrated rate, else `peak_flops`.
 
@@ -292,7 +281,8 @@ class HardwareProfile:
 
 
 def core_contention(busy: float, cores: int) -> float:
-    """`HardwareProfile.contention` for a host of `cores` cores (0: a device per rank, no contention).
+    """How many times longer a rank's compute takes with `busy` ranks of a host of `cores` cores computing at once
+    than alone: the cores shared evenly (1 where each rank has its own device, `cores` 0, or the cores outnumber them).
 
     >>> core_contention(3, 2), core_contention(3, 0)
     (1.5, 1.0)

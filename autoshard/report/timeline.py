@@ -204,7 +204,7 @@ def _ready_rule(config, done: dict, transfer_s: float):
 def _shared_cores(config, orders: dict, done: dict, ready, seconds) -> Timeline:
     """`simulate` where ranks share their host's cores (CPU ranks outnumbering the cores): the stage times were
     measured with `config.rates_ranks` ranks busy at once, so an action's work alone is its time over that contention
-    (HardwareProfile.contention), and at each moment the busy ranks share the cores evenly. A rank waiting for a
+    (`core_contention`), and at each moment the busy ranks share the cores evenly. A rank waiting for a
     message computes nothing (gloo's receive sleeps): a pipeline's bubble leaves its cores to the others, so on 4
     ranks of 2 cores a 4-stage 1F1B step of 8 micro-batches takes 0.77 of the step the ranks would take busy in
     lockstep (4 micro-batches: 0.64).
