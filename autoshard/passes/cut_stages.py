@@ -219,18 +219,20 @@ def _where(node) -> str:
 
 # ----------------------------------------------------------------------------------------- automatic cut
 
-def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
+def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool], list[int], list[int]]:
     """Per cut position k (before nodes[k], k = 0..n): bytes of the values crossing it, bytes of their
-    gradients, and whether the position is allowed (no tuple crosses it). An op left out of `nodes` (a
-    weight-only op) counts as computed where `op_positions` puts it: with its first user.
+    gradients, whether the position is allowed (no tuple crosses it), and how many tensors cross it each way (each
+    is a message of its own). An op left out of `nodes` (a weight-only op) counts as computed where `op_positions`
+    puts it: with its first user.
 
-    >>> fwd, bwd, ok = boundary_bytes(state, nodes)
-    >>> len(fwd) == len(nodes) + 1, fwd[3], bwd[3]  # after layers.0's linear + bias + GELU: 4 x 128 floats
-    (True, 2048, 2048)
+    >>> fwd, bwd, ok, fwd_n, bwd_n = boundary_bytes(state, nodes)
+    >>> len(fwd) == len(nodes) + 1, fwd[3], bwd[3], fwd_n[3]  # after layers.0's linear + bias + GELU: 4 x 128 floats
+    (True, 2048, 2048, 1)
     """
     n = len(nodes)
     index = op_positions(state.gm.graph, nodes)
     fwd, bwd, bad = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
+    fwd_n, bwd_n = [0] * (n + 2), [0] * (n + 2)
     grads = needs_grad(state.gm.graph)  # stored in node meta by normalize: read, not re-analysed
     for node in state.gm.graph.nodes:
         if node.op == "call_function":
@@ -248,19 +250,16 @@ def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool]]:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             size = local_bytes(node, node.meta[meta.SPEC], state.mesh)
-            for arr, amount in ((fwd, size), (bwd, size if grads.get(node) else 0)):
+            grad = bool(grads.get(node))
+            for arr, amount in ((fwd, size), (bwd, size if grad else 0), (fwd_n, 1), (bwd_n, int(grad))):
                 arr[first] += amount
                 arr[last + 1] -= amount
         else:
             bad[first] += 1
             bad[last + 1] -= 1
-    out_f, out_b, ok, f, b, x = [], [], [], 0, 0, 0
-    for k in range(n + 1):
-        f, b, x = f + fwd[k], b + bwd[k], x + bad[k]
-        out_f.append(f)
-        out_b.append(b)
-        ok.append(x == 0)
-    return out_f, out_b, ok
+    return (*(list(itertools.accumulate(arr[:n + 1])) for arr in (fwd, bwd)),
+            [x == 0 for x in itertools.accumulate(bad[:n + 1])],
+            *(list(itertools.accumulate(arr[:n + 1])) for arr in (fwd_n, bwd_n)))
 
 
 def weight_only_ops(nodes) -> set:
@@ -329,7 +328,7 @@ class CutCosts:
     def __init__(self, state, nodes, config):
         self.nodes = nodes
         self.n = len(nodes)
-        self.fwd_bytes, self.bwd_bytes, self.allowed = boundary_bytes(state, nodes)
+        self.fwd_bytes, self.bwd_bytes, self.allowed, self.fwd_tensors, self.bwd_tensors = boundary_bytes(state, nodes)
         seconds = [op_seconds(state, node) for node in nodes] + [0.0]  # a checkpointed op's recompute included
         for node, k in op_positions(state.gm.graph, nodes).items():  # ops left out run with their first user
             if k >= self.n or nodes[k] is not node:
@@ -337,12 +336,13 @@ class CutCosts:
         self.prefix = [0.0]
         for t in seconds[:-1]:
             self.prefix.append(self.prefix[-1] + t)
-        self.link = config.link
+        self.link, self.tensor_s = config.link, config.tensor_s
         self.layers = find_layers(nodes)
         self.positions = [0] + candidate_positions(nodes, self.allowed, self.layers) + [self.n]
 
     def transfer(self, k: int) -> float:
-        """Seconds to send the values crossing position `k` forward and their gradients back (0 at the ends).
+        """Seconds to send the values crossing position `k` forward and their gradients back (0 at the ends), each
+        tensor beyond the first each way a message of its own (`PipelineConfig.tensor_s`).
 
         >>> costs = CutCosts(state, nodes, config)
         >>> costs.transfer(0), costs.transfer(3) > 0
@@ -350,7 +350,9 @@ class CutCosts:
         """
         if k in (0, self.n):
             return 0.0
-        return 2 * self.link.alpha + (self.fwd_bytes[k] + self.bwd_bytes[k]) / self.link.bandwidth
+        messages = max(self.fwd_tensors[k] - 1, 0) + max(self.bwd_tensors[k] - 1, 0)
+        return 2 * self.link.alpha + (self.fwd_bytes[k] + self.bwd_bytes[k]) / self.link.bandwidth \
+            + messages * self.tensor_s
 
     def stage_time(self, a: int, b: int) -> float:
         """Seconds of a stage running ops [a, b): compute, intra-op communication and both transfers.

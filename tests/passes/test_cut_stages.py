@@ -251,3 +251,21 @@ def test_batchnorm_with_microbatches_warns_that_the_step_differs():
     model, inputs, loss_fn = resnet()
     with pytest.warns(UserWarning, match=r"BatchNorm module\(s\) in training mode .* see one micro-batch at a time"):
         autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",), pipeline={"microbatches": 2})
+
+
+def test_the_cut_weighs_each_tensor_crossing_it_as_a_message():
+    """torch.distributed.pipelining sends every tensor crossing a boundary as its own message: where the profile
+    prices them (`pipeline_tensor_s`, calibrated on CPU ranks) the cut moves to a boundary fewer tensors cross, and
+    the stage table counts them (`send_tensors`, `grad_tensors`; a llama block's boundary carries the rotary
+    tables and the residual besides the hidden state)."""
+    from autoshard.cost.profiles import HardwareProfile
+    model, inputs, loss_fn = llama(n_layers=2)
+    tables = {}
+    for seconds in (0.0, 1e-3):
+        prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("pp",),
+                                     profile=HardwareProfile(name="messages", pipeline_tensor_s=seconds),
+                                     pipeline={"schedule": "1f1b", "microbatches": 2})
+        tables[seconds] = prog.plan.pipeline["stage_table"]
+    free, priced = tables[0.0][0], tables[1e-3][0]
+    assert priced["send_tensors"] < free["send_tensors"] and priced["grad_tensors"] <= free["grad_tensors"]
+    assert tables[0.0][-1]["send_tensors"] == tables[1e-3][-1]["send_tensors"] == 0  # the last stage sends nothing
