@@ -408,7 +408,9 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
               f"{rates.memory_bandwidth / 1e9:.2f} GB/s, {rates.op_overhead_s * 1e6:.1f} us per op forward (+ "
               f"{rates.recorded_op_overhead_s * 1e6:.1f} us when autograd records it) and "
               f"{rates.grad_op_overhead_s * 1e6:.1f} us backward, {rates.view_overhead_s * 1e6:.1f} us per view "
-              f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward")
+              f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward"
+              + (f" ({mesh.size} ranks on {cores} cores: timed {cores} at a time, then scaled by the {share:.2f}x "
+                 "they compute slower all together)" if share > 1 else ""))
     action = max(r[3][0] for r in results.values())
     tensor = max(r[3][1] for r in results.values())
     overlap = min(r[4] for r in results.values())
