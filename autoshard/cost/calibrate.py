@@ -44,9 +44,10 @@ DTYPES = ("float32", "float64", "bfloat16")  # the matmul rates measured (what t
 
 
 def _calibrate_task(rank, world, mesh_json, sizes, dtypes=DTYPES):
-    """This rank's link timings (`_time_axis_task`), the overlap of an asynchronous collective with compute, and
-    then, every rank at once, its compute rates (as JSON) on the device it trains on: its GPU where the host has
-    them (CUDA events time the kernels), else the CPU."""
+    """This rank's link timings (`_time_axis_task`), the pipeline runtime's costs, the overlap of an asynchronous
+    collective with compute, then its compute rates (as JSON) on the device it trains on: its GPU where the host has
+    them (CUDA events time the kernels, every rank at once), else the CPU (as many ranks at once as there are cores),
+    and how much slower all ranks compute together than that (`compute_slowdown`; 1 where none wait their turn)."""
     links = _time_axis_task(rank, world, mesh_json, sizes)
     action = pipeline_runtime_seconds(rank, world) if world > 1 else (0.0, 0.0)
     overlap = comm_overlap_share(Mesh.from_json(mesh_json)) if world > 1 else 1.0
