@@ -219,6 +219,20 @@ def _where(node) -> str:
 
 # ----------------------------------------------------------------------------------------- automatic cut
 
+def carried_values(graph):
+    """(node, whether it is a user input) of each value a pipeline may carry across its stage boundaries: every op's
+    output, and every user input (inputs enter at the first stage and are carried to their users).
+
+    >>> [node.name for node, is_input in carried_values(state.gm.graph) if is_input]
+    ['inputs_0']
+    """
+    for node in graph.nodes:
+        if node.op == "call_function":
+            yield node, False
+        elif node.op == "placeholder" and node.meta.get(meta.KIND) == "input":
+            yield node, True
+
+
 def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool], list[int], list[int]]:
     """Per cut position k (before nodes[k], k = 0..n): bytes of the values crossing it, bytes of their
     gradients, whether the position is allowed (no tuple crosses it), and how many tensors cross it each way (each
@@ -234,13 +248,8 @@ def boundary_bytes(state, nodes) -> tuple[list[int], list[int], list[bool], list
     fwd, bwd, bad = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
     fwd_n, bwd_n = [0] * (n + 2), [0] * (n + 2)
     grads = needs_grad(state.gm.graph)  # stored in node meta by normalize: read, not re-analysed
-    for node in state.gm.graph.nodes:
-        if node.op == "call_function":
-            first = index[node] + 1
-        elif node.op == "placeholder" and node.meta.get(meta.KIND) == "input":
-            first = 0  # user inputs enter at stage 0 and are carried to their users
-        else:
-            continue
+    for node, is_input in carried_values(state.gm.graph):
+        first = 0 if is_input else index[node] + 1
         uses = [index.get(u, n) for u in node.users]  # the output node counts as after the last op
         if not uses:
             continue
@@ -336,13 +345,13 @@ class CutCosts:
         self.prefix = [0.0]
         for t in seconds[:-1]:
             self.prefix.append(self.prefix[-1] + t)
-        self.link, self.tensor_s = config.link, config.tensor_s
+        self.link, self.config = config.link, config
         self.layers = find_layers(nodes)
         self.positions = [0] + candidate_positions(nodes, self.allowed, self.layers) + [self.n]
 
     def transfer(self, k: int) -> float:
         """Seconds to send the values crossing position `k` forward and their gradients back (0 at the ends), each
-        tensor beyond the first each way a message of its own (`PipelineConfig.tensor_s`).
+        tensor beyond the first each way a message of its own (`PipelineConfig.message_seconds`).
 
         >>> costs = CutCosts(state, nodes, config)
         >>> costs.transfer(0), costs.transfer(3) > 0
@@ -350,9 +359,8 @@ class CutCosts:
         """
         if k in (0, self.n):
             return 0.0
-        messages = max(self.fwd_tensors[k] - 1, 0) + max(self.bwd_tensors[k] - 1, 0)
         return 2 * self.link.alpha + (self.fwd_bytes[k] + self.bwd_bytes[k]) / self.link.bandwidth \
-            + messages * self.tensor_s
+            + self.config.message_seconds(self.fwd_tensors[k]) + self.config.message_seconds(self.bwd_tensors[k])
 
     def stage_time(self, a: int, b: int) -> float:
         """Seconds of a stage running ops [a, b): compute, intra-op communication and both transfers.
@@ -459,12 +467,13 @@ def stage_summary(state, config) -> list[dict]:
         later = [u for u in node.users if u.meta.get(meta.STAGE, -1) > node.meta[meta.STAGE]]
         if later and isinstance(node.meta.get("val"), torch.Tensor):
             row["send_bytes"] += local_bytes(node, node.meta[meta.SPEC], state.mesh) * (2 if grads.get(node) else 1)
-    for node in state.gm.graph.nodes:  # each value crossing a boundary is a message of its own, and its gradient
-        made = 0 if node.op == "placeholder" and node.meta.get(meta.KIND) == "input" else node.meta.get(meta.STAGE)
-        if made is None or node.op not in ("placeholder", "call_function") \
-                or not isinstance(node.meta.get("val"), torch.Tensor):
+    last = config.num_stages - 1
+    for node, is_input in carried_values(state.gm.graph):  # each tensor crossing a boundary is a message of its own
+        made = 0 if is_input else node.meta.get(meta.STAGE)
+        if made is None or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        used = max((u.meta.get(meta.STAGE, -1) for u in node.users), default=-1)
+        # the output node is the last stage's (as `boundary_bytes` counts it after the last op)
+        used = max((last if u.op == "output" else u.meta.get(meta.STAGE, -1) for u in node.users), default=-1)
         for boundary in range(made, used):  # passed on by every stage in between
             out[boundary]["send_tensors"] += 1
             out[boundary]["grad_tensors"] += int(bool(grads.get(node)))

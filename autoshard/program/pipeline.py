@@ -72,6 +72,14 @@ class PipelineConfig:
     rates_ranks: int = 1
     host_ranks: int = 1
 
+    def message_seconds(self, tensors: int) -> float:
+        """What an action sending `tensors` tensors pays besides its first (each is a message of its own).
+
+        >>> PipelineConfig("pp", 2, 4, tensor_s=1e-4).message_seconds(7)
+        0.0006000000000000001
+        """
+        return self.tensor_s * max(tensors - 1, 0)
+
     @property
     def shares_cores(self) -> bool:
         """Whether busy ranks run faster while others idle: more ranks than cores, when calibrated or now.

@@ -125,8 +125,8 @@ def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0
     `durations[stage]` = {"F": s, "B": s}; I and W take half of B each (zero-bubble's split), times the split's
     cost over a fused backward (`config.split_backward`); every action also takes the runtime's fixed cost per
     action (`config.action_s`), and one that sends more than one tensor (`durations[stage]["F_sends"]` forward,
-    `["B_sends"]` backward, 1 when absent) `config.tensor_s` per tensor beyond the first. A message between stages arrives `transfer_s` after its action ends; an action that
-    sends one (a forward but the last stage's, an input backward but the first stage's) also takes
+    `["B_sends"]` backward, 1 when absent) `config.message_seconds` of them. A message between stages arrives
+    `transfer_s` after its action ends; an action that sends one (a forward but the last stage's, an input backward but the first stage's) also takes
     `config.send_share` of `sent_s`, the message's bytes time (its rank's share of the copy). Where ranks share
     their host's cores (`config.shares_cores`), the busy ones share them at each moment (`_shared_cores`).
 
@@ -148,7 +148,7 @@ def simulate(config, durations: dict, transfer_s: float = 0.0, sent_s: float = 0
                                    durations[stage]["B"] * (1.0 if kind == "B" else 0.5 * config.split_backward))
         if (kind == "F" and stage < last) or (kind in ("B", "I") and stage > 0):
             sends = durations[stage].get("F_sends" if kind == "F" else "B_sends", 1)
-            spent += config.send_share * sent_s + config.tensor_s * max(sends - 1, 0)
+            spent += config.send_share * sent_s + config.message_seconds(sends)
         return spent
 
     if config.shares_cores:

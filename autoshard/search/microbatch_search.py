@@ -176,7 +176,7 @@ def _finer_counts(p: int, batch: int, ways: int) -> list[int]:
 def estimate_step(stages: list[dict], m0: int, m: int, config) -> float:
     """The predicted step with `m` micro-batches from stage times measured at `m0` (`config` the PipelineConfig
     planned): the bandwidth and compute parts scale with the micro-batch size, the latencies (collectives, stage
-    sends, the runtime's `action_s` per forward and backward and `tensor_s` per tensor sent beyond the first) do not.
+    sends, the runtime's `action_s` per forward and backward and its cost per tensor sent beyond the first) do not.
 
     >>> from autoshard.cost.profiles import Link
     >>> from autoshard.program.pipeline import PipelineConfig
@@ -188,10 +188,10 @@ def estimate_step(stages: list[dict], m0: int, m: int, config) -> float:
     last = len(stages) - 1
     for i, row in enumerate(stages):
         fixed = row.get("latency_s", 0.0) + 4 * config.link.alpha
-        sends = (max(row.get("send_tensors", 1) - 1, 0) if i < last else 0) \
-            + (max(stages[i - 1].get("grad_tensors", 1) - 1, 0) if i > 0 else 0)
+        messages = (config.message_seconds(row.get("send_tensors", 1)) if i < last else 0.0) \
+            + (config.message_seconds(stages[i - 1].get("grad_tensors", 1)) if i > 0 else 0.0)
         scaled.append(dict(row, seconds=max(row["seconds"] - fixed, 0.0) * m0 / m + fixed + 2 * config.action_s
-                           + sends * config.tensor_s))
+                           + messages))
     return predicted_step(scaled, m, config.virtual)
 
 

@@ -269,3 +269,16 @@ def test_the_cut_weighs_each_tensor_crossing_it_as_a_message():
     free, priced = tables[0.0][0], tables[1e-3][0]
     assert priced["send_tensors"] < free["send_tensors"] and priced["grad_tensors"] <= free["grad_tensors"]
     assert tables[0.0][-1]["send_tensors"] == tables[1e-3][-1]["send_tensors"] == 0  # the last stage sends nothing
+
+
+def test_the_stage_table_counts_the_tensors_each_stage_graph_sends():
+    """`send_tensors` is what the runtime sends: each stage graph's outputs; GPT-2's embedding, tied to its head on
+    the last stage, is held by both stages, not sent (it was counted once)."""
+    model, inputs, loss_fn = gpt2()
+    prog = _plan(model, inputs, loss_fn, pipeline={"microbatches": 2})
+    graphs = prog.all_stage_graphs(0)
+    for row, stage in zip(prog.plan.pipeline["stage_table"], graphs):
+        out = next(n for n in stage.gm.graph.nodes if n.op == "output").args[0]
+        sent = len(out) if isinstance(out, (tuple, list)) else 1
+        if row["stage"] < len(graphs) - 1:
+            assert row["send_tensors"] == sent, (row["stage"], row["send_tensors"], out)
