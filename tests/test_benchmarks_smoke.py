@@ -85,6 +85,8 @@ def test_prediction_accuracy_smallest():
     rows = prediction_accuracy.measure(quick=True)
     measured = [r for r in rows if "error" not in r]
     assert {r["world"] for r in measured} == {1, 2} and all(r["measured"]["step_s"] > 0 for r in measured)
+    assert all(len(r["rounds"]) == prediction_accuracy.ROUNDS and r["measured"]["step_s"] in r["rounds"]
+               for r in measured)  # the median round is the figure
     assert all(r["bytes"] == {a: r["sent"][a] for a in r["bytes"]} for r in measured)  # the plan's bytes, sent
     body, headers, csv_rows = prediction_accuracy.report(rows)
     assert "Step time:" in body and len(csv_rows) == len(rows) and len(headers) == len(csv_rows[0])
