@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from autoshard.cost.collective_time import BACK_TO_BACK
 from autoshard.cost.compute_rates import ComputeRates, measure_compute
 from autoshard.cost.profiles import CPU_PROFILE, HardwareProfile, Link
 from autoshard.ir.errors import UserInputError
@@ -264,7 +265,24 @@ def _time_axis_task(rank, world, mesh_json, sizes):
             for name, run in runs.items():
                 run()  # warm up the connection
                 out[(name, axis, size)] = between_compute_seconds(run, repeats)
+            if size == min(sizes):  # and called back to back, what the compute before them adds to their latency
+                out[(BACK_TO_BACK, axis, size)] = between_compute_seconds(runs["all_gather"], repeats, _no_compute)
+    out[("compute_before", None, 0)] = _compute_seconds(REPEATS)
     return out
+
+
+def _no_compute():
+    return None
+
+
+def _compute_seconds(repeats: int) -> float:
+    """Mean wall seconds of `_layer_compute` with every rank running it (the compute `between_compute_seconds` puts
+    before each collective it times, on this machine with its contention)."""
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        _layer_compute()
+    return (time.perf_counter() - started) / repeats
 
 
 def _layer_compute(n: int = 16, width: int = 128):
@@ -300,10 +318,11 @@ def between_compute_seconds(run, repeats: int, compute=_layer_compute) -> float:
     return spent / repeats
 
 
-def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=None) -> Link:
+def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=None, back_to_back=None) -> Link:
     """Alpha and bandwidth of the ring model from [(bytes, seconds)] of all-reduces over k ranks (and, from
     `gathers`, all-gathers' [(output bytes, seconds)], `reduce_scatters` and `all_to_alls` [(input bytes,
-    seconds)], the link's figures for those): the bandwidth from the least-squares slope over the sizes but the
+    seconds)], the link's figures for those; `back_to_back`, all-gathers called one right after another, is kept as
+    timed: `all_gather_time`'s `after_s`): the bandwidth from the least-squares slope over the sizes but the
     smallest, alpha from the smallest message's time less its bytes' share. (An intercept fitted under 16 MiB
     messages is their noise: a run put gloo's alpha at 0.1 us, and ZeRO-3's per-parameter gathers at a tenth of
     their measured time.)
@@ -327,7 +346,7 @@ def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=No
             for timed in (gathers, reduce_scatters, all_to_alls)]
     # the timings themselves too: the collective times interpolate them (Link.measured_seconds)
     timed = (("all_reduce", samples), ("all_gather", gathers), ("reduce_scatter", reduce_scatters),
-             ("all_to_all", all_to_alls))
+             ("all_to_all", all_to_alls), (BACK_TO_BACK, back_to_back))
     measured = (k, tuple((name, tuple(sorted(points))) for name, points in timed if points))
     return Link(link.alpha, link.bandwidth, *ring, measured=measured)
 
@@ -389,7 +408,7 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
         timed = {collective: [(size, slowest[(collective, name, size)]) for size in sizes]
                  for collective in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
         link = fit_link(timed["all_reduce"], mesh.shape[axis], timed["all_gather"], timed["reduce_scatter"],
-                        timed["all_to_all"])
+                        timed["all_to_all"], [(min(sizes), slowest[(BACK_TO_BACK, name, min(sizes))])])
         links.append(link)
         if not quiet:
             figures = "; ".join(f"{label}: alpha {link.of(c).alpha * 1e6:.1f} us, bandwidth "
@@ -431,7 +450,8 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            view_overhead_s=rates.view_overhead_s, view_grad_overhead_s=rates.view_grad_overhead_s,
                            op_overheads=rates.op_overheads, pipeline_action_s=action, pipeline_tensor_s=tensor,
                            split_backward_factor=rates.split_backward_factor, comm_overlap=overlap,
-                           host_cores=cores, rates_ranks=mesh.size)
+                           host_cores=cores, rates_ranks=mesh.size,
+                           collective_gap_s=slowest[("compute_before", None, 0)] if mesh.size > 1 else 0.0)
 
 
 def host_cores() -> int:

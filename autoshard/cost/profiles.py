@@ -187,6 +187,10 @@ class HardwareProfile:
     # (`core_contention`; autoshard/report/timeline.py `simulate`).
     host_cores: int = 0
     rates_ranks: int = 1
+    # The compute calibrate ran before each collective it timed (seconds): its figures are for collectives that
+    # follow that much compute at least; one sooner after the last costs less (the peers' threads are still awake),
+    # down to back-to-back calls (`all_gather_time`'s `after_s`). 0: not measured (every figure taken as it is).
+    collective_gap_s: float = 0.0
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -205,7 +209,8 @@ class HardwareProfile:
                 "op_overheads": [list(row) for row in self.op_overheads], "pipeline_action_s": self.pipeline_action_s,
                 "pipeline_tensor_s": self.pipeline_tensor_s,
                 "split_backward_factor": self.split_backward_factor, "comm_overlap": self.comm_overlap,
-                "host_cores": self.host_cores, "rates_ranks": self.rates_ranks}
+                "host_cores": self.host_cores, "rates_ranks": self.rates_ranks,
+                "collective_gap_s": self.collective_gap_s}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:

@@ -193,10 +193,13 @@ def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
     return fwd, regather + scatter
 
 
-def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.0, has_grad: bool = True) -> float:
+def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.0, has_grad: bool = True,
+                   after: tuple = (None, None), gap_s: float = 0.0) -> float:
     """Seconds of a `param_all_gather` (forward and backward): the all-gather; in backward the re-gather (an
     all-gather) and the reduce-scatter of the gradient, which pays `latency_share` of a collective's latencies
-    (`reduce_scatter_shares`).
+    (`reduce_scatter_shares`). `after`: the compute seconds before the gather and before the re-gather since the
+    rank's previous collective (`gather_gaps`), which make a gather that soon after another cheaper than `gap_s`
+    later (`all_gather_time`).
 
     >>> from autoshard.cost.profiles import Link
     >>> link = Link(1e-3, 1e9)
@@ -206,11 +209,41 @@ def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.
     2.525
     """
     fwd, regather, scatter = gather_parts(node, dst_bytes)
-    seconds = all_gather_time(fwd, k, link)
+    seconds = all_gather_time(fwd, k, link, after[0], gap_s)
     if has_grad:
-        seconds += all_gather_time(regather, k, link) if regather else 0.0
+        seconds += all_gather_time(regather, k, link, after[1], gap_s) if regather else 0.0
         seconds += reduce_scatter_time(scatter, k, link, latency_share) if scatter else 0.0
     return seconds
+
+
+def gather_gaps(graph) -> dict:
+    """{`param_all_gather` node: (the compute seconds before its gather since the rank's previous collective, before
+    its re-gather in backward since the previous one there)}, from each op's `autoshard.node_cost`: forward runs the
+    graph's order, backward the reverse (a re-gather runs right before its consumer's backward); None where no
+    collective came before in that pass (the figure calibrate measured after compute applies).
+
+    >>> gaps = gather_gaps(prog.state.gm.graph)
+    >>> [None if before is None else before > 0.0 for before, _ in map(gaps.get, gathers)]  # the first follows none
+    [None, True, True, True]
+    >>> gaps[gathers[-1]][1] is None  # backward re-gathers the last first
+    True
+    """
+    gathers: dict = {}
+    for direction, nodes in (("forward", list(graph.nodes)), ("backward", list(reversed(graph.nodes)))):
+        since = None
+        for node in nodes:
+            if node.op != "call_function":
+                continue
+            if node.meta.get(meta.KIND) == "comm":
+                if node.meta[meta.COMM]["op"] == "param_all_gather":
+                    gathers.setdefault(node, []).append(since)
+                since = 0.0
+                continue
+            cost = node.meta.get(NODE_COST)
+            if since is not None and cost is not None:
+                forward = cost.forward_seconds()
+                since += forward if direction == "forward" else cost.seconds - forward
+    return {node: tuple(gaps) for node, gaps in gathers.items()}
 
 
 def reduce_scatter_groups(graph, mesh) -> list[list[tuple]]:

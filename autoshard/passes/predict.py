@@ -48,6 +48,7 @@ from autoshard.cost.sync_buckets import bucket_correction
 from autoshard.cost.zero_cost import (
     apply_zero,
     gather_bytes,
+    gather_gaps,
     gather_seconds,
     memory_breakdown,
     reduce_scatter_shares,
@@ -97,6 +98,7 @@ def predict(state) -> None:
     per_axis = {name: AxisBytes() for name in mesh.names}
     scatter_shares = reduce_scatter_shares(state.gm.graph, mesh) if state.zero is not None else {}
     compute = comm = memory = 0.0
+    gathers = []  # ZeRO-3's parameter gathers: (node, fwd bytes, bwd bytes, k, link, bytes saved)
     for node in state.gm.graph.nodes:
         spec = node.meta.get(meta.SPEC)
         if spec is None:
@@ -106,16 +108,16 @@ def predict(state) -> None:
             axis = mesh.axis(info["axis"])
             fwd, bwd = collective_bytes(node, mesh, grad.get(node, False))
             k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
-            if info["op"] == "param_all_gather":  # ZeRO-3: a layer's reduce-scatters travel as one
-                seconds = gather_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0), grad.get(node, False))
-            else:
-                seconds = collective_time(info["op"], fwd, bwd, k, link)
-            node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
             per_axis[info["axis"]].fwd += fwd
             per_axis[info["axis"]].bwd += bwd
-            comm += seconds
             saved = int(local_bytes(node, node.meta[meta.SPEC], mesh) * saved_per_byte.get(node, 0.0))
             memory += saved  # a copy an op saves for backward (a gathered parameter or activation)
+            if info["op"] == "param_all_gather":  # priced below, once the compute before each is known
+                gathers.append((node, fwd, bwd, k, link, saved))
+                continue
+            seconds = collective_time(info["op"], fwd, bwd, k, link)
+            node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
+            comm += seconds
             node.meta[NODE_COST] = NodeCost(seconds, saved)
             continue
         kept = local_bytes(node, spec, mesh)
@@ -152,6 +154,13 @@ def predict(state) -> None:
             compute += seconds
         memory += saved
         node.meta[NODE_COST] = NodeCost(seconds, saved, forward_s=forward)
+    gaps = gather_gaps(state.gm.graph) if gathers else {}
+    for node, fwd, bwd, k, link, saved in gathers:  # a layer's reduce-scatters travel as one
+        seconds = gather_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0), grad.get(node, False),
+                                 gaps[node], profile.collective_gap_s)
+        node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
+        comm += seconds
+        node.meta[NODE_COST] = NodeCost(seconds, saved)
     state.predicted = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory

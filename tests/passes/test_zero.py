@@ -186,3 +186,32 @@ def test_predicted_reduce_scatters_are_the_collectives_the_runtime_starts(case, 
     assert all(0 < share <= 1 for share in shares.values())
     assert all(abs(sum(shares[g] for g, even in group if even) - 1) < 1e-9
                for group in reduce_scatter_groups(prog.state.gm.graph, prog.mesh) if any(even for _, even in group))
+
+
+def test_gathers_soon_after_a_collective_are_priced_at_the_back_to_back_latency(case):
+    """A profile that timed all-gathers after 10 ms of compute (0.9 ms each) and back to back (0.5 ms): a gather
+    `after` seconds of compute since the rank's last collective saves 0.4 ms x (1 - after / 10 ms), in forward and
+    for its re-gather in backward (one that no collective came before saves nothing); without the back-to-back table or the
+    gap, nothing changes."""
+    from autoshard.cost.axis_cost import needs_grad
+    from autoshard.cost.profiles import HardwareProfile, Link
+    from autoshard.cost.zero_cost import gather_gaps, regathered
+
+    def profile(timed, gap):
+        link = Link(1e-4, 1e9, gather=(4e-4, 1e9), measured=(4, timed))
+        return HardwareProfile(axis_links=(link,), collective_gap_s=gap)
+
+    after_compute = (("all_gather", ((4096, 9e-4), (1 << 20, 2e-3))),)
+    back_to_back = (*after_compute, ("all_gather_back_to_back", ((4096, 5e-4),)))
+    plain = _plan(case, zero=3, profile=profile(after_compute, 1e-2))
+    soon = _plan(case, zero=3, profile=profile(back_to_back, 1e-2))
+    assert _plan(case, zero=3, profile=profile(back_to_back, 0.0)).plan.predicted.comm_s == pytest.approx(
+        plain.plan.predicted.comm_s, rel=1e-12)
+    graph = soon.state.gm.graph
+    gaps, grads = gather_gaps(graph), needs_grad(graph)
+    priced = [(after, True) for after, _ in map(gaps.get, _gathers(soon))] + [
+        (after, grads.get(g, False) and regathered(g)) for g, (_, after) in zip(_gathers(soon), map(gaps.get,
+                                                                                              _gathers(soon)))]
+    expected = sum(4e-4 * max(0.0, 1.0 - after / 1e-2) for after, paid in priced if paid and after is not None)
+    assert priced[0][0] is None and expected > 0.0  # the step's first gather follows no collective
+    assert plain.plan.predicted.comm_s - soon.plan.predicted.comm_s == pytest.approx(expected, rel=1e-6)
