@@ -415,7 +415,10 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                                 f"{link.of(c).bandwidth / 1e9:.3f} GB/s"
                                 for c, label in (("all_reduce", "all-reduces"), ("all_gather", "all-gathers"),
                                                  ("reduce_scatter", "reduce-scatters"), ("all_to_all", "all-to-alls")))
-            print(f"axis {name} (size {mesh.shape[axis]}): {figures}")
+            small = min(sizes)
+            print(f"axis {name} (size {mesh.shape[axis]}): {figures}; a {small} B all-gather "
+                  f"{timed['all_gather'][0][1] * 1e3:.3f} ms after compute, "
+                  f"{slowest[(BACK_TO_BACK, name, small)] * 1e3:.3f} ms back to back")
     memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
     # CPU ranks share the host's cores: the rates of all mesh.size ranks computing at once, from those measured with
     # as many at once as there are cores (the cores shared evenly: HardwareProfile.contention)
@@ -434,7 +437,10 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
     action = max(r[3][0] for r in results.values())
     tensor = max(r[3][1] for r in results.values())
     overlap = min(r[4] for r in results.values())
+    gap = slowest[("compute_before", None, 0)] if mesh.size > 1 else 0.0
     if not quiet and mesh.size > 1:
+        print(f"collectives timed after {gap * 1e3:.3f} ms of compute each (an all-gather sooner after the last costs "
+              "less: ZeRO-3's gathers)")
         print(f"pipeline runtime: {action * 1e3:.3f} ms per schedule action and {tensor * 1e3:.3f} ms per tensor a "
               "stage sends beyond its first, a backward split in two (zero bubble) "
               f"{rates.split_backward_factor:.2f} x the fused one; compute hides {overlap:.0%} of an asynchronous "
@@ -451,7 +457,7 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            op_overheads=rates.op_overheads, pipeline_action_s=action, pipeline_tensor_s=tensor,
                            split_backward_factor=rates.split_backward_factor, comm_overlap=overlap,
                            host_cores=cores, rates_ranks=mesh.size,
-                           collective_gap_s=slowest[("compute_before", None, 0)] if mesh.size > 1 else 0.0)
+                           collective_gap_s=gap)
 
 
 def host_cores() -> int:
