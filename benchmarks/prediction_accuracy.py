@@ -288,7 +288,7 @@ def report(rows) -> tuple[str, list, list]:
         "(target: the fastest, or within 5% of it):\n\n"
         + table(["model", "ranks", "planner's choice", "measured fastest", "choice slower by", "within 5%",
                  "predicted order = measured order"], rank_rows)
-        + "\n\nReproduce: `python -m benchmarks --only prediction_accuracy` (calibrates first; about ten minutes on "
+        + "\n\nReproduce: `python -m benchmarks --only prediction_accuracy` (calibrates first; about six minutes on "
         "2 cores). Peak memory is compared term by term in section 15 (memory_accuracy).\n")
     csv_rows = [[row["model"], row["world"], row["plan"], row.get("error", ""),
                  row["predicted"]["step_s"] if "error" not in row else "",
