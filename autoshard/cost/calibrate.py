@@ -39,8 +39,10 @@ REPEATS = 5
 SMALL_REPEATS = 400  # the latency-bound calls: a heavy tail (a peer thread waking late) that training pays too
 # Message sizes timed per axis: latency-bound to bandwidth-bound, past a full gradient bucket (grad_sync.py's
 # BUCKET_BYTES, 25 MiB), so that every bucket's all-reduce is priced between two timed sizes (`Link.measured_seconds`).
-# The time per byte is not smooth: on 2 gloo ranks of this VM 12 MiB took 16 ms, 16 MiB 31 ms, 24 MiB 57 ms.
-CALIBRATION_SIZES = (4096, 65536, 262144, 1048576, 4194304, 8388608, 16777216, 33554432)
+# The time per byte is not smooth: on 2 gloo ranks of this VM 12 MiB took 16 ms, 16 MiB 31 ms, 24 MiB 57 ms; so 12 and
+# 24 MiB are timed too (with 8 and 16 alone, the zoo GPT-2's 13 MB bucket read 34 ms where it takes 20: its
+# data-parallel step 1.10x the measured, 0.99 with them).
+CALIBRATION_SIZES = (4096, 65536, 262144, 1048576, 4194304, 8388608, 12582912, 16777216, 25165824, 33554432)
 DTYPES = ("float32", "float64", "bfloat16")  # the matmul rates measured (what training and `verify` run in)
 
 
