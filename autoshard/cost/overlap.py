@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.cost.collective_time import collective_time
 from autoshard.ir import meta
-from autoshard.ir.meta import COMM_COST, NODE_COST
+from autoshard.ir.meta import NODE_COST
 
 _ASYNC_COLLECTIVES = ("param_all_gather",)  # ZeRO-3: prefetched forward, started in backward
 
@@ -85,7 +84,6 @@ def step_works(state) -> list[Work]:
     >>> [w.label for w in works if w.kind != "compute"]  # two layers: the last layer's gradients sync first
     ['S', 'S', 'S', 'S']
     """
-    mesh = state.mesh
     nodes = list(state.gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     released: dict = {}  # position of a parameter's first use -> its gradient sync
@@ -100,14 +98,11 @@ def step_works(state) -> list[Work]:
                 first = min(position[u] for u in node.users)
                 released.setdefault(first, []).append(Work("async", cost.sync_s, axes[0], "S"))
             continue
-        if node.meta.get(meta.KIND) == "comm":
-            info, comm = node.meta[meta.COMM], node.meta[COMM_COST]
-            axis = mesh.axis(info["axis"])
-            fwd = collective_time(info["op"], comm.fwd_bytes, 0, mesh.shape[axis],
-                                  state.options.profile.link(mesh.shape, axis))
+        if node.meta.get(meta.KIND) == "comm":  # predict split its seconds into forward and backward
+            info, fwd = node.meta[meta.COMM], cost.forward_seconds()
             kind = "async" if info["op"] in _ASYNC_COLLECTIVES else "blocking"
             forward.append(Work(kind, fwd, info["axis"], "C"))
-            backward.append([Work(kind, comm.seconds - fwd, info["axis"], "C")])
+            backward.append([Work(kind, cost.seconds - fwd, info["axis"], "C")])
         else:
             forward.append(Work("compute", cost.forward_seconds(), label="F"))
             backward.append([Work("compute", cost.seconds - cost.forward_seconds(), label="B")])

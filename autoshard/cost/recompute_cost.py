@@ -12,7 +12,6 @@ COMM_COST and the regions' `autoshard.recompute` marks.
 """
 from __future__ import annotations
 
-from autoshard.cost.collective_time import collective_time
 from autoshard.cost.prediction import node_cost
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST, RECOMPUTE
@@ -25,14 +24,12 @@ def recompute_seconds(state, node) -> tuple[float, dict]:
     >>> seconds > 0, resent
     (True, {})
     """
+    # NODE_COST counts forward + backward (a collective's forward part as predict split it); ops without a tensor
+    # output (checks) have none
+    forward = node_cost(node).forward_seconds()
     if node.meta.get(meta.KIND) != "comm":
-        # NODE_COST counts forward + backward; ops without a tensor output (checks) have none
-        return node_cost(node).forward_seconds(), {}
-    info, mesh = node.meta[meta.COMM], state.mesh
-    axis = mesh.axis(info["axis"])
-    link = state.options.profile.link(mesh.shape, axis)
-    fwd = node.meta[COMM_COST].fwd_bytes
-    return collective_time(info["op"], fwd, 0, mesh.shape[axis], link), {info["axis"]: fwd}
+        return forward, {}
+    return forward, {node.meta[meta.COMM]["axis"]: node.meta[COMM_COST].fwd_bytes}
 
 
 def op_seconds(state, node) -> float:

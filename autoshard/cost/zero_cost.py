@@ -209,11 +209,23 @@ def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.
     2.525
     """
     fwd, regather, scatter = gather_parts(node, dst_bytes)
-    seconds = all_gather_time(fwd, k, link, after[0], gap_s)
+    seconds = gather_forward_seconds(node, dst_bytes, k, link, after[0], gap_s)
     if has_grad:
         seconds += all_gather_time(regather, k, link, after[1], gap_s) if regather else 0.0
         seconds += reduce_scatter_time(scatter, k, link, latency_share) if scatter else 0.0
     return seconds
+
+
+def gather_forward_seconds(node, dst_bytes: int, k: int, link, after_s: float | None = None,
+                           gap_s: float = 0.0) -> float:
+    """The forward part of `gather_seconds`: the all-gather of the parameter before its use, `after_s` seconds of
+    compute since the rank's last collective.
+
+    >>> from autoshard.cost.profiles import Link
+    >>> round(gather_forward_seconds(gathers[0], 16384, 2, Link(1e-3, 1e9)) * 1e3, 3)  # one of the three
+    1.008
+    """
+    return all_gather_time(gather_parts(node, dst_bytes)[0], k, link, after_s, gap_s)
 
 
 def gather_gaps(graph) -> dict:

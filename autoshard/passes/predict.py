@@ -48,6 +48,7 @@ from autoshard.cost.sync_buckets import bucket_correction
 from autoshard.cost.zero_cost import (
     apply_zero,
     gather_bytes,
+    gather_forward_seconds,
     gather_gaps,
     gather_seconds,
     memory_breakdown,
@@ -118,7 +119,7 @@ def predict(state) -> None:
             seconds = collective_time(info["op"], fwd, bwd, k, link)
             node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
             comm += seconds
-            node.meta[NODE_COST] = NodeCost(seconds, saved)
+            node.meta[NODE_COST] = NodeCost(seconds, saved, forward_s=collective_time(info["op"], fwd, 0, k, link))
             continue
         kept = local_bytes(node, spec, mesh)
         if node.op == "placeholder":
@@ -160,7 +161,8 @@ def predict(state) -> None:
                                  gaps[node], profile.collective_gap_s)
         node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
         comm += seconds
-        node.meta[NODE_COST] = NodeCost(seconds, saved)
+        forward = gather_forward_seconds(node, fwd, k, link, gaps[node][0], profile.collective_gap_s)
+        node.meta[NODE_COST] = NodeCost(seconds, saved, forward_s=forward)
     state.predicted = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory

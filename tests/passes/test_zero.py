@@ -215,3 +215,8 @@ def test_gathers_soon_after_a_collective_are_priced_at_the_back_to_back_latency(
     expected = sum(4e-4 * max(0.0, 1.0 - after / 1e-2) for after, paid in priced if paid and after is not None)
     assert priced[0][0] is None and expected > 0.0  # the step's first gather follows no collective
     assert plain.plan.predicted.comm_s - soon.plan.predicted.comm_s == pytest.approx(expected, rel=1e-6)
+    # the overlap model and recomputation read each collective's forward part as predict priced it: never negative
+    from autoshard.cost.overlap import step_works
+    from autoshard.cost.prediction import node_cost
+    assert all(0.0 < node_cost(g).forward_s <= node_cost(g).seconds for g in _gathers(soon))
+    assert all(work.seconds >= 0.0 for work in step_works(soon.state))
