@@ -269,11 +269,14 @@ class RanksFailed(AutoshardError):
         self.errors, self.exit_codes, self.hung = errors, exit_codes, hung
 
 
-def run_distributed(task, world_size: int, *args, timeout_s: float | None = None) -> dict:
+def run_distributed(task, world_size: int, *args, timeout_s: float | None = None,
+                    total_s: float | None = None) -> dict:
     """Spawn `world_size` gloo ranks running `task(rank, world, *args)`; return {rank: result}.
 
     `task` must be importable (a module-level function). `timeout_s` (default AUTOSHARD_TIMEOUT_S, else
-    120) bounds every collective and the process-group setup. A rank that raises, dies or hangs makes this
+    120) bounds every collective and the process-group setup; `total_s` (default `timeout_s` + 60) the whole task, for
+    a task that is long by design (a benchmark training many plans) while each collective stays bounded. A rank that
+    raises, dies or hangs makes this
     raise RanksFailed promptly: the other ranks' collectives fail within the timeout, and ranks still silent
     `FAILURE_GRACE_S` after that are stopped. The message names the rank that failed first and how.
     Starting processes takes seconds, so this example does not run here (tests/multirank does):
@@ -291,7 +294,8 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
     for p in procs:
         p.start()
     out, errors, exit_codes, hung, warned = {}, {}, {}, [], {}
-    deadline = time.monotonic() + timeout_s + 60
+    total_s = timeout_s + 60 if total_s is None else float(total_s)
+    deadline = time.monotonic() + total_s
     failed_at = None
 
     def take(item):
@@ -334,7 +338,7 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
                 p.kill()
     show_rank_warnings(warned, world_size)
     if errors or exit_codes or hung:
-        raise RanksFailed(_failure_report(errors, exit_codes, hung, world_size, timeout_s, failed_at is None),
+        raise RanksFailed(_failure_report(errors, exit_codes, hung, world_size, timeout_s, total_s, failed_at is None),
                           errors, exit_codes, hung)
     return out
 
@@ -392,7 +396,7 @@ def _peer_closed(first_line: str) -> bool:
     return "Connection closed by peer" in first_line or "Connection reset by peer" in first_line
 
 
-def _failure_report(errors, exit_codes, hung, world_size, timeout_s, nothing_failed) -> str:
+def _failure_report(errors, exit_codes, hung, world_size, timeout_s, total_s, nothing_failed) -> str:
     """Root causes first (ranks that died, raised something other than a collective failure, or hung), then
     the collective failures they caused on the other ranks, then the first cause's traceback."""
     lines = [(f"rank {r} died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) without "
@@ -402,8 +406,8 @@ def _failure_report(errors, exit_codes, hung, world_size, timeout_s, nothing_fai
     lines += [f"rank {r} raised {kind}: {first.removeprefix(f'rank {r}: ')}"
               for r, (kind, first, _) in sorted(own.items())]
     if nothing_failed:
-        lines += [(f"ranks {hung} did not finish within {timeout_s + 60:g} s (no rank failed; they are stuck or too "
-                  "slow: raise AUTOSHARD_TIMEOUT_S / timeout_s if the task is just long)")]
+        lines += [(f"ranks {hung} did not finish within {total_s:g} s (no rank failed; they are stuck or too "
+                  "slow: raise AUTOSHARD_TIMEOUT_S / timeout_s, or run_distributed's total_s, if the task is just long)")]
     elif hung:
         lines += [f"rank {r} reported nothing {timeout_s + FAILURE_GRACE_S:g} s after the first failure and was "
                   "stopped: it hangs outside a collective" for r in hung]
