@@ -160,7 +160,7 @@ def test_falcon_multi_query_cannot_split_its_shared_key_and_value_and_says_where
     [found] = unrealised_hints(prog.state)
     assert found.op == "aten.view.default" and found.hint == "S(0)" and len(found.collectives) == LAYERS
     assert set(found.collectives) <= {"all_gather", "all_to_all"}
-    # q = heads[:-2] (transformers < 5.25) or heads.split([4, 1, 1]) (5.25 on) needs the heads dim whole
+    # q = heads[:-2] (earlier releases) or heads.split([4, 1, 1]) (transformers 5.25) needs the heads dim whole
     assert any(f"{op} after it cannot keep that sharding" in found.reason
                for op in ("aten.slice.Tensor", "aten.split_with_sizes.default")), found.reason
     assert found.values[0].startswith("falcon.transformer.h.0.self_attention.query_key_value.weight")
