@@ -127,3 +127,20 @@ def test_ranks_with_different_plans_fail_at_the_fingerprint_check():
     parts = sorted(fingerprints.split("; "))
     assert len(parts) == 2 and {p.split(" on ")[1] for p in parts} == {"rank 0", "rank 1"}, fingerprints
     assert "save the plan on one rank (prog.plan.save(path)) and pass plan=path" in first
+
+
+def _sleep_task(rank, world, seconds):
+    time.sleep(seconds)
+    return rank
+
+
+def test_total_s_bounds_the_whole_task_apart_from_each_collective():
+    """`total_s` is the whole task's deadline (a benchmark training many plans passes a long one); the ranks that
+    outlast it are reported as hung, the message naming that deadline, not the collective timeout's."""
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as info:
+        run_distributed(_sleep_task, 2, 120.0, timeout_s=TIMEOUT_S, total_s=2.0)
+    took = time.monotonic() - start
+    assert sorted(info.value.hung) == [0, 1]
+    assert "did not finish within 2 s (no rank failed" in str(info.value) and "total_s" in str(info.value)
+    assert took < 30, took
