@@ -44,7 +44,9 @@ WARMUP, STEPS = 2, 10
 # twice: data parallel 6.35 and 4.30 ms, ZeRO-3 34.1 and 45.1 ms), more than the 20% the predictions are held to.
 # The rounds' spread is published beside each figure: what the run itself varies by.
 ROUNDS = 3
-TASK_S = 1800  # the whole training task of one rank count (each collective keeps run_distributed's own timeout)
+# The deadline of one rank count's training task (every plan's rounds: minutes on 4 ranks sharing 2 cores; a slow hour
+# overran run_distributed's default 180 s); each collective keeps its own timeout.
+TASK_S = 1800
 MODELS = {
     "gpt2 (zoo)": lambda: gpt2(batch=8, seq=64, dim=256, n_heads=8, n_layers=4, vocab_size=512),
     "llama (zoo)": lambda: llama(batch=8, seq=64, dim=256, n_heads=8, n_kv_heads=4, ffn_dim=512, n_layers=4,
@@ -190,8 +192,6 @@ def measure(quick: bool = False) -> list[dict]:
                     except autoshard.AutoshardError as exc:
                         rows.append({"model": name, "world": world, "plan": plan_name,
                                      "error": str(exc).splitlines()[0]})
-            # every plan's rounds in one task: minutes on 4 ranks sharing 2 cores (a slow hour overran the default
-            # 180 s); each collective keeps its own timeout
             measured = run_distributed(_train_task, world, jobs, total_s=TASK_S)
             for i, job in enumerate(jobs):
                 rounds = [max((got[i][r] for got in measured.values()), key=lambda m: m["step_s"])

@@ -277,7 +277,8 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
     120) bounds every collective and the process-group setup; `total_s` (default `timeout_s` + 60) the whole task, for
     a task that is long by design (a benchmark training many plans) while each collective stays bounded.
     A rank that raises, dies or hangs makes this raise RanksFailed promptly: the other ranks' collectives fail within
-    the timeout, and ranks still silent `FAILURE_GRACE_S` after that are stopped. The message names the rank that failed first and how.
+    the timeout, and ranks still silent `FAILURE_GRACE_S` after that are stopped. The message names the rank that
+    failed first and how.
     Starting processes takes seconds, so this example does not run here (tests/multirank does):
 
     >>> from autoshard.cost.calibrate import _time_axis_task  # any importable task(rank, world, *args)
