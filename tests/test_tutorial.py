@@ -16,6 +16,7 @@ from autoshard.zoo import mlp
 
 matplotlib.use("Agg")
 TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
+COUNT_THREADS = Path(__file__).with_name("multirank") / "run_and_count_gloo_threads.py"
 
 
 def python_blocks(text: str) -> list[str]:
@@ -29,9 +30,13 @@ def test_tutorial_code_runs(tmp_path, monkeypatch):
     assert len(scripts) == 1, "the tutorial has one torchrun script"
     (tmp_path / "save_sharded.py").write_text(scripts[0])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "save_sharded.py"],
+    # Through the wrapper that counts the gloo threads alive as each rank's interpreter exits: the script leaves
+    # its process group to init_distributed's exit handler, and a thread left to finalisation can abort the run.
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(COUNT_THREADS),
+                          "save_sharded.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.findall(r"gloo threads at exit: (\d+)", run.stdout) == ["0", "0"], run.stdout[-3000:]
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "tutorial"}  # the script's main() is for torchrun, done above
     for i, block in enumerate(blocks):

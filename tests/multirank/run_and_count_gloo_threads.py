@@ -1,7 +1,8 @@
 """Run a script (argv[1], with the rest of argv) and, as the interpreter exits, print how many gloo threads are
 still alive. A process group destroyed with nothing holding it joins its threads; one held past
 destroy_process_group keeps them, and one releasing a collective while the interpreter finalises aborts the
-process ("terminate called without an active exception", 1 run in ~10 of examples/train_torchrun.py on 2 cores)."""
+process ("terminate called without an active exception", 1 run in ~10 of examples/train_torchrun.py on 2 cores).
+A script that leaves its group up has it destroyed by autoshard.init_distributed's exit handler."""
 import atexit
 import os
 import runpy
