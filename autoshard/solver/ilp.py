@@ -1,7 +1,8 @@
 """The sharding ILP solved exactly and canonically within its time limit: `solve_ilp`.
 
 A solve builds the HiGHS model (model.py, Alpa's formulation), refuses a memory budget no plan can meet (a quick
-sum first, then one LP: lp_bounds.py), finds the optimum, then the canonical plan among the ties (tie_break.py),
+sum first, then one LP: lp_bounds.py), finds the optimum (its LP relaxation's, when that is a plan: relaxation.py;
+else the MIP's), then the canonical plan among the ties (tie_break.py),
 all within its time limit (time_limit.py: a stopped search returns the best plan found and its gap). Inside a
 `solver_session` (session.py: one per planning call) a problem met again is not solved again.
 
@@ -21,6 +22,7 @@ from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.lp_bounds import memory_floor
 from autoshard.solver.model import IlpModel, build_model
 from autoshard.solver.problem import IlpProblem, IlpResult
+from autoshard.solver.relaxation import integral_optimum
 from autoshard.solver.session import current_session, highs_overrides, problem_digest
 from autoshard.solver.tie_break import break_ties
 from autoshard.solver.time_limit import (
@@ -90,10 +92,13 @@ def _solve(problem: IlpProblem, options: dict, clock: SolveClock) -> IlpResult:
     # models: solver time 18.9 s -> 10.5 s over 22 plans, plans byte-identical); the tie-breaking solve
     # after it, whose extra row presolve does reduce, keeps it.
     h.setOptionValue("presolve", options.get("presolve", "off"))
-    finished = run_highs(h, problem, clock, enough=GOOD_ENOUGH_GAP)
+    relaxed = integral_optimum(model, clock)  # the LP relaxation's optimum, when it is a plan (relaxation.py)
+    if relaxed is not None:
+        finished, (objective, values) = True, relaxed
+    else:
+        finished = run_highs(h, problem, clock, enough=GOOD_ENOUGH_GAP)
+        objective, values = h.getInfo().objective_function_value, h.getSolution().col_value
     h.setOptionValue("presolve", options.get("presolve", "choose"))
-    objective = h.getInfo().objective_function_value
-    values = h.getSolution().col_value
     optimum = model.choice(values)
     if not finished:  # the best plan found; no time is left to choose among ties
         return _result(model, clock, optimum, "search", max(0.0, h.getInfo().mip_gap))
