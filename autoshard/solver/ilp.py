@@ -102,7 +102,8 @@ def _solve(problem: IlpProblem, options: dict, clock: SolveClock) -> IlpResult:
     optimum = model.choice(values)
     if not finished:  # the best plan found; no time is left to choose among ties
         return _result(model, clock, optimum, "search", max(0.0, h.getInfo().mip_gap))
-    choice, stopped = break_ties(model, clock, objective, values, optimum)
+    # where the first relaxation was fractional (a binding budget) the tie-breaking one is too: not tried
+    choice, stopped = break_ties(model, clock, objective, values, optimum, relaxation_first=relaxed is not None)
     return _result(model, clock, choice, stopped)
 
 

@@ -63,7 +63,7 @@ def tie_order(problem: IlpProblem) -> list[list[float]]:
 
 
 def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: list,
-               optimum: list[int]) -> tuple[list[int], str]:
+               optimum: list[int], relaxation_first: bool = True) -> tuple[list[int], str]:
     """Among the plans within tie_slack of the optimum the model's solve found (`objective`, its columns `values`,
     its choice `optimum`), the canonical one (see tie_order), so that the plan does not depend on the solver's
     build, seed or options. Returns the choice and what the time limit stopped ("" or "ties": the optimum is kept).
@@ -96,7 +96,11 @@ def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: lis
     for c, ranks in enumerate(order):
         secondary[model.start[c]:model.start[c] + len(ranks)] = ranks
     h.changeColsCost(model.n_var, np.arange(model.n_var, dtype=np.int32), secondary)
-    relaxed = integral_optimum(model, clock)  # the relaxation's optimum, when it is a plan, is the canonical one
+    relaxed = None
+    try:  # the relaxation's optimum, when it is a plan, is the canonical one
+        relaxed = integral_optimum(model, clock) if relaxation_first else None
+    except MemoryBudgetError:  # the optimum meets the tie row: only round-off can say otherwise; the MIP decides
+        pass
     if relaxed is not None:
         return _within_ties(problem, model.choice(relaxed[1]), optimum, objective - shift), ""
     # The optimum satisfies the tie row: handed over as the first incumbent, it spares the search finding one
