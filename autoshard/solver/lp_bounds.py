@@ -24,6 +24,7 @@ from autoshard.ir.errors import PlanError
 from autoshard.solver.errors import IlpTimeLimitError
 from autoshard.solver.highs import quiet_highs
 from autoshard.solver.model import IlpModel
+from autoshard.solver.relaxation import continuous_choices
 from autoshard.solver.time_limit import SolveClock, run_highs
 
 
@@ -70,23 +71,20 @@ def fix_by_reduced_costs(model: IlpModel, bound: float, clock: SolveClock) -> se
     >>> fix_by_reduced_costs(build_model(problem, {}), 2.5, clock)
     {2}
     """
-    h, n_var, n_choice = model.highs, model.n_var, model.n_choice
-    everything = np.arange(n_var, dtype=np.int32)
-    h.changeColsIntegrality(n_var, everything, np.array([highspy.HighsVarType.kContinuous] * n_var))
-    try:
-        if not run_highs(h, model.problem, clock, mip=False):
+    h = model.highs
+    with continuous_choices(model):
+        try:
+            if not run_highs(h, model.problem, clock, mip=False):
+                return None
+        except IlpTimeLimitError:
             return None
-    except IlpTimeLimitError:
-        return None
-    except PlanError:  # HiGHS 1.7 can end this LP with status "Unknown": fix nothing (it only saves time)
-        h.changeColsIntegrality(n_choice, everything[:n_choice], np.array([highspy.HighsVarType.kInteger] * n_choice))
-        return set()
-    lp_bound = h.getInfo().objective_function_value
-    solution = h.getSolution()
-    margin = 1e-6 * abs(bound) + 1e-2  # LP round-off must not fix a variable some tied plan uses
-    fixed = [j for j, (value, reduced) in enumerate(zip(solution.col_value, solution.col_dual))
-             if value < 1e-9 and lp_bound + reduced > bound + margin]
-    if fixed:
-        h.changeColsBounds(len(fixed), np.array(fixed, dtype=np.int32), np.zeros(len(fixed)), np.zeros(len(fixed)))
-    h.changeColsIntegrality(n_choice, everything[:n_choice], np.array([highspy.HighsVarType.kInteger] * n_choice))
+        except PlanError:  # HiGHS 1.7 can end this LP with status "Unknown": fix nothing (it only saves time)
+            return set()
+        lp_bound = h.getInfo().objective_function_value
+        solution = h.getSolution()
+        margin = 1e-6 * abs(bound) + 1e-2  # LP round-off must not fix a variable some tied plan uses
+        fixed = [j for j, (value, reduced) in enumerate(zip(solution.col_value, solution.col_dual))
+                 if value < 1e-9 and lp_bound + reduced > bound + margin]
+        if fixed:
+            h.changeColsBounds(len(fixed), np.array(fixed, dtype=np.int32), np.zeros(len(fixed)), np.zeros(len(fixed)))
     return set(fixed)

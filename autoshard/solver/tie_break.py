@@ -96,11 +96,7 @@ def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: lis
     for c, ranks in enumerate(order):
         secondary[model.start[c]:model.start[c] + len(ranks)] = ranks
     h.changeColsCost(model.n_var, np.arange(model.n_var, dtype=np.int32), secondary)
-    relaxed = None
-    try:  # the relaxation's optimum, when it is a plan, is the canonical one
-        relaxed = integral_optimum(model, clock) if relaxation_first else None
-    except MemoryBudgetError:  # the optimum meets the tie row: only round-off can say otherwise; the MIP decides
-        pass
+    relaxed = _relaxed_tie(model, clock) if relaxation_first else None
     if relaxed is not None:
         return _within_ties(problem, model.choice(relaxed[1]), optimum, objective - shift), ""
     # The optimum satisfies the tie row: handed over as the first incumbent, it spares the search finding one
@@ -122,6 +118,22 @@ def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: lis
     except IlpTimeLimitError:  # no tie found before the limit: the optimum itself
         return optimum, "ties"
     return _within_ties(problem, choice, optimum, objective - shift), "" if finished else "ties"
+
+
+def _relaxed_tie(model: IlpModel, clock: SolveClock):
+    """The tie-breaking model's relaxed optimum when it is a plan (the canonical one; `integral_optimum`), else None.
+    The optimum meets the tie row, so a relaxation found infeasible says round-off, not memory: the MIP decides.
+
+    >>> import time
+    >>> from autoshard.solver.model import build_model
+    >>> model = build_model(problem, {})
+    >>> model.choice(_relaxed_tie(model, SolveClock(time.perf_counter(), 10.0))[1])  # no tie row here: the optimum
+    [1, 1]
+    """
+    try:
+        return integral_optimum(model, clock)
+    except MemoryBudgetError:
+        return None
 
 
 def _within_ties(problem: IlpProblem, choice: list[int], optimum: list[int], above_floor: float) -> list[int]:
