@@ -1,16 +1,22 @@
 """What one LP relaxation of the model proves faster than the MIP would: the least memory any plan can have (a
 budget below it is refused at once: `memory_floor`) and the columns no plan within a bound on the objective can
-use (fixed to 0 before the tie-breaking solve: `fix_by_reduced_costs`).
+use (fixed to 0 before the tie-breaking solve: `fix_by_reduced_costs`; before the MIP, the bound being a plan read
+off a fractional relaxation: `plan_read_off`, autoshard/solver/ilp.py).
 
 A class of three candidates costing 1, 2 and 5 (and keeping 8, 4 and 2 bytes):
 
 >>> import time
 >>> from autoshard.solver.model import build_model
 >>> from autoshard.solver.problem import IlpProblem
+>>> from autoshard.solver.relaxation import solve_relaxation
 >>> problem = IlpProblem(sizes=[3], costs=[[1.0, 2.0, 5.0]], memory=[[8.0, 4.0, 2.0]], budget=100.0)
 >>> clock = SolveClock(time.perf_counter(), 10.0)
 >>> memory_floor(build_model(problem, {}), clock)
 2.0
+
+Three classes, each cheaper keeping 6 bytes than 1, under a budget of 11: the relaxation splits a choice.
+
+>>> tight = build_model(IlpProblem(sizes=[2, 2, 2], costs=[[1.0, 3.0]] * 3, memory=[[6.0, 1.0]] * 3, budget=11.0), {})
 """
 from __future__ import annotations
 
@@ -24,7 +30,11 @@ from autoshard.ir.errors import PlanError
 from autoshard.solver.errors import IlpTimeLimitError
 from autoshard.solver.highs import quiet_highs
 from autoshard.solver.model import IlpModel
-from autoshard.solver.relaxation import continuous_choices
+from autoshard.solver.relaxation import (
+    INTEGRALITY_TOLERANCE,
+    Relaxation,
+    continuous_choices,
+)
 from autoshard.solver.time_limit import SolveClock, run_highs
 
 
@@ -71,20 +81,55 @@ def fix_by_reduced_costs(model: IlpModel, bound: float, clock: SolveClock) -> se
     >>> fix_by_reduced_costs(build_model(problem, {}), 2.5, clock)
     {2}
     """
-    h = model.highs
     with continuous_choices(model):
         try:
-            if not run_highs(h, model.problem, clock, mip=False):
+            if not run_highs(model.highs, model.problem, clock, mip=False):
                 return None
         except IlpTimeLimitError:
             return None
         except PlanError:  # HiGHS 1.7 can end this LP with status "Unknown": fix nothing (it only saves time)
             return set()
-        lp_bound = h.getInfo().objective_function_value
-        solution = h.getSolution()
-        margin = 1e-6 * abs(bound) + 1e-2  # LP round-off must not fix a variable some tied plan uses
-        fixed = [j for j, (value, reduced) in enumerate(zip(solution.col_value, solution.col_dual))
-                 if value < 1e-9 and lp_bound + reduced > bound + margin]
-        if fixed:
-            h.changeColsBounds(len(fixed), np.array(fixed, dtype=np.int32), np.zeros(len(fixed)), np.zeros(len(fixed)))
+        fixed = Relaxation.read(model).columns_above(bound)
+    fix_to_zero(model, fixed)
     return set(fixed)
+
+
+def fix_to_zero(model: IlpModel, columns: list[int]) -> None:
+    """Bound `columns` to 0 (HiGHS's presolve then drops them: run the model afresh, `clearSolver`).
+
+    >>> model = build_model(problem, {})
+    >>> fix_to_zero(model, [0])
+    >>> list(model.highs.getLp().col_upper_)
+    [0.0, 1.0, 1.0]
+    """
+    if columns:
+        model.highs.changeColsBounds(len(columns), np.array(columns, dtype=np.int32), np.zeros(len(columns)),
+                                     np.zeros(len(columns)))
+
+
+def plan_read_off(model: IlpModel, relaxed: Relaxation) -> list[int] | None:
+    """A plan read off a fractional relaxation, for the objective it bounds the MIP's optimum by: each class's
+    largest column; where that plan breaks the budget or a forbidden pair, the classes the relaxation splits take
+    their smallest candidate (bytes) among those it uses. None when neither is a plan.
+
+    `tight` (the module's example): its relaxation keeps one class's 6 bytes and 0.6 of another's; their largest
+    columns keep 13 bytes, so the split class takes its 1-byte candidate (a plan of 8 bytes costing 7):
+
+    >>> relaxed = solve_relaxation(tight, clock)
+    >>> plan = plan_read_off(tight, relaxed)
+    >>> memory = tight.problem.evaluate_memory
+    >>> memory(tight.choice(relaxed.values)), memory(plan), tight.problem.evaluate(plan)
+    (13.0, 8.0, 7.0)
+    """
+    problem = model.problem
+    largest = model.choice(relaxed.values)
+    smallest = list(largest)
+    for c, n in enumerate(problem.sizes):
+        used = [s for s in range(n) if relaxed.values[model.start[c] + s] > INTEGRALITY_TOLERANCE]
+        if len(used) > 1 and problem.memory:
+            smallest[c] = min(used, key=lambda s: (problem.memory[c][s], s))
+    for choice in (largest, smallest):
+        fits = problem.budget is None or problem.evaluate_memory(choice) <= problem.budget
+        if fits and math.isfinite(problem.evaluate(choice)):
+            return choice
+    return None

@@ -21,7 +21,7 @@ from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.lp_bounds import fix_by_reduced_costs
 from autoshard.solver.model import IlpModel
 from autoshard.solver.problem import IlpProblem
-from autoshard.solver.relaxation import integral_optimum
+from autoshard.solver.relaxation import solve_relaxation
 from autoshard.solver.time_limit import SolveClock, run_highs
 
 # Plans whose objectives differ by less than this share (plus 1 ns) of what the optimum pays above every
@@ -38,6 +38,27 @@ def tie_slack(objective: float) -> float:
     (0.001, 0.101)
     """
     return TIE_RELATIVE * abs(objective) + 1e-3
+
+
+def class_floor(model: IlpModel) -> list[float]:
+    """Each class's cheapest allowed candidate: every plan pays it, so the tie row and the slack count only what a
+    plan pays above it (cost all plans share, compute mostly, must not drown their differences).
+
+    >>> from autoshard.solver.model import build_model
+    >>> class_floor(build_model(problem, {}))
+    [1.0, 0.0]
+    """
+    return [min(cost for cost, ok in zip(model.costs[c], model.allowed[c]) if ok) for c in range(model.problem.n_classes)]
+
+
+def tie_bound(model: IlpModel, objective: float) -> float:
+    """The objective a plan ties with one of `objective` below: `objective` plus its tie slack.
+
+    >>> from autoshard.solver.model import build_model
+    >>> round(tie_bound(build_model(problem, {}), 3.0), 7)  # 2.0 above the floor (1 + 0): its slack 1e-3 + 2e-7
+    3.0010002
+    """
+    return objective + tie_slack(objective - sum(class_floor(model)))
 
 
 def tie_order(problem: IlpProblem) -> list[list[float]]:
@@ -78,11 +99,9 @@ def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: lis
     ([1, 0], '')
     """
     problem, h = model.problem, model.highs
-    # Every plan pays each class's cheapest candidate: the row and the slack count only what a plan pays
-    # above that, so that cost all plans share (compute, mostly) does not drown their differences.
-    floor = [min(cost for cost, ok in zip(model.costs[c], model.allowed[c]) if ok) for c in range(problem.n_classes)]
+    floor = class_floor(model)
     shift = sum(floor)
-    bound = objective + tie_slack(objective - shift)
+    bound = tie_bound(model, objective)
     fixed = fix_by_reduced_costs(model, bound, clock)
     if fixed is None:  # the time limit stopped the relaxation
         return optimum, "ties"
@@ -121,11 +140,12 @@ def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: lis
 
 
 def _relaxed_tie(model: IlpModel, clock: SolveClock):
-    """The tie-breaking model's relaxed optimum when it is a plan (the canonical one; `integral_optimum`), else None.
-    The optimum meets the tie row, so a relaxation found infeasible says round-off, not memory: the MIP decides.
-    It starts afresh: run from the first relaxation's basis, HiGHS skips presolve and pivots over every column, those
-    `fix_by_reduced_costs` fixed too, where presolve drops them first (a 2-layer Llama on (2, 2), 82k columns: 1.18
-    -> 0.06 s, the same plan; Llama 3 8B's and 70B's captured solves give the same choices).
+    """(objective, column values) of the tie-breaking model's relaxed optimum when it is a plan (the canonical one:
+    `solve_relaxation`), else None (the MIP then runs afresh; the optimum meets the tie row, so a relaxation found
+    infeasible says round-off, not memory). It starts afresh too: run from the first relaxation's
+    basis, HiGHS skips presolve and pivots over every column, those `fix_by_reduced_costs` fixed too, where presolve
+    drops them first (a 2-layer Llama on (2, 2), 82k columns: 1.18 -> 0.06 s, the same plan; Llama 3 8B's and 70B's
+    captured solves give the same choices).
 
     >>> import time
     >>> from autoshard.solver.model import build_model
@@ -134,10 +154,11 @@ def _relaxed_tie(model: IlpModel, clock: SolveClock):
     [1, 1]
     """
     model.highs.clearSolver()
-    try:
-        return integral_optimum(model, clock)
-    except MemoryBudgetError:
+    relaxed = solve_relaxation(model, clock)
+    if relaxed is None or not relaxed.integral:
+        model.highs.clearSolver()
         return None
+    return relaxed.objective, relaxed.values
 
 
 def _within_ties(problem: IlpProblem, choice: list[int], optimum: list[int], above_floor: float) -> list[int]:
