@@ -52,7 +52,7 @@ def class_floor(model: IlpModel) -> list[float]:
 
 
 def tie_bound(model: IlpModel, objective: float) -> float:
-    """The objective a plan ties with one of `objective` below: `objective` plus its tie slack.
+    """The highest objective that still ties with `objective`: `objective` plus its tie slack.
 
     >>> from autoshard.solver.model import build_model
     >>> round(tie_bound(build_model(problem, {}), 3.0), 7)  # 2.0 above the floor (1 + 0): its slack 1e-3 + 2e-7
