@@ -87,7 +87,7 @@ def fix_by_reduced_costs(model: IlpModel, bound: float, clock: SolveClock) -> se
                 return None
         except IlpTimeLimitError:
             return None
-        except PlanError:  # HiGHS 1.7 can end this LP with status "Unknown": fix nothing (it only saves time)
+        except PlanError:  # older HiGHS (1.7) ended this LP "Unknown": fix nothing (it only saves time)
             return set()
         fixed = Relaxation.read(model).columns_above(bound)
     fix_to_zero(model, fixed)
