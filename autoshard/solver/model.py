@@ -153,8 +153,7 @@ def _fold_single_candidate_edges(problem: IlpProblem, bounded: bool) -> _Folded:
 # problems: the one-hot rows and the joint edge variables leave the root LP close to integral, and the incumbent
 # comes from the cheaper heuristics (feasibility jump, rounding). Measured on the 44 solves of Llama-3-70B over
 # 512 devices that take over 0.15 s: 72 -> 43 s of solving, the same plans; a WavLM under a tight budget (the
-# hard case of tests/passes/test_ilp_time_limit.py) finds the same plan in the same time. HiGHS 1.8 (the oldest
-# supported) has no switches for RINS and RENS: it refuses those options quietly and runs them.
+# hard case of tests/passes/test_ilp_time_limit.py) finds the same plan in the same time.
 _SEARCH_OPTIONS = {"mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False, "mip_allow_restart": False}
 
 
