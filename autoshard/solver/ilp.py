@@ -118,7 +118,7 @@ def _fix_beyond_a_plan(model: IlpModel, relaxed: Relaxation) -> None:
     """Before the MIP of a fractional relaxation: fix to 0 the columns no plan within a tie of a plan read off the
     relaxation can use (`Relaxation.columns_above`); the optimum and every plan that ties with it are within it, so
     neither the MIP's optimum nor the tie-breaking solve's choice changes. Llama 3 70B over 512 devices: a plan read
-    off 33 of its 41 fractional relaxations, fixing 3-30% of the columns."""
+    off 33 of its 41 fractional relaxations, fixing 3-43% of the columns (median 16%)."""
     choice = plan_read_off(model, relaxed)
     if choice is not None:
         fix_to_zero(model, relaxed.columns_above(tie_bound(model, model.problem.evaluate(choice))))
