@@ -21,7 +21,7 @@ from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.lp_bounds import fix_by_reduced_costs
 from autoshard.solver.model import IlpModel
 from autoshard.solver.problem import IlpProblem
-from autoshard.solver.relaxation import solve_relaxation
+from autoshard.solver.relaxation import Relaxation, solve_relaxation
 from autoshard.solver.time_limit import SolveClock, run_highs
 
 # Plans whose objectives differ by less than this share (plus 1 ns) of what the optimum pays above every
@@ -117,7 +117,7 @@ def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: lis
     h.changeColsCost(model.n_var, np.arange(model.n_var, dtype=np.int32), secondary)
     relaxed = _relaxed_tie(model, clock) if relaxation_first else None
     if relaxed is not None:
-        return _within_ties(problem, model.choice(relaxed[1]), optimum, objective - shift), ""
+        return _within_ties(problem, model.choice(relaxed.values), optimum, objective - shift), ""
     # The optimum satisfies the tie row: handed over as the first incumbent, it spares the search finding one
     # (measured: 2.5 -> 2.2 s on each of the Llama-3-70B plan's budgeted solves; the same plans).
     incumbent = h.getSolution()
@@ -139,8 +139,8 @@ def break_ties(model: IlpModel, clock: SolveClock, objective: float, values: lis
     return _within_ties(problem, choice, optimum, objective - shift), "" if finished else "ties"
 
 
-def _relaxed_tie(model: IlpModel, clock: SolveClock):
-    """(objective, column values) of the tie-breaking model's relaxed optimum when it is a plan (the canonical one:
+def _relaxed_tie(model: IlpModel, clock: SolveClock) -> Relaxation | None:
+    """The tie-breaking model's relaxed optimum when it is a plan (the canonical one:
     `solve_relaxation`), else None (the MIP then runs afresh; the optimum meets the tie row, so a relaxation found
     infeasible says round-off, not memory). It starts afresh too: run from the first relaxation's
     basis, HiGHS skips presolve and pivots over every column, those `fix_by_reduced_costs` fixed too, where presolve
@@ -150,7 +150,7 @@ def _relaxed_tie(model: IlpModel, clock: SolveClock):
     >>> import time
     >>> from autoshard.solver.model import build_model
     >>> model = build_model(problem, {})
-    >>> model.choice(_relaxed_tie(model, SolveClock(time.perf_counter(), 10.0))[1])  # no tie row here: the optimum
+    >>> model.choice(_relaxed_tie(model, SolveClock(time.perf_counter(), 10.0)).values)  # no tie row: the optimum
     [1, 1]
     """
     model.highs.clearSolver()
@@ -158,7 +158,7 @@ def _relaxed_tie(model: IlpModel, clock: SolveClock):
     if relaxed is None or not relaxed.integral:
         model.highs.clearSolver()
         return None
-    return relaxed.objective, relaxed.values
+    return relaxed
 
 
 def _within_ties(problem: IlpProblem, choice: list[int], optimum: list[int], above_floor: float) -> list[int]:
