@@ -47,7 +47,8 @@ def test_node_costs_are_records_read_by_field_or_key(prog):
     with pytest.raises(dataclasses.FrozenInstanceError):
         costs[0].seconds = 1.0
     comm = next(n.meta[COMM_COST] for n in nodes if COMM_COST in n.meta)
-    assert dict(comm) == {"fwd_bytes": comm.fwd_bytes, "bwd_bytes": comm.bwd_bytes, "seconds": comm.seconds}
+    assert dict(comm) == {"fwd_bytes": comm.fwd_bytes, "bwd_bytes": comm.bwd_bytes, "seconds": comm.seconds,
+                          "sync_s": comm.sync_s}
 
 
 def test_a_plan_file_without_the_optional_figures_loads_and_saves_them_absent(prog, tmp_path):

@@ -189,7 +189,7 @@ def rank_memory(state, config) -> list[dict]:
     per_stage = stage_nodes(state, config.num_stages)
     kept, largest = stage_activations(state, per_stage)
     orders = schedule_order(config)
-    held = [set().union(*(per_stage[s] for s in config.stages_of(rank))) for rank in range(config.pp_size)]
+    held = rank_nodes(config, per_stage)
     out = []
     for rank, (nodes, parts) in enumerate(zip(held, memory_breakdowns(state, held))):
         stages = config.stages_of(rank)
@@ -216,6 +216,15 @@ def stage_nodes(state, num_stages: int) -> list[set]:
             out[node.meta[meta.STAGE]].add(node)
             out[node.meta[meta.STAGE]].update(a for a in node.all_input_nodes if a.op == "placeholder")
     return out
+
+
+def rank_nodes(config, per_stage: list[set]) -> list[set]:
+    """Each pp rank's nodes: the union of its stages' (`stage_nodes`).
+
+    >>> [len(nodes) > 0 for nodes in rank_nodes(pipe.config, stage_nodes(pipe.state, 2))]
+    [True, True]
+    """
+    return [set().union(*(per_stage[s] for s in config.stages_of(rank))) for rank in range(config.pp_size)]
 
 
 def stage_activations(state, per_stage) -> tuple[dict, dict]:

@@ -214,7 +214,8 @@ NO_COST = NodeCost()  # what a node predict did not price costs (ops without a t
 @dataclass(frozen=True, eq=False)
 class CommCost(FieldsMapping):
     """A collective's bytes per step one rank sends, forward and backward, and its seconds
-    (`node.meta["autoshard.comm_cost"]`).
+    (`node.meta["autoshard.comm_cost"]`); `sync_s`: of those seconds, what runs in the gradient sync rather than in
+    backward (ZeRO-3's deferred reduce-scatters).
 
     >>> CommCost(fwd_bytes=1024, bwd_bytes=0, seconds=1e-5)["fwd_bytes"]
     1024
@@ -223,6 +224,7 @@ class CommCost(FieldsMapping):
     fwd_bytes: int
     bwd_bytes: int
     seconds: float
+    sync_s: float = 0.0
 
 
 def node_cost(node) -> NodeCost:

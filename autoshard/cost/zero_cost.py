@@ -145,15 +145,15 @@ def memory_breakdowns(state, groups: list) -> list[dict]:
     return outs
 
 
-def optimizer_step_time(state) -> float:
+def optimizer_step_time(state, within: set | None = None) -> float:
     """Seconds of the optimizer's update on this rank per step: every trained parameter's updated part (its ZeRO
     chunk, else its local block) is read as gradient and parameter and the parameter written back, its optimizer
     state (`optimizer_state_factor` x as many bytes: Adam's two moments, none for SGD) read and written: (3 + 2 f)
     x its bytes over the memory bandwidth, memory-bound, plus the profile's cost per op for 1 + 2 f ops per tensor
-    (torch's per-parameter updates). The planner's step (`predicted.step_time_s`) leaves it out; the accuracy
-    report adds it to compare with a measured step.
+    (torch's per-parameter updates). `within`: only these nodes' parameters (a pp rank's). The planner's step
+    (`predicted.step_time_s`) leaves it out; the accuracy report adds it to compare with a measured step.
 
-    >>> optimizer_step_time(prog.state) > 0
+    >>> optimizer_step_time(prog.state) > optimizer_step_time(prog.state, within=set()) == 0.0
     True
     """
     mesh, zero, profile = state.mesh, state.zero, state.options.profile
@@ -161,6 +161,8 @@ def optimizer_step_time(state) -> float:
     axis = mesh.axis(zero.axis) if zero is not None else None
     moved, tensors = 0.0, 0
     for node, spec, numel, itemsize, kept in _trained_param_shards(state):
+        if within is not None and node not in within:
+            continue
         sharded = zero is not None and not (zero.stage == 3 and isinstance(spec[axis], Shard))
         updated = math.ceil(numel / mesh.shape[axis]) * itemsize if sharded else kept
         moved += (3 + 2 * f) * updated
@@ -212,8 +214,20 @@ def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.
     seconds = gather_forward_seconds(node, dst_bytes, k, link, after[0], gap_s)
     if has_grad:
         seconds += all_gather_time(regather, k, link, after[1], gap_s) if regather else 0.0
-        seconds += reduce_scatter_time(scatter, k, link, latency_share) if scatter else 0.0
+        seconds += gradient_scatter_seconds(node, dst_bytes, k, link, latency_share)
     return seconds
+
+
+def gradient_scatter_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.0) -> float:
+    """The part of `gather_seconds` that reduce-scatters the gradient (none when it is not partial): the runtime runs
+    it in the gradient sync where it defers it (`reduce_scatter_groups`), else in backward.
+
+    >>> from autoshard.cost.profiles import Link
+    >>> round(gradient_scatter_seconds(gathers[0], 16384, 2, Link(1e-3, 1e9)) * 1e3, 3)  # the third collective
+    1.008
+    """
+    scatter = gather_parts(node, dst_bytes)[2]
+    return reduce_scatter_time(scatter, k, link, latency_share) if scatter else 0.0
 
 
 def gather_forward_seconds(node, dst_bytes: int, k: int, link, after_s: float | None = None,

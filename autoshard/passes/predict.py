@@ -51,7 +51,9 @@ from autoshard.cost.zero_cost import (
     gather_forward_seconds,
     gather_gaps,
     gather_seconds,
+    gradient_scatter_seconds,
     memory_breakdown,
+    reduce_scatter_groups,
     reduce_scatter_shares,
 )
 from autoshard.ir import meta
@@ -98,6 +100,9 @@ def predict(state) -> None:
     saved_per_byte = kept_for_backward(state.gm.graph, grad)  # the ILP's memory row's formula
     per_axis = {name: AxisBytes() for name in mesh.names}
     scatter_shares = reduce_scatter_shares(state.gm.graph, mesh) if state.zero is not None else {}
+    # the reduce-scatters the runtime defers to the gradient sync (phases of the accuracy report)
+    deferred = {g for group in reduce_scatter_groups(state.gm.graph, mesh) for g, _ in group} \
+        if state.zero is not None else set()
     compute = comm = memory = 0.0
     gathers = []  # ZeRO-3's parameter gathers: (node, fwd bytes, bwd bytes, k, link, bytes saved)
     for node in state.gm.graph.nodes:
@@ -159,7 +164,9 @@ def predict(state) -> None:
     for node, fwd, bwd, k, link, saved in gathers:  # a layer's reduce-scatters travel as one
         seconds = gather_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0), grad.get(node, False),
                                  gaps[node], profile.collective_gap_s)
-        node.meta[COMM_COST] = CommCost(fwd, bwd, seconds)
+        in_sync = gradient_scatter_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0)) \
+            if node in deferred and grad.get(node, False) else 0.0
+        node.meta[COMM_COST] = CommCost(fwd, bwd, seconds, sync_s=in_sync)
         comm += seconds
         forward = gather_forward_seconds(node, fwd, k, link, gaps[node][0], profile.collective_gap_s)
         node.meta[NODE_COST] = NodeCost(seconds, saved, forward_s=forward)

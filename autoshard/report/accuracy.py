@@ -2,11 +2,14 @@
 peak memory, with the ratio of each (`module.report()` after training steps, the accuracy benchmark).
 
 Phases of one training step, predicted from the plan's per-node costs (autoshard/passes/predict.py):
-- forward: a third of every op's forward + backward seconds, and each collective's forward share (by bytes);
-- backward: the other two thirds, each collective's backward share, and recomputation;
-- sync: the rest of the planner's step (gradient all-reduces, ZeRO's reduce-scatters and gathers);
+- forward: each op's forward seconds (a third of its forward + backward where predict gives no split) and each
+  collective's forward;
+- backward: the rest of each op's and each collective's seconds, and recomputation;
+- sync: the rest of the planner's step (gradient all-reduces, ZeRO's reduce-scatters and gathers, ZeRO-3's
+  reduce-scatters that the runtime defers to `sync_grads`);
 - optimizer: the update (`zero_cost.optimizer_step_time`), which the planner's step leaves out.
-A pipelined plan is predicted as a whole (its schedule interleaves the phases): forward and backward together.
+A pipelined plan is predicted as a whole (its schedule interleaves the phases): forward and backward together;
+its optimizer phase is the pp rank's with the most to update (each updates its own stages' parameters).
 
 Measured phases come from a StepClock: marks at forward start and end and around the gradient sync; the time from
 the sync's end to the next forward is the optimizer's (with the rest of the loop's code). Medians over steps.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from autoshard.cost.pipeline_schedule import rank_nodes, stage_nodes
 from autoshard.cost.prediction import node_cost
 from autoshard.cost.zero_cost import optimizer_step_time
 from autoshard.ir import meta
@@ -42,24 +46,25 @@ def predicted_phases(prog) -> dict:
     True
     """
     state = prog.state
-    optimizer = optimizer_step_time(state)
     pipeline = prog.plan.pipeline
     if pipeline:
         sync = max((row.get("sync_s", 0.0) for row in state.pipeline_stages), default=0.0)
         step = pipeline["predicted_step_s"]
+        # each pp rank updates its own stages' parameters; the slowest rank's step is the one measured
+        held = rank_nodes(prog.config, stage_nodes(state, prog.config.num_stages))
+        optimizer = max(optimizer_step_time(state, within) for within in held)
         return {"forward_s": step - sync, "backward_s": 0.0, "sync_s": sync, "optimizer_s": optimizer,
                 "step_s": step + optimizer}
+    optimizer = optimizer_step_time(state)
     predicted = state.predicted
     forward = backward = 0.0
     for node in state.gm.graph.nodes:
         if node.op != "call_function":
             continue
         comm = node.meta.get(COMM_COST)
-        if comm is not None:
-            moved = comm.fwd_bytes + comm.bwd_bytes
-            share = comm.fwd_bytes / moved if moved else 1.0
-            forward += comm.seconds * share
-            backward += comm.seconds * (1 - share)
+        if comm is not None:  # its forward as predict priced it; ZeRO-3's deferred reduce-scatters left to sync
+            forward += node_cost(node).forward_seconds()
+            backward += comm.seconds - node_cost(node).forward_seconds() - comm.sync_s
         elif node.meta.get(meta.KIND) != "comm":
             cost = node_cost(node)
             forward += cost.forward_seconds()

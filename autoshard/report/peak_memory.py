@@ -53,7 +53,7 @@ import math
 
 from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.flops import local_bytes
-from autoshard.cost.pipeline_schedule import rank_memory, stage_nodes
+from autoshard.cost.pipeline_schedule import rank_memory, rank_nodes, stage_nodes
 from autoshard.cost.recompute_cost import region_savings
 from autoshard.cost.sync_buckets import bucket_layout
 from autoshard.cost.zero_cost import gather_parts, reduce_scatter_groups
@@ -284,8 +284,7 @@ def _pipeline_peak(state, config, foreach: bool, pp_rank: int | None) -> dict:
     grad = needs_grad(state.gm.graph)
     per_stage = stage_nodes(state, config.num_stages)
     peaks = []
-    for rank, parts in enumerate(rank_memory(state, config)):
-        nodes = set().union(*(per_stage[s] for s in config.stages_of(rank)))
+    for nodes, parts in zip(rank_nodes(config, per_stage), rank_memory(state, config)):
         trained = [n for n in nodes if n.op == "placeholder" and n.meta.get(meta.KIND) == "param" and grad.get(n)]
         size = {p: local_bytes(p, p.meta[meta.SPEC], state.mesh) for p in trained}
         held = parts["params"] + parts["optimizer"] + parts["inputs"]

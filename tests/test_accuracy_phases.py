@@ -1,0 +1,47 @@
+"""The accuracy report's predicted phases (autoshard/report/accuracy.py) put each cost where the runtime spends it:
+ZeRO-3's deferred gradient reduce-scatters in the gradient sync (`sync_grads` runs them), not in backward, and a
+pipeline's optimizer update as its fullest pp rank's, not the whole model's."""
+import warnings
+
+import pytest
+
+import autoshard
+from autoshard.cost.pipeline_schedule import rank_nodes, stage_nodes
+from autoshard.cost.prediction import node_cost
+from autoshard.cost.zero_cost import optimizer_step_time, reduce_scatter_groups
+from autoshard.ir import meta
+from autoshard.ir.meta import COMM_COST
+from autoshard.report.accuracy import predicted_phases
+from autoshard.zoo import mlp
+
+
+def _plan(**options):
+    model, inputs, loss_fn = mlp(n_layers=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, **options)
+
+
+def test_zero3_reduce_scatters_deferred_to_the_sync_are_predicted_there():
+    prog = _plan(axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}}, zero=3)
+    gathers = [n for n in prog.state.gm.graph.nodes if n.meta.get(meta.COMM, {}).get("op") == "param_all_gather"]
+    deferred = {g for group in reduce_scatter_groups(prog.state.gm.graph, prog.mesh) for g, _ in group}
+    assert gathers and deferred == set(gathers)  # the MLP's parameters are used by their gathers alone
+    in_sync = sum(g.meta[COMM_COST].sync_s for g in gathers)
+    regathers = sum(g.meta[COMM_COST].seconds - node_cost(g).forward_seconds() for g in gathers) - in_sync
+    assert in_sync > 0 and regathers > 0
+    phases = predicted_phases(prog)
+    assert phases["sync_s"] >= in_sync * (1 - 1e-9)
+    compute_backward = sum(node_cost(n).seconds - node_cost(n).forward_seconds() for n in prog.state.gm.graph.nodes
+                           if n.op == "call_function" and n.meta.get(meta.KIND) != "comm")
+    assert phases["backward_s"] == pytest.approx(compute_backward + regathers, rel=1e-9)
+    assert phases["step_s"] == pytest.approx(prog.plan.predicted["step_time_s"] + phases["optimizer_s"], rel=1e-12)
+
+
+def test_a_pipelines_optimizer_phase_is_its_fullest_ranks_update():
+    prog = _plan(axis_names=("pp",), pipeline={"schedule": "1f1b", "microbatches": 4})
+    state = prog.state
+    per_rank = [optimizer_step_time(state, nodes)
+                for nodes in rank_nodes(prog.config, stage_nodes(state, prog.config.num_stages))]
+    assert len(per_rank) == 2 and all(t > 0 for t in per_rank)
+    assert predicted_phases(prog)["optimizer_s"] == max(per_rank) < optimizer_step_time(state)
