@@ -1,13 +1,16 @@
 """The accuracy report's predicted phases (autoshard/report/accuracy.py) put each cost where the runtime spends it:
-ZeRO-3's deferred gradient reduce-scatters in the gradient sync (`sync_grads` runs them), not in backward, and a
-pipeline's optimizer update as its fullest pp rank's, not the whole model's."""
+ZeRO-3's deferred gradient reduce-scatters in the gradient sync (`sync_grads` runs them, one after another), not
+in backward, and a pipeline's optimizer update as its fullest pp rank's, not the whole model's."""
+import dataclasses
 import warnings
 
 import pytest
 
 import autoshard
+from autoshard.cost.collective_time import IN_FLIGHT
 from autoshard.cost.pipeline_schedule import rank_nodes, stage_nodes
 from autoshard.cost.prediction import node_cost
+from autoshard.cost.profiles import CPU_PROFILE, Link
 from autoshard.cost.zero_cost import optimizer_step_time, reduce_scatter_groups
 from autoshard.ir import meta
 from autoshard.ir.meta import COMM_COST
@@ -45,3 +48,22 @@ def test_a_pipelines_optimizer_phase_is_its_fullest_ranks_update():
                 for nodes in rank_nodes(prog.config, stage_nodes(state, prog.config.num_stages))]
     assert len(per_rank) == 2 and all(t > 0 for t in per_rank)
     assert predicted_phases(prog)["optimizer_s"] == max(per_rank) < optimizer_step_time(state)
+
+
+def test_deferred_reduce_scatters_after_the_first_pay_the_latency_calibrate_timed_in_a_run_of_them():
+    """`sync_grads` starts ZeRO-3's deferred per-layer reduce-scatters one right after another, two in flight; where
+    calibrate timed such a run (`IN_FLIGHT`), each group after the first pays that latency, not the one after compute."""
+    after_compute, in_a_run = 1e-3, 4e-4
+    reduce_scatters = ("reduce_scatter", ((4096, after_compute), (65536, after_compute + 1e-4)))
+    run = (IN_FLIGHT, ((4096, in_a_run),))
+    plain, timed = (dataclasses.replace(CPU_PROFILE, axis_links=(Link(1e-4, 1e9, measured=(2, tables)),))
+                    for tables in ((reduce_scatters,), (reduce_scatters, run)))
+    options = {"axis_names": ("dp",), "hints": {"input:0": {"dp": "S(0)"}}, "zero": 3}
+    plans = [_plan(profile=profile, **options) for profile in (plain, timed)]
+    groups = reduce_scatter_groups(plans[0].state.gm.graph, plans[0].mesh)
+    assert len(groups) == 4 and all(even for group in groups for _, even in group)  # a layer's weight and bias each
+    saved = plans[0].plan.predicted["step_time_s"] - plans[1].plan.predicted["step_time_s"]
+    assert saved == pytest.approx((len(groups) - 1) * (after_compute - in_a_run), rel=1e-6)
+    phases = [predicted_phases(prog) for prog in plans]
+    assert phases[0]["sync_s"] - phases[1]["sync_s"] == pytest.approx(saved, rel=1e-6)
+    assert phases[0]["backward_s"] == pytest.approx(phases[1]["backward_s"], rel=1e-9)

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autoshard.cost.collective_time import BACK_TO_BACK
+from autoshard.cost.collective_time import BACK_TO_BACK, IN_FLIGHT
 from autoshard.cost.compute_rates import ComputeRates, measure_compute
 from autoshard.cost.profiles import CPU_PROFILE, HardwareProfile, Link
 from autoshard.ir.errors import UserInputError
 from autoshard.ir.mesh import Mesh
 from autoshard.runtime.launch import communicator_for, run_distributed
+from autoshard.runtime.zero_overlap import REDUCE_SCATTERS_IN_FLIGHT
 
 REPEATS = 5
 SMALL_REPEATS = 400  # the latency-bound calls: a heavy tail (a peer thread waking late) that training pays too
@@ -269,12 +270,38 @@ def _time_axis_task(rank, world, mesh_json, sizes):
                 out[(name, axis, size)] = between_compute_seconds(run, repeats)
             if size == min(sizes):  # and called back to back, what the compute before them adds to their latency
                 out[(BACK_TO_BACK, axis, size)] = between_compute_seconds(runs["all_gather"], repeats, _no_compute)
+                out[(IN_FLIGHT, axis, size)] = in_flight_seconds(comm, reduced, axis, max(REPEATS, repeats // 8))
     out[("compute_before", None, 0)] = _compute_seconds(REPEATS)
     return out
 
 
 def _no_compute():
     return None
+
+
+def in_flight_seconds(comm, tensor, axis: str, repeats: int, run: int = 8) -> float:
+    """Seconds per reduce-scatter of `tensor` on `axis` where `run` of them start one right after another, at most
+    REDUCE_SCATTERS_IN_FLIGHT in flight, as ZeRO-3's deferred ones run in `sync_grads` (autoshard/runtime/
+    zero_overlap.py): the mean over `repeats` runs, each after a barrier. On gloo two in flight overlap (4 ranks of
+    this 2-core VM: 2.8 ms each, 5.4 ms after compute).
+
+    >>> from autoshard.runtime.simulator import run_on_mesh  # simulated ranks: the collectives complete as started
+    >>> run_on_mesh(Mesh((2,), ("dp",)), lambda comm: in_flight_seconds(comm, torch.ones(4), "dp", 2) > 0.0)
+    {0: True, 1: True}
+    """
+    spent = 0.0
+    for _ in range(repeats):
+        if dist.is_initialized():  # every rank starts the run together
+            dist.barrier()
+        started, flight = time.perf_counter(), []
+        for _ in range(run):
+            flight.append(comm.start_reduce_scatter(tensor, axis, 0))
+            if len(flight) > REDUCE_SCATTERS_IN_FLIGHT:
+                flight.pop(0).wait()
+        for pending in flight:
+            pending.wait()
+        spent += (time.perf_counter() - started) / run
+    return spent / repeats
 
 
 def _compute_seconds(repeats: int) -> float:
@@ -320,11 +347,13 @@ def between_compute_seconds(run, repeats: int, compute=_layer_compute) -> float:
     return spent / repeats
 
 
-def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=None, back_to_back=None) -> Link:
+def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=None, back_to_back=None,
+             in_flight=None) -> Link:
     """Alpha and bandwidth of the ring model from [(bytes, seconds)] of all-reduces over k ranks (and, from
     `gathers`, all-gathers' [(output bytes, seconds)], `reduce_scatters` and `all_to_alls` [(input bytes,
-    seconds)], the link's figures for those; `back_to_back`, all-gathers called one right after another, is kept as
-    timed: `all_gather_time`'s `after_s`): the bandwidth from the least-squares slope over the sizes but the
+    seconds)], the link's figures for those; `back_to_back`, all-gathers called one right after another, and
+    `in_flight`, reduce-scatters in a run of them (`in_flight_seconds`), are kept as timed: `all_gather_time`'s
+    `after_s`, `reduce_scatter_time`'s `in_flight`): the bandwidth from the least-squares slope over the sizes but the
     smallest, alpha from the smallest message's time less its bytes' share. (An intercept fitted under 16 MiB
     messages is their noise: a run put gloo's alpha at 0.1 us, and ZeRO-3's per-parameter gathers at a tenth of
     their measured time.)
@@ -348,7 +377,7 @@ def fit_link(samples, k: int, gathers=None, reduce_scatters=None, all_to_alls=No
             for timed in (gathers, reduce_scatters, all_to_alls)]
     # the timings themselves too: the collective times interpolate them (Link.measured_seconds)
     timed = (("all_reduce", samples), ("all_gather", gathers), ("reduce_scatter", reduce_scatters),
-             ("all_to_all", all_to_alls), (BACK_TO_BACK, back_to_back))
+             ("all_to_all", all_to_alls), (BACK_TO_BACK, back_to_back), (IN_FLIGHT, in_flight))
     measured = (k, tuple((name, tuple(sorted(points))) for name, points in timed if points))
     return Link(link.alpha, link.bandwidth, *ring, measured=measured)
 
@@ -409,18 +438,22 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
     for axis, name in enumerate(mesh.names):
         timed = {collective: [(size, slowest[(collective, name, size)]) for size in sizes]
                  for collective in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+        small = min(sizes)
         link = fit_link(timed["all_reduce"], mesh.shape[axis], timed["all_gather"], timed["reduce_scatter"],
-                        timed["all_to_all"], [(min(sizes), slowest[(BACK_TO_BACK, name, min(sizes))])])
+                        timed["all_to_all"], [(small, slowest[(BACK_TO_BACK, name, small)])],
+                        [(small, slowest[(IN_FLIGHT, name, small)])])
         links.append(link)
         if not quiet:
             figures = "; ".join(f"{label}: alpha {link.of(c).alpha * 1e6:.1f} us, bandwidth "
                                 f"{link.of(c).bandwidth / 1e9:.3f} GB/s"
                                 for c, label in (("all_reduce", "all-reduces"), ("all_gather", "all-gathers"),
                                                  ("reduce_scatter", "reduce-scatters"), ("all_to_all", "all-to-alls")))
-            small = min(sizes)
             print(f"axis {name} (size {mesh.shape[axis]}): {figures}; a {small} B all-gather "
                   f"{timed['all_gather'][0][1] * 1e3:.3f} ms after compute, "
-                  f"{slowest[(BACK_TO_BACK, name, small)] * 1e3:.3f} ms back to back")
+                  f"{slowest[(BACK_TO_BACK, name, small)] * 1e3:.3f} ms back to back; a {small} B reduce-scatter "
+                  f"{timed['reduce_scatter'][0][1] * 1e3:.3f} ms after compute, "
+                  f"{slowest[(IN_FLIGHT, name, small)] * 1e3:.3f} ms in a run of them "
+                  f"({REDUCE_SCATTERS_IN_FLIGHT} in flight)")
     memories = [r[2] for r in results.values() if r[2]]  # a GPU's memory; a CPU rank keeps CPU_PROFILE's figure
     # CPU ranks share the host's cores: the rates of all mesh.size ranks computing at once, from those measured with
     # as many at once as there are cores (the cores shared evenly: HardwareProfile.contention)

@@ -196,12 +196,12 @@ def gather_bytes(node, dst_bytes: int) -> tuple[int, int]:
 
 
 def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.0, has_grad: bool = True,
-                   after: tuple = (None, None), gap_s: float = 0.0) -> float:
+                   after: tuple = (None, None), gap_s: float = 0.0, in_flight: bool = False) -> float:
     """Seconds of a `param_all_gather` (forward and backward): the all-gather; in backward the re-gather (an
     all-gather) and the reduce-scatter of the gradient, which pays `latency_share` of a collective's latencies
     (`reduce_scatter_shares`). `after`: the compute seconds before the gather and before the re-gather since the
     rank's previous collective (`gather_gaps`), which make a gather that soon after another cheaper than `gap_s`
-    later (`all_gather_time`).
+    later (`all_gather_time`); `in_flight`: its reduce-scatter starts right after another's (`sync_grads`'s).
 
     >>> from autoshard.cost.profiles import Link
     >>> link = Link(1e-3, 1e9)
@@ -214,20 +214,22 @@ def gather_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.
     seconds = gather_forward_seconds(node, dst_bytes, k, link, after[0], gap_s)
     if has_grad:
         seconds += all_gather_time(regather, k, link, after[1], gap_s) if regather else 0.0
-        seconds += gradient_scatter_seconds(node, dst_bytes, k, link, latency_share)
+        seconds += gradient_scatter_seconds(node, dst_bytes, k, link, latency_share, in_flight)
     return seconds
 
 
-def gradient_scatter_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.0) -> float:
+def gradient_scatter_seconds(node, dst_bytes: int, k: int, link, latency_share: float = 1.0,
+                             in_flight: bool = False) -> float:
     """The part of `gather_seconds` that reduce-scatters the gradient (none when it is not partial): the runtime runs
-    it in the gradient sync where it defers it (`reduce_scatter_groups`), else in backward.
+    it in the gradient sync where it defers it (`reduce_scatter_groups`), else in backward; `in_flight`: right after
+    another (`collective_time.reduce_scatter_time`).
 
     >>> from autoshard.cost.profiles import Link
     >>> round(gradient_scatter_seconds(gathers[0], 16384, 2, Link(1e-3, 1e9)) * 1e3, 3)  # the third collective
     1.008
     """
     scatter = gather_parts(node, dst_bytes)[2]
-    return reduce_scatter_time(scatter, k, link, latency_share) if scatter else 0.0
+    return reduce_scatter_time(scatter, k, link, latency_share, in_flight) if scatter else 0.0
 
 
 def gather_forward_seconds(node, dst_bytes: int, k: int, link, after_s: float | None = None,

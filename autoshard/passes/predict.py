@@ -100,9 +100,11 @@ def predict(state) -> None:
     saved_per_byte = kept_for_backward(state.gm.graph, grad)  # the ILP's memory row's formula
     per_axis = {name: AxisBytes() for name in mesh.names}
     scatter_shares = reduce_scatter_shares(state.gm.graph, mesh) if state.zero is not None else {}
-    # the reduce-scatters the runtime defers to the gradient sync (phases of the accuracy report)
-    deferred = {g for group in reduce_scatter_groups(state.gm.graph, mesh) for g, _ in group} \
-        if state.zero is not None else set()
+    # The reduce-scatters a flat program's runtime defers to the gradient sync (the accuracy report's phases): one
+    # group after another there, each after the first started right after the one before (`in_flight`).
+    groups = reduce_scatter_groups(state.gm.graph, mesh) if state.zero is not None else []
+    deferred = {g for group in groups for g, _ in group}
+    in_flight = {g for group in groups[1:] for g, _ in group} if state.options.pipeline is None else set()
     compute = comm = memory = 0.0
     gathers = []  # ZeRO-3's parameter gathers: (node, fwd bytes, bwd bytes, k, link, bytes saved)
     for node in state.gm.graph.nodes:
@@ -163,8 +165,8 @@ def predict(state) -> None:
     gaps = gather_gaps(state.gm.graph) if gathers else {}
     for node, fwd, bwd, k, link, saved in gathers:  # a layer's reduce-scatters travel as one
         seconds = gather_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0), grad.get(node, False),
-                                 gaps[node], profile.collective_gap_s)
-        in_sync = gradient_scatter_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0)) \
+                                 gaps[node], profile.collective_gap_s, node in in_flight)
+        in_sync = gradient_scatter_seconds(node, fwd, k, link, scatter_shares.get(node, 1.0), node in in_flight) \
             if node in deferred and grad.get(node, False) else 0.0
         node.meta[COMM_COST] = CommCost(fwd, bwd, seconds, sync_s=in_sync)
         comm += seconds

@@ -9,6 +9,7 @@ import torch
 import autoshard
 from autoshard.cost.axis_cost import compute_time
 from autoshard.cost.calibrate import compute_slowdown, host_cores
+from autoshard.cost.collective_time import IN_FLIGHT
 from autoshard.cost.flops import node_flops
 from autoshard.cost.profiles import load_profile
 from autoshard.zoo import mlp
@@ -28,6 +29,7 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
         figures = getattr(link, collective if collective != "all_gather" else "gather")
         assert figures is not None and link.of(collective).alpha > 0 and link.of(collective).bandwidth > 0
     assert "reduce-scatters: alpha" in run.stdout and "all-to-alls: alpha" in run.stdout
+    assert link.measured_seconds(IN_FLIGHT, 0, 2) > 0 and "ms in a run of them (2 in flight)" in run.stdout
     assert 0.0 <= profile.comm_overlap <= 1.0 and "of an asynchronous collective" in run.stdout
     rates = dict(profile.dtype_flops)
     assert sorted(rates) == ["float32", "float64"] and all(r > 0 for r in rates.values()), rates
