@@ -67,3 +67,19 @@ def test_deferred_reduce_scatters_after_the_first_pay_the_latency_calibrate_time
     phases = [predicted_phases(prog) for prog in plans]
     assert phases[0]["sync_s"] - phases[1]["sync_s"] == pytest.approx(saved, rel=1e-6)
     assert phases[0]["backward_s"] == pytest.approx(phases[1]["backward_s"], rel=1e-9)
+
+
+def test_the_optimizer_phase_is_priced_at_the_update_rate_calibrate_timed():
+    """An update moves (3 + 2 f) x its parameters' bytes and pays a cost per tensor, as calibrate timed torch's SGD (f 0)
+    and AdamW (f 2); a profile without those timings prices it from its memory bandwidth."""
+    timed = dataclasses.replace(CPU_PROFILE, optimizer_updates=((0.0, 1e-6, 1e10), (2.0, 5e-6, 4e9)))
+    prog = _plan(axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}}, profile=timed, optimizer_state_factor=0.0)
+    params = [p for p in prog.state.gm.graph.nodes if p.op == "placeholder" and p.meta.get(meta.KIND) == "param"]
+    nbytes = sum(p.meta["val"].numel() * p.meta["val"].element_size() for p in params)
+    assert predicted_phases(prog)["optimizer_s"] == pytest.approx(3 * nbytes / 1e10 + len(params) * 1e-6, rel=1e-9)
+    adam = _plan(axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}}, profile=timed)  # optimizer state factor 2
+    assert predicted_phases(adam)["optimizer_s"] == pytest.approx(7 * nbytes / 4e9 + len(params) * 5e-6, rel=1e-9)
+    plain = _plan(axis_names=("dp",), hints={"input:0": {"dp": "S(0)"}}, optimizer_state_factor=0.0)
+    profile = plain.state.options.profile
+    assert predicted_phases(plain)["optimizer_s"] == pytest.approx(
+        3 * nbytes / profile.memory_bandwidth + len(params) * profile.op_overhead_s, rel=1e-9)

@@ -226,10 +226,10 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     for it, and every collective waits for the slowest rank (measured: the median rank's rates predicted steps on 4
     ranks of 2 cores at 0.3-0.7 of the measured ones, the slowest's closer).
 
-    >>> fast = ComputeRates({"float32": 4e10}, 2e10, 8e9, 1e-5, 2e-5).to_json()
-    >>> slow = ComputeRates({"float32": 2e10}, 3e10, 6e9, 3e-5, 1e-5).to_json()
+    >>> fast = ComputeRates({"float32": 4e10}, 2e10, 8e9, 1e-5, 2e-5, optimizer_updates=((0.0, 1e-6, 4e10),)).to_json()
+    >>> slow = ComputeRates({"float32": 2e10}, 3e10, 6e9, 3e-5, 1e-5, optimizer_updates=((0.0, 2e-6, 3e10),)).to_json()
     >>> slowest_rates([fast, slow])
-    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05, recorded_op_overhead_s=0.0, view_overhead_s=0.0, view_grad_overhead_s=0.0, op_overheads=(), split_backward_factor=1.0)
+    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05, recorded_op_overhead_s=0.0, view_overhead_s=0.0, view_grad_overhead_s=0.0, op_overheads=(), split_backward_factor=1.0, optimizer_updates=((0.0, 2e-06, 30000000000.0),))
     """
     names = [name for name, _ in per_rank[0]["dtype_flops"]]
     slowest = {key: max(r[key] for r in per_rank) for key in ("op_overhead_s", "grad_op_overhead_s",
@@ -239,6 +239,9 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     ops = sorted(set.intersection(*(set(table) for table in tables)))  # an op timed on every rank
     slowest["op_overheads"] = tuple((op, *(max(table[op][i] for table in tables) for i in range(3))) for op in ops)
     slowest["split_backward_factor"] = max(r["split_backward_factor"] for r in per_rank)
+    updates = [{row[0]: row[1:] for row in r.get("optimizer_updates", ())} for r in per_rank]
+    slowest["optimizer_updates"] = tuple((f, max(u[f][0] for u in updates), min(u[f][1] for u in updates))
+                                         for f in sorted(set.intersection(*(set(u) for u in updates))))
     return ComputeRates({name: min(dict(r["dtype_flops"])[name] for r in per_rank) for name in names},
                         min(r["attention_flops"] for r in per_rank), min(r["memory_bandwidth"] for r in per_rank),
                         **slowest)
@@ -466,7 +469,9 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
               f"{rates.memory_bandwidth / 1e9:.2f} GB/s, {rates.op_overhead_s * 1e6:.1f} us per op forward (+ "
               f"{rates.recorded_op_overhead_s * 1e6:.1f} us when autograd records it) and "
               f"{rates.grad_op_overhead_s * 1e6:.1f} us backward, {rates.view_overhead_s * 1e6:.1f} us per view "
-              f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward"
+              f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward, optimizer updates "
+              + " and ".join(f"{rate / 1e9:.1f} GB/s + {per_tensor * 1e6:.1f} us per tensor (state factor {f:g})"
+                             for f, per_tensor, rate in rates.optimizer_updates)
               + (f" ({mesh.size} ranks on {cores} cores: timed {cores} at a time, then scaled by the {share:.2f}x "
                  "they compute slower all together)" if share > 1 else ""))
     action = max(r[3][0] for r in results.values())
@@ -492,7 +497,7 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            op_overheads=rates.op_overheads, pipeline_action_s=action, pipeline_tensor_s=tensor,
                            split_backward_factor=rates.split_backward_factor, comm_overlap=overlap,
                            host_cores=cores, rates_ranks=mesh.size,
-                           collective_gap_s=gap)
+                           collective_gap_s=gap, optimizer_updates=rates.optimizer_updates)
 
 
 def host_cores() -> int:

@@ -8,6 +8,9 @@ attention, 3 x output bytes for the rest, plus a fixed cost per op):
 - matmuls (`torch.nn.functional.linear`) per dtype: seconds = overhead + 3 x 2mnk / rate;
 - attention (`scaled_dot_product_attention`): seconds = overhead + 3 x 4 b h s^2 d / rate;
 - memory-bound ops (GELU): seconds = overhead + 3 x output bytes / bandwidth (the bandwidth is kept);
+- the optimizer's update (torch's SGD and AdamW, `optimizer_updates`): seconds = tensors x a cost per tensor +
+  (3 + 2 state factor) x parameter bytes / bandwidth, timed on many small tensors and a few large ones (an update
+  is not GELU: on this CPU SGD moves 38 GB/s where GELU's forward + backward moves 2.4);
 - the fixed cost of an op whatever its size (the dispatcher, autograd, a kernel launch), which every op of a plan
   pays: ~40 ops timed one by one on small tensors and views apart (autoshard/cost/op_overheads.py; an op not timed
   pays their medians), scaled to what a small exported language model's measured sequence says
@@ -49,6 +52,9 @@ CPU_SIZES = {"matmul": [(64, 64, 64), (128, 256, 256), (256, 512, 512), (512, 10
 GPU_SIZES = {"matmul": [(1024, 1024, 1024), (2048, 4096, 4096), (4096, 8192, 4096), (8192, 8192, 8192)],
              "attention": [(1, 16, 1024, 128), (2, 16, 2048, 128), (2, 32, 4096, 128)],
              "elementwise": [2**16, 2**22, 2**26, 2**28]}
+# (tensors, elements each) the optimizers update: many small (the cost per tensor), a few large (the bytes' rate)
+CPU_UPDATES, GPU_UPDATES = [(64, 2**10), (8, 2**20)], [(64, 2**12), (8, 2**24)]
+OPTIMIZERS = ((0.0, torch.optim.SGD), (2.0, torch.optim.AdamW))  # by optimizer state factor: none, two moments
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class ComputeRates:
     view_grad_overhead_s: float = 0.0
     op_overheads: tuple = ()
     split_backward_factor: float = 1.0
+    optimizer_updates: tuple = ()  # (state factor, seconds per tensor, bytes/s): HardwareProfile.optimizer_updates
 
     def scaled(self, forward: float, backward: float) -> ComputeRates:
         """These rates with every fixed cost of a forward times `forward` and of a backward times `backward`.
@@ -81,7 +88,8 @@ class ComputeRates:
             self, op_overhead_s=self.op_overhead_s * forward, recorded_op_overhead_s=self.recorded_op_overhead_s *
             forward, view_overhead_s=self.view_overhead_s * forward, grad_op_overhead_s=self.grad_op_overhead_s *
             backward, view_grad_overhead_s=self.view_grad_overhead_s * backward,
-            op_overheads=tuple((name, f * forward, r * forward, b * backward) for name, f, r, b in self.op_overheads))
+            op_overheads=tuple((name, f * forward, r * forward, b * backward) for name, f, r, b in self.op_overheads),
+            optimizer_updates=tuple((f, per_tensor * forward, rate) for f, per_tensor, rate in self.optimizer_updates))
 
     def work_scaled(self, factor: float) -> ComputeRates:
         """These rates with every kernel's work taking `factor` times as long (its fixed cost unchanged).
@@ -91,7 +99,9 @@ class ComputeRates:
         """
         return dataclasses.replace(self, matmul_flops={k: v / factor for k, v in self.matmul_flops.items()},
                                    attention_flops=self.attention_flops / factor,
-                                   memory_bandwidth=self.memory_bandwidth / factor)
+                                   memory_bandwidth=self.memory_bandwidth / factor,
+                                   optimizer_updates=tuple((f, t, rate / factor)
+                                                           for f, t, rate in self.optimizer_updates))
 
     def profile(self):
         """A HardwareProfile with these rates (float32's matmul rate as its peak) and the default's other figures.
@@ -102,6 +112,7 @@ class ComputeRates:
         fields = self.to_json()
         fields["dtype_flops"] = tuple((name, rate) for name, rate in fields["dtype_flops"])
         fields["op_overheads"] = self.op_overheads
+        fields["optimizer_updates"] = self.optimizer_updates
         peak = self.matmul_flops.get("float32", max(self.matmul_flops.values()))
         return HardwareProfile(peak_flops=peak, **fields)
 
@@ -109,7 +120,7 @@ class ComputeRates:
         """The rates as a JSON object (the HardwareProfile fields they become).
 
         >>> sorted(ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5).to_json())[2:]
-        ['grad_op_overhead_s', 'memory_bandwidth', 'op_overhead_s', 'op_overheads', 'recorded_op_overhead_s', 'split_backward_factor', 'view_grad_overhead_s', 'view_overhead_s']
+        ['grad_op_overhead_s', 'memory_bandwidth', 'op_overhead_s', 'op_overheads', 'optimizer_updates', 'recorded_op_overhead_s', 'split_backward_factor', 'view_grad_overhead_s', 'view_overhead_s']
         """
         return {"dtype_flops": sorted([name, rate] for name, rate in self.matmul_flops.items()),
                 "attention_flops": self.attention_flops, "memory_bandwidth": self.memory_bandwidth,
@@ -117,7 +128,8 @@ class ComputeRates:
                 "recorded_op_overhead_s": self.recorded_op_overhead_s, "view_overhead_s": self.view_overhead_s,
                 "view_grad_overhead_s": self.view_grad_overhead_s,
                 "op_overheads": [list(row) for row in self.op_overheads],
-                "split_backward_factor": self.split_backward_factor}
+                "split_backward_factor": self.split_backward_factor,
+                "optimizer_updates": [list(row) for row in self.optimizer_updates]}
 
 
 def fit_affine(samples) -> tuple[float, float]:
@@ -185,6 +197,33 @@ def elementwise_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: i
     return _per_op(samples)
 
 
+def optimizer_updates(dtype: torch.dtype, device: torch.device, counts, repeats: int) -> tuple:
+    """((state factor, seconds per tensor, bytes/s), ...) of torch's SGD (factor 0) and AdamW (2) stepping `counts`
+    ([(tensors, elements each)]) parameters with gradients: seconds = tensors x per tensor + (3 + 2 factor) x
+    parameter bytes / rate, fitted (what `zero_cost.optimizer_step_time` prices).
+
+    >>> [row[0] for row in optimizer_updates(torch.float32, torch.device("cpu"), [(8, 16), (2, 4096)], 3)]
+    [0.0, 2.0]
+    """
+    timed, out = timer(device), []
+    for factor, make in OPTIMIZERS:
+        samples = []
+        for tensors, numel in counts:
+            params = [torch.nn.Parameter(torch.randn(numel, dtype=dtype, device=device)) for _ in range(tensors)]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            step = make(params, lr=1e-3).step
+            samples.append((tensors, (3 + 2 * factor) * tensors * numel * params[0].element_size(),
+                            median_seconds(step, timed, repeats)))
+        # the two sizes' equations solved: the small tensors' leave the cost per tensor, the large ones' the rate
+        (n_small, b_small, t_small), (n_large, b_large, t_large) = sorted(samples, key=lambda s: s[1])
+        ratio = n_large / n_small
+        per_byte = max((t_large - t_small * ratio) / (b_large - b_small * ratio), 1e-15) \
+            if b_large != b_small * ratio else t_large / b_large
+        out.append((factor, max((t_small - b_small * per_byte) / n_small, 0.0), 1.0 / per_byte))
+    return tuple(out)
+
+
 def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 7, sizes=None) -> ComputeRates:
     """Every rate the cost model's compute terms use, measured on `device` (see the module docstring); attention
     and memory-bound ops in the first dtype.
@@ -208,4 +247,6 @@ def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 
                          tuple(sorted((name, *costs) for name, costs in per_op.items())),
                          split_backward_factor(first, device, max(repeats, STACK_REPEATS)))
     rates = rates.scaled(*sequence_scales(device, first, rates, max(repeats, STACK_REPEATS)))
-    return rates.work_scaled(work_scale(device, first, rates))
+    rates = rates.work_scaled(work_scale(device, first, rates))  # a model's kernels; an update is timed as it runs
+    counts = sizes.get("updates") or (GPU_UPDATES if device.type == "cuda" else CPU_UPDATES)
+    return dataclasses.replace(rates, optimizer_updates=optimizer_updates(first, device, counts, repeats))

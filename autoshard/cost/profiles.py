@@ -191,6 +191,10 @@ class HardwareProfile:
     # follow that much compute at least; one sooner after the last costs less (the peers' threads are still awake),
     # down to back-to-back calls (`all_gather_time`'s `after_s`). 0: not measured (every figure taken as it is).
     collective_gap_s: float = 0.0
+    # The optimizer's update as calibrate timed torch's (SGD for optimizer state factor 0, AdamW for 2): rows (factor,
+    # seconds per parameter tensor, bytes per second of the (3 + 2 factor) x the parameter bytes it reads and writes);
+    # () : `optimizer_update` prices it from memory_bandwidth and op_overhead_s.
+    optimizer_updates: tuple = field(default=())
 
     def to_json(self) -> dict:
         """The profile as a JSON object (what `calibrate` writes and `from_json` reads).
@@ -210,7 +214,8 @@ class HardwareProfile:
                 "pipeline_tensor_s": self.pipeline_tensor_s,
                 "split_backward_factor": self.split_backward_factor, "comm_overlap": self.comm_overlap,
                 "host_cores": self.host_cores, "rates_ranks": self.rates_ranks,
-                "collective_gap_s": self.collective_gap_s}
+                "collective_gap_s": self.collective_gap_s,
+                "optimizer_updates": [list(row) for row in self.optimizer_updates]}
 
     @classmethod
     def from_json(cls, data: dict) -> HardwareProfile:
@@ -233,7 +238,29 @@ class HardwareProfile:
             fields["dtype_flops"] = tuple((str(name), float(rate)) for name, rate in fields["dtype_flops"])
         if "op_overheads" in fields:
             fields["op_overheads"] = tuple((str(name), *map(float, costs)) for name, *costs in fields["op_overheads"])
+        if "optimizer_updates" in fields:
+            fields["optimizer_updates"] = tuple(tuple(map(float, row)) for row in fields["optimizer_updates"])
         return cls(**fields)
+
+    def optimizer_update(self, state_factor: float) -> tuple[float, float]:
+        """(seconds per parameter tensor, bytes per second) of an optimizer keeping `state_factor` x the parameters'
+        bytes of state: calibrate's timings (`optimizer_updates`) interpolated between the factors timed (the nearest
+        outside them), else memory-bound at memory_bandwidth with 1 + 2 factor ops per tensor.
+
+        >>> HardwareProfile(memory_bandwidth=1e9, op_overhead_s=1e-6).optimizer_update(2.0)  # 5 ops per tensor
+        (4.9999999999999996e-06, 1000000000.0)
+        >>> timed = HardwareProfile(optimizer_updates=((0.0, 1e-6, 4e10), (2.0, 5e-6, 1e10)))
+        >>> timed.optimizer_update(1.0), timed.optimizer_update(3.0)
+        ((3e-06, 25000000000.0), (5e-06, 10000000000.0))
+        """
+        rows = sorted(self.optimizer_updates)
+        if not rows:
+            return (1 + 2 * state_factor) * self.op_overhead_s, self.memory_bandwidth
+        below = [row for row in rows if row[0] <= state_factor] or rows[:1]
+        above = [row for row in rows if row[0] >= state_factor] or rows[-1:]
+        (f0, t0, b0), (f1, t1, b1) = below[-1], above[0]
+        share = 0.0 if f1 == f0 else (state_factor - f0) / (f1 - f0)
+        return t0 + share * (t1 - t0), b0 + share * (b1 - b0)
 
     def fixed_costs(self, target) -> tuple[float, float, float]:
         """(forward, added when autograd records it, backward) seconds an op `target` (an OpOverload) takes whatever

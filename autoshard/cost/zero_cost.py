@@ -149,8 +149,8 @@ def optimizer_step_time(state, within: set | None = None) -> float:
     """Seconds of the optimizer's update on this rank per step: every trained parameter's updated part (its ZeRO
     chunk, else its local block) is read as gradient and parameter and the parameter written back, its optimizer
     state (`optimizer_state_factor` x as many bytes: Adam's two moments, none for SGD) read and written: (3 + 2 f)
-    x its bytes over the memory bandwidth, memory-bound, plus the profile's cost per op for 1 + 2 f ops per tensor
-    (torch's per-parameter updates). `within`: only these nodes' parameters (a pp rank's). The planner's step
+    x its bytes at the update's rate, plus a cost per tensor (torch's per-parameter updates): both as calibrate timed
+    torch's optimizers (`HardwareProfile.optimizer_update`). `within`: only these nodes' parameters (a pp rank's). The planner's step
     (`predicted.step_time_s`) leaves it out; the accuracy report adds it to compare with a measured step.
 
     >>> optimizer_step_time(prog.state) > optimizer_step_time(prog.state, within=set()) == 0.0
@@ -167,7 +167,8 @@ def optimizer_step_time(state, within: set | None = None) -> float:
         updated = math.ceil(numel / mesh.shape[axis]) * itemsize if sharded else kept
         moved += (3 + 2 * f) * updated
         tensors += 1
-    return moved / profile.memory_bandwidth + tensors * (1 + 2 * f) * profile.op_overhead_s
+    per_tensor, bandwidth = profile.optimizer_update(f)
+    return moved / bandwidth + tensors * per_tensor
 
 
 def gather_parts(node, dst_bytes: int) -> tuple[int, int, int]:

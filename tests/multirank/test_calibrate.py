@@ -35,6 +35,9 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
     assert sorted(rates) == ["float32", "float64"] and all(r > 0 for r in rates.values()), rates
     assert profile.attention_flops > 0 and profile.memory_bandwidth > 0
     assert profile.op_overhead_s >= 0 and profile.grad_op_overhead_s >= 0 and profile.recorded_op_overhead_s >= 0
+    updates = profile.optimizer_updates  # SGD's and AdamW's, timed as they run
+    assert [f for f, *_ in updates] == [0.0, 2.0] and all(t >= 0 and rate > 0 for _, t, rate in updates), updates
+    assert "optimizer updates" in run.stdout
     model, inputs, loss_fn = mlp(n_layers=1)
     inputs = tuple(x.double() for x in inputs)
     prog = autoshard.parallelize(model.double(), (2,), inputs, loss_fn=loss_fn, profile=str(out), pipeline=False)
