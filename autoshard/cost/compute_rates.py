@@ -199,8 +199,9 @@ def elementwise_rate(dtype: torch.dtype, device: torch.device, sizes, repeats: i
 
 def optimizer_updates(dtype: torch.dtype, device: torch.device, counts, repeats: int) -> tuple:
     """((state factor, seconds per tensor, bytes/s), ...) of torch's SGD (factor 0) and AdamW (2) stepping `counts`
-    ([(tensors, elements each)]) parameters with gradients: seconds = tensors x per tensor + (3 + 2 factor) x
-    parameter bytes / rate, fitted (what `zero_cost.optimizer_step_time` prices).
+    ([(tensors, elements each)]) parameters with gradients, then `zero_grad` as a training loop does: seconds =
+    tensors x per tensor + (3 + 2 factor) x parameter bytes / rate, fitted (what `zero_cost.optimizer_step_time`
+    prices; after a real backward the update runs about 1.4x slower here, its gradients no longer in the caches).
 
     >>> [row[0] for row in optimizer_updates(torch.float32, torch.device("cpu"), [(8, 16), (2, 4096)], 3)]
     [0.0, 2.0]
@@ -210,9 +211,14 @@ def optimizer_updates(dtype: torch.dtype, device: torch.device, counts, repeats:
         samples = []
         for tensors, numel in counts:
             params = [torch.nn.Parameter(torch.randn(numel, dtype=dtype, device=device)) for _ in range(tensors)]
-            for p in params:
-                p.grad = torch.randn_like(p)
-            step = make(params, lr=1e-3).step
+            grads = [torch.randn_like(p) for p in params]
+            optimizer = make(params, lr=1e-3)
+
+            def step(params=params, grads=grads, optimizer=optimizer):  # a loop's update and zero_grad
+                for p, g in zip(params, grads):
+                    p.grad = g
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             samples.append((tensors, (3 + 2 * factor) * tensors * numel * params[0].element_size(),
                             median_seconds(step, timed, repeats)))
         # the two sizes' equations solved: the small tensors' leave the cost per tensor, the large ones' the rate
