@@ -150,8 +150,9 @@ def optimizer_step_time(state, within: set | None = None) -> float:
     chunk, else its local block) is read as gradient and parameter and the parameter written back, its optimizer
     state (`optimizer_state_factor` x as many bytes: Adam's two moments, none for SGD) read and written: (3 + 2 f)
     x its bytes at the update's rate, plus a cost per tensor (torch's per-parameter updates): both as calibrate timed
-    torch's optimizers (`HardwareProfile.optimizer_update`). `within`: only these nodes' parameters (a pp rank's). The planner's step
-    (`predicted.step_time_s`) leaves it out; the accuracy report adds it to compare with a measured step.
+    torch's optimizers (`HardwareProfile.optimizer_update`). `within`: only these nodes' parameters (a pp rank's).
+    The planner's step (`predicted.step_time_s`) leaves it out; the accuracy report adds it to compare with a
+    measured step.
 
     >>> optimizer_step_time(prog.state) > optimizer_step_time(prog.state, within=set()) == 0.0
     True
