@@ -308,17 +308,17 @@ def reduce_scatter_groups(graph, mesh) -> list[list[tuple]]:
     return groups
 
 
-def reduce_scatter_shares(graph, mesh) -> dict:
+def reduce_scatter_shares(graph, mesh, groups: list | None = None) -> dict:
     """{`param_all_gather` node: the share of a collective's latencies its gradient's reduce-scatter pays}: the
-    evenly split gradients of a group (`reduce_scatter_groups`) travel as one collective, each paying its bytes'
-    share of its latencies; any other pays them whole (absent here).
+    evenly split gradients of a group (`reduce_scatter_groups`, or `groups` where the caller has them) travel as one
+    collective, each paying its bytes' share of its latencies; any other pays them whole (absent here).
 
     >>> shares = reduce_scatter_shares(prog.state.gm.graph, prog.mesh)
     >>> sorted(round(share, 3) for share in shares.values())  # each layer's weight and bias share one collective
     [0.008, 0.03, 0.97, 0.992]
     """
     shares = {}
-    for group in reduce_scatter_groups(graph, mesh):
+    for group in reduce_scatter_groups(graph, mesh) if groups is None else groups:
         members = [(node, _local_numel(node, node.meta[meta.SPEC], mesh)) for node, even in group if even]
         total = sum(numel for _, numel in members)
         for node, numel in members:

@@ -99,10 +99,10 @@ def predict(state) -> None:
     grad = needs_grad(state.gm.graph)
     saved_per_byte = kept_for_backward(state.gm.graph, grad)  # the ILP's memory row's formula
     per_axis = {name: AxisBytes() for name in mesh.names}
-    scatter_shares = reduce_scatter_shares(state.gm.graph, mesh) if state.zero is not None else {}
     # The reduce-scatters a flat program's runtime defers to the gradient sync (the accuracy report's phases): one
     # group after another there, each after the first started right after the one before (`in_flight`).
     groups = reduce_scatter_groups(state.gm.graph, mesh) if state.zero is not None else []
+    scatter_shares = reduce_scatter_shares(state.gm.graph, mesh, groups)
     deferred = {g for group in groups for g, _ in group}
     in_flight = {g for group in groups[1:] for g, _ in group} if state.options.pipeline is None else set()
     compute = comm = memory = 0.0

@@ -63,8 +63,9 @@ def predicted_phases(prog) -> dict:
             continue
         comm = node.meta.get(COMM_COST)
         if comm is not None:  # its forward as predict priced it; ZeRO-3's deferred reduce-scatters left to sync
-            forward += node_cost(node).forward_seconds()
-            backward += comm.seconds - node_cost(node).forward_seconds() - comm.sync_s
+            ahead = node_cost(node).forward_seconds()
+            forward += ahead
+            backward += comm.seconds - ahead - comm.sync_s
         elif node.meta.get(meta.KIND) != "comm":
             cost = node_cost(node)
             forward += cost.forward_seconds()

@@ -294,8 +294,8 @@ def run_distributed(task, world_size: int, *args, timeout_s: float | None = None
     failed first and how.
     Starting processes takes seconds, so this example does not run here (tests/multirank does):
 
-    >>> from autoshard.cost.calibrate import _time_axis_task  # any importable task(rank, world, *args)
-    >>> run_distributed(_time_axis_task, 2, Mesh((2,), ("dp",)).to_json(), [4096])  # doctest: +SKIP
+    >>> from autoshard.cost.link_timing import time_axis_task  # any importable task(rank, world, *args)
+    >>> run_distributed(time_axis_task, 2, Mesh((2,), ("dp",)).to_json(), [4096])  # doctest: +SKIP
     {0: {('dp', 4096): 0.0028}, 1: {('dp', 4096): 0.0024}}
     """
     timeout_s = default_timeout().total_seconds() if timeout_s is None else float(timeout_s)

@@ -8,7 +8,7 @@ Starting processes takes seconds, so the examples here do not run (tests/conftes
 runs every multi-rank test through one); `task` is any importable function `task(rank, world, *args)`:
 
 >>> from autoshard.ir.mesh import Mesh
->>> from autoshard.cost.calibrate import _time_axis_task  # times all_reduce on each mesh axis
+>>> from autoshard.cost.link_timing import time_axis_task  # times all_reduce on each mesh axis
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ class WorkerPool:
     """`pool.run(task, *args) -> {rank: result}` on `world_size` persistent gloo ranks.
 
     >>> with WorkerPool(world_size=2) as pool:  # doctest: +SKIP
-    ...     first = pool.run(_time_axis_task, Mesh((2,), ("dp",)).to_json(), [4096])
-    ...     second = pool.run(_time_axis_task, Mesh((2,), ("dp",)).to_json(), [65536])  # the same 2 processes
+    ...     first = pool.run(time_axis_task, Mesh((2,), ("dp",)).to_json(), [4096])
+    ...     second = pool.run(time_axis_task, Mesh((2,), ("dp",)).to_json(), [65536])  # the same 2 processes
     """
 
     def __init__(self, world_size: int = 8, timeout_s: float = 120.0):
@@ -84,7 +84,7 @@ class WorkerPool:
         """Run `task(rank, world, *args)` on every worker; {rank: result}, or AutoshardError naming the rank
         that failed first with its traceback.
 
-        >>> pool.run(_time_axis_task, Mesh((2,), ("dp",)).to_json(), [4096])  # doctest: +SKIP
+        >>> pool.run(time_axis_task, Mesh((2,), ("dp",)).to_json(), [4096])  # doctest: +SKIP
         {0: {('dp', 4096): 0.0028}, 1: {('dp', 4096): 0.0024}}
         """
         job_id = self._next_job
