@@ -45,6 +45,7 @@ from autoshard.cost.saved_tensors import kept_for_backward
 from autoshard.ir import meta
 from autoshard.ir.mixed_precision import cast_parameter
 from autoshard.ir.placement import Shard
+from autoshard.runtime.grad_sync import BUCKET_BYTES
 from autoshard.strategies import tensor_inputs
 
 aten = torch.ops.aten
@@ -124,17 +125,31 @@ def compute_time(node, split: int, profile, has_grad: bool = True) -> float:
     return sum(compute_parts(node, split, profile, has_grad))
 
 
-def partial_grad_time(producer, nbytes: float, k: int, link) -> float:
+def partial_grad_time(producer, nbytes: float, k: int, link, bucket_bytes: float = BUCKET_BYTES) -> float:
     """Seconds of reducing a gradient partial over `k` ranks at `producer`'s output: a parameter's (or its per-use
-    cast's, reduced on the master) in the runtime's buckets (`grad_sync_time`), an activation's by its own
-    all-reduce (the ILP's charges and the breakdown `explain` shows use this one rule).
+    cast's, reduced on the master) in the runtime's buckets of `bucket_bytes` (`grad_sync_time`), an activation's by
+    its own all-reduce (the ILP's charges and the breakdown `explain` shows use this one rule).
 
     >>> link = HardwareProfile().intra_node
     >>> partial_grad_time(linear.args[1], 1e3, 4, link) < partial_grad_time(linear, 1e3, 4, link)  # a bucket's share
     True
     """
-    synced = producer.op == "placeholder" or cast_parameter(producer) is not None
-    return (grad_sync_time if synced else all_reduce_time)(nbytes, k, link)
+    if producer.op == "placeholder" or cast_parameter(producer) is not None:
+        return grad_sync_time(nbytes, k, link, bucket_bytes)
+    return all_reduce_time(nbytes, k, link)
+
+
+def data_parallel_bucket_bytes(grad: dict, copies=lambda node: 1) -> float:
+    """The bytes of the gradient buckets a data-parallel plan of this graph syncs: every trained parameter's (each
+    repeated layer a folded trace stands for: `copies`), at most one bucket (BUCKET_BYTES). The ILP prices each
+    parameter's sync as its share of such a bucket (`grad_sync_time`).
+
+    >>> data_parallel_bucket_bytes(needs_grad(graph))  # the MLP's weights and biases: (4 x 8 + 8 + 8 x 2 + 2) x 4
+    232.0
+    """
+    total = sum(float(node_bytes(n)) * copies(n) for n, trained in grad.items()
+                if trained and n.op == "placeholder" and n.meta.get(meta.KIND) == "param")
+    return min(total, float(BUCKET_BYTES)) if total > 0 else float(BUCKET_BYTES)
 
 
 def held_bytes_factor(node, grad: dict, optimizer_state_factor: float) -> float:
@@ -186,7 +201,8 @@ class AxisCostModel:
     (2, 200000000000.0)
     """
 
-    def __init__(self, mesh, axis, profile, grad, optimizer_state_factor: float = 2.0, kept: dict | None = None):
+    def __init__(self, mesh, axis, profile, grad, optimizer_state_factor: float = 2.0, kept: dict | None = None,
+                 copies=lambda node: 1):
         self.mesh, self.axis, self.profile = mesh, axis, profile
         self.k = mesh.shape[axis]
         self.link = profile.link(mesh.shape, axis)
@@ -195,6 +211,8 @@ class AxisCostModel:
         # bytes saved for backward per byte of output (kept_for_backward of the graph `grad` covers)
         self.kept = kept if kept is not None else kept_for_backward(next(iter(grad)).graph, grad) if grad else {}
         self._bytes: dict = {}  # node -> node_bytes: the ILP's build asks for each edge and candidate pair
+        # a parameter's sync is its share of the buckets a data-parallel plan syncs (`grad_sync_time`)
+        self.bucket_bytes = data_parallel_bucket_bytes(grad, copies)
 
     def _node_bytes(self, node) -> float:
         nbytes = self._bytes.get(node)
@@ -253,7 +271,8 @@ class AxisCostModel:
         if cand.splits_work:
             for pos, producer in enumerate(tensor_inputs(node)):
                 if cand.partial_grad(pos) and self.grad.get(producer, False):
-                    t = partial_grad_time(producer, self.input_bytes(producer, pos, other), self.k, self.link)
+                    t = partial_grad_time(producer, self.input_bytes(producer, pos, other), self.k, self.link,
+                                          self.bucket_bytes)
                     if producer.op == "placeholder":
                         sync += t
                     else:

@@ -40,23 +40,32 @@ def all_reduce_time(nbytes: float, k: int, link: Link) -> float:
     return measured if measured is not None else 2 * (k - 1) / k * nbytes / link.bandwidth + 2 * (k - 1) * link.alpha
 
 
-def grad_sync_time(nbytes: float, k: int, link: Link) -> float:
+def grad_sync_time(nbytes: float, k: int, link: Link, bucket_bytes: float = BUCKET_BYTES) -> float:
     """Seconds of one parameter's gradient all-reduce over `k` ranks in the runtime's buckets (grad_sync.py: up to
-    BUCKET_BYTES a message): its bytes as `all_reduce_time` prices them, the latencies shared by the parameters of
-    a bucket in proportion to their bytes (a parameter of a bucket's size or more pays them whole). Linear in the
-    parameters, so the ILP and ZeRO price the sync alike. A model smaller than one bucket pays less than the one
-    bucket's latencies it really waits for (a constant per synced axis the linear ILP cannot carry): predict adds
-    what the buckets' latencies come to beyond that (autoshard/cost/sync_buckets.py).
+    BUCKET_BYTES a message): its bytes' share of a bucket's all-reduce (`all_reduce_time` of `bucket_bytes`, at most
+    BUCKET_BYTES: the measured time where calibrate timed the axis, else the line), a parameter of a bucket's size or
+    more its own all-reduce. Linear in the parameters, so the ILP and ZeRO price the sync alike. The buckets are
+    full ones by default; the ILP gives the bytes a data-parallel plan syncs where those fill less than one
+    (`data_parallel_bucket_bytes`), so that the sync of the plan it weighs against sharding is the runtime's one
+    all-reduce (the line through calibrate's timings can miss a bucket's measured time 2x either way: on this
+    VM's 2 gloo ranks the zoo GPT-2's 13 MB took 22 ms where the line said 39, and the ILP sharded half its
+    parameters to avoid a sync that predict, pricing the measured bucket, called 10% faster). predict adds what
+    the buckets really take beyond these shares (autoshard/cost/sync_buckets.py).
 
     >>> link = Link(1e-5, 1e9)
     >>> grad_sync_time(BUCKET_BYTES, 4, link) == all_reduce_time(BUCKET_BYTES, 4, link)
     True
     >>> grad_sync_time(1e3, 4, link) < all_reduce_time(1e3, 4, link)  # a small gradient shares its bucket's latency
     True
+    >>> grad_sync_time(1e3, 4, link, bucket_bytes=4e3) == all_reduce_time(4e3, 4, link) / 4  # a quarter of 4 kB
+    True
     """
     if k == 1:
         return 0.0
-    return 2 * (k - 1) / k * nbytes / link.bandwidth + 2 * (k - 1) * link.alpha * min(1.0, nbytes / BUCKET_BYTES)
+    bucket = min(bucket_bytes, BUCKET_BYTES)
+    if nbytes >= bucket:
+        return all_reduce_time(nbytes, k, link)
+    return nbytes / bucket * all_reduce_time(bucket, k, link)
 
 
 def all_gather_time(out_bytes: float, k: int, link: Link, after_s: float | None = None, gap_s: float = 0.0) -> float:

@@ -1,11 +1,11 @@
 """The gradient sync as the runtime pays it: one all-reduce per bucket and axis (autoshard/runtime/grad_sync.py cuts
-the synced gradients into buckets of up to BUCKET_BYTES), where the ILP's linear price (`grad_sync_time`) gives each
-parameter its bytes' share of a full bucket's latency and the fitted bandwidth's time for its bytes. predict adds the
-difference (`bucket_correction`) to each synced parameter's row, in proportion to its bytes, and to the step: a model
-whose gradients fill less than a bucket waits one whole latency where the linear price charged it that fraction of one;
-where calibrate timed the axis's all-reduces, each bucket costs the time measured at its size (interpolated:
-`Link.measured_seconds`), which the line fitted through those timings can miss either way (on this VM's 2 gloo
-ranks a 13 MiB bucket took 22 ms where the line says 42).
+the synced gradients into buckets of up to BUCKET_BYTES), where the linear price (`grad_sync_time`) gives each
+parameter its bytes' share of a full bucket's all-reduce (the ILP: of the bucket a data-parallel plan syncs). predict
+adds the difference (`bucket_correction`) to each synced parameter's row, in proportion to its bytes, and to the step:
+a model whose gradients fill less than a bucket waits one whole latency where a full bucket's share charged it a
+fraction of one; where calibrate timed the axis's all-reduces, each bucket costs the time measured at its size
+(interpolated: `Link.measured_seconds`), which is not proportional to the bytes (on this VM's 2 gloo ranks 12 MiB
+took 16 ms, 24 MiB 57).
 
 The examples use a data-parallel MLP, whose gradients are one bucket:
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from autoshard.cost.axis_cost import data_parallel_bucket_bytes, needs_grad
 from autoshard.cost.collective_time import all_reduce_time, grad_sync_time
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.profiles import Link
@@ -34,21 +35,25 @@ class _Gradient(SizedTensor):
         self.node = node
 
 
-def bucket_correction(state, within=None) -> dict:
-    """{parameter node: seconds} the runtime's buckets add to (or, where calibrate timed the all-reduces, may take
-    from) each synced parameter's linear sync price: per bucket and axis it reduces on, the bucket's all-reduce
-    (`all_reduce_time` of its bytes: the measured time where there is one, else the line) less what its parameters
-    were charged, spread over them by bytes. An axis where ZeRO-2/3 reduce-scatters the gradients is not bucketed.
-    `within`: only these parameters, bucketed on their own (a pipeline stage's, which its module syncs).
+def bucket_correction(state, within=None, bucket_bytes: float | None = None) -> dict:
+    """{parameter node: seconds} the runtime's buckets add to (or take from) each synced parameter's linear sync
+    price (`grad_sync_time`, a share of a bucket of `bucket_bytes`: by default the ILP's,
+    `data_parallel_bucket_bytes`): per bucket and axis it reduces on, the bucket's all-reduce (`all_reduce_time` of
+    its bytes: the measured time where there is one, else the line) less what its parameters were charged, spread
+    over them by bytes. An axis where ZeRO-2/3 reduce-scatters the gradients is not bucketed. `within`: only these
+    parameters, bucketed on their own (a pipeline stage's, which its module syncs).
 
     Without timings the bytes' time is the same line both ways, so what is added is one latency (2 (k - 1) alpha)
-    less the shares charged:
+    less the shares charged (nothing where the gradients are all the plan syncs: the ILP's bucket is theirs):
 
     >>> from autoshard.runtime.grad_sync import BUCKET_BYTES
     >>> correction = bucket_correction(prog.state)
     >>> link = prog.state.options.profile.link((2,), 0)
     >>> synced = prog.plan.predicted.comm_bytes_per_step["dp"].sync  # under one bucket: one latency in all
-    >>> abs(sum(correction.values()) - 2 * link.alpha * (1 - synced / BUCKET_BYTES)) < 1e-12
+    >>> abs(sum(correction.values())) < 1e-12
+    True
+    >>> full = bucket_correction(prog.state, bucket_bytes=BUCKET_BYTES)  # shares of a full bucket
+    >>> abs(sum(full.values()) - 2 * link.alpha * (1 - synced / BUCKET_BYTES)) < 1e-12
     True
 
     With timings (a calibrated profile), the sync costs each bucket's measured time:
@@ -62,6 +67,8 @@ def bucket_correction(state, within=None) -> dict:
     True
     """
     mesh, profile = state.mesh, state.options.profile
+    if bucket_bytes is None:
+        bucket_bytes = data_parallel_bucket_bytes(needs_grad(state.gm.graph))
     out: dict = {}
     for axes, bucket in bucket_layout(state, within):
         total = sum(g.nbytes for g in bucket)
@@ -70,7 +77,8 @@ def bucket_correction(state, within=None) -> dict:
             k, link = mesh.shape[axis], profile.link(mesh.shape, axis)
             if link.measured_seconds("all_reduce", total, k) is None:  # the line: only the latencies differ
                 link = Link(link.alpha, math.inf)
-            missing = all_reduce_time(total, k, link) - sum(grad_sync_time(g.nbytes, k, link) for g in bucket)
+            missing = all_reduce_time(total, k, link) - sum(grad_sync_time(g.nbytes, k, link, bucket_bytes)
+                                                            for g in bucket)
             if total <= 0 or missing == 0.0:
                 continue
             for g in bucket:

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.axis_cost import data_parallel_bucket_bytes, needs_grad
 from autoshard.cost.collective_time import (
     all_gather_time,
     grad_sync_time,
@@ -352,6 +352,7 @@ def apply_zero(state) -> None:
     seconds = 0.0
     memory = 0
     pipelined = state.options.pipeline is not None
+    bucket = data_parallel_bucket_bytes(needs_grad(state.gm.graph))  # what predict priced each sync a share of
     for node, spec, numel, itemsize, kept in _trained_param_shards(state):
         memory -= int(kept * (2 + f))
         if zero.stage == 3 and isinstance(spec[axis], Shard):
@@ -364,7 +365,7 @@ def apply_zero(state) -> None:
         extra = all_gather_time(padded, k, link)
         if zero.stage >= 2 and zero.axis in state.grad_reduce.get(node.meta[meta.PATH], ()):
             sent.sync += padded - kept  # a reduce-scatter of the padded gradient, not an all-reduce
-            extra += reduce_scatter_time(padded, k, link) - grad_sync_time(kept, k, link)
+            extra += reduce_scatter_time(padded, k, link) - grad_sync_time(kept, k, link, bucket)
         seconds += extra
         cost = node.meta.get(NODE_COST)
         if cost is not None:

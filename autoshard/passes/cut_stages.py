@@ -29,7 +29,7 @@ import operator
 
 import torch
 
-from autoshard.cost.axis_cost import needs_grad
+from autoshard.cost.axis_cost import data_parallel_bucket_bytes, needs_grad
 from autoshard.cost.collective_time import collective_latency
 from autoshard.cost.flops import local_bytes
 from autoshard.cost.pipeline_schedule import (
@@ -477,8 +477,9 @@ def stage_summary(state, config) -> list[dict]:
         for boundary in range(made, used):  # passed on by every stage in between
             out[boundary]["send_tensors"] += 1
             out[boundary]["grad_tensors"] += int(bool(grads.get(node)))
+    bucket = data_parallel_bucket_bytes(grads)  # the bucket predict priced each parameter's sync a share of
     for row, params in zip(out, held):  # a stage's module syncs its own gradients in its own buckets
-        row["sync_s"] += sum(bucket_correction(state, params).values())
+        row["sync_s"] += sum(bucket_correction(state, params, bucket).values())
     for stage, seconds in tied_sync_seconds(state, config).items():  # a tied weight's gradient summed over pp
         out[stage]["sync_s"] += seconds
     kept, _ = stage_activations(state, stage_nodes(state, config.num_stages))  # recomputed regions' less

@@ -171,7 +171,7 @@ def _partial_gradient_charges(nodes, axes, combos, class_of, models, others, fre
                         triggers[t] = triggers[t] & excluded if t in triggers else set(excluded)
     merged: dict = {}
     for (u, axis, nbytes), consumers in charges.items():
-        cost = partial_grad_time(u, nbytes, models[axis].k, models[axis].link) * SCALE
+        cost = partial_grad_time(u, nbytes, models[axis].k, models[axis].link, models[axis].bucket_bytes) * SCALE
         cost *= sync_share if u.op == "placeholder" or cast_parameter(u) is not None else 1.0
         # Copies of u in repeated layers are tied: their identical charges merge into one, paid per copy.
         merged_key = (class_of[u], axis, nbytes, _triggers(u, consumers, combos, class_of, edges))

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from autoshard.cost.attention_cost import attention_terms
-from autoshard.cost.axis_cost import compute_parts, held_bytes_factor, needs_grad
+from autoshard.cost.axis_cost import compute_parts, data_parallel_bucket_bytes, held_bytes_factor, needs_grad
 from autoshard.cost.collective_time import (
     collective_time,
     grad_sync_time,
@@ -97,6 +97,7 @@ def predict(state) -> None:
     profile = state.options.profile
     opt_factor = state.options.optimizer_state_factor
     grad = needs_grad(state.gm.graph)
+    bucket = data_parallel_bucket_bytes(grad)  # a parameter's sync: its share of such a bucket, as the ILP's
     saved_per_byte = kept_for_backward(state.gm.graph, grad)  # the ILP's memory row's formula
     per_axis = {name: AxisBytes() for name in mesh.names}
     # The reduce-scatters a flat program's runtime defers to the gradient sync (the accuracy report's phases): one
@@ -136,7 +137,7 @@ def predict(state) -> None:
             for axis_name in state.grad_reduce.get(node.meta.get(meta.PATH), ()):
                 axis = mesh.axis(axis_name)
                 per_axis[axis_name].sync += kept
-                sync += grad_sync_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis))
+                sync += grad_sync_time(kept, mesh.shape[axis], profile.link(mesh.shape, axis), bucket)
             comm += sync
             node.meta[NODE_COST] = NodeCost(0.0, held, sync)
             continue
@@ -176,7 +177,7 @@ def predict(state) -> None:
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
     apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
     if state.options.pipeline is None:  # a pipeline's stages bucket their own gradients (cut_stages adds theirs)
-        for node, seconds in bucket_correction(state).items():  # each bucket as the runtime pays it
+        for node, seconds in bucket_correction(state, bucket_bytes=bucket).items():  # each bucket as the runtime pays it
             node.meta[NODE_COST] = replace(node.meta[NODE_COST], sync_s=node.meta[NODE_COST].sync_s + seconds)
             state.predicted.add_comm(seconds)
     settle_prediction(state)

@@ -103,9 +103,9 @@ def _solve(state, shared: _SharedParts | None = None) -> None:
         nodes = [n for n in graph.nodes if meta.CANDIDATES in n.meta]
         grad = needs_grad(graph)
         split = kept_split(graph, grad)  # what autograd keeps: the node's own part here, its consumers' on the edges
-        models = [AxisCostModel(mesh, a, state.options.profile, grad, state.options.optimizer_state_factor,
-                                split.own) for a in range(mesh.ndim)]
         copies = state.fold.copies if state.fold is not None else lambda node: 1
+        models = [AxisCostModel(mesh, a, state.options.profile, grad, state.options.optimizer_state_factor,
+                                split.own, copies) for a in range(mesh.ndim)]
         shared.analyses = (nodes, grad, split, models, _joint_combos(nodes, mesh, copies) if mesh.ndim > 1 else None)
     nodes, grad, split, models, joint = shared.analyses
     state.ilp_stats = []
@@ -225,8 +225,9 @@ def _chosen_problem(state, split=None):
     nodes = [n for n in state.gm.graph.nodes if meta.CANDIDATES in n.meta]
     grad = needs_grad(state.gm.graph)
     split = split or kept_split(state.gm.graph, grad)
+    copies = state.fold.copies if state.fold is not None else lambda node: 1
     models = [AxisCostModel(state.mesh, a, state.options.profile, grad, state.options.optimizer_state_factor,
-                            split.own) for a in range(state.mesh.ndim)]
+                            split.own, copies) for a in range(state.mesh.ndim)]
     combos = {n: [dict(enumerate(n.meta[meta.CHOICE]))] for n in nodes}
     problem, _, _ = _build_problem(nodes, tuple(range(state.mesh.ndim)), combos, {n: [] for n in nodes}, state,
                                    models, False, split)
