@@ -3,8 +3,11 @@ plan could do better, also plans every catalogue plan that applies (autoshard/ca
 same cost model (predict), and keeps the fastest predicted step among those that fit.
 
 When a hand plan cannot win, it is not planned. The ILP over every mesh axis at once is exact over the
-placements a hand plan pins, so a hand plan wins only through what that ILP does not weigh: ZeRO-3 (chosen by
-the memory budget, not by the objective), or the greedy order of a solve axis by axis. So the hand plans are
+placements a hand plan pins (its prices are predict's: a data-parallel plan's gradient sync included, priced on
+the bucket that plan syncs, `collective_time.grad_sync_time`; a full bucket's share at the fitted line once made
+the zoo GPT-2's automatic plan 10% slower than data parallelism on a calibrated profile), so a hand plan wins only
+through what that ILP does not weigh: ZeRO-3 (chosen by the memory budget, not by the objective), or the greedy
+order of a solve axis by axis. So the hand plans are
 planned when the ILP solved the axes one after another, when the plan needed a memory saver, or when its
 memory is more than half the budget (the budget may have kept the ILP from its unbounded optimum); a hand plan
 whose parameters alone cannot fit the budget is refused without planning. Every candidate, planned or not, is
