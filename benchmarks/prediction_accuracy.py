@@ -2,9 +2,9 @@
 its phases, bytes per axis) against the same plan trained on real gloo ranks, and whether the planner's ranking of
 the plans is the measured one.
 
-For 1, 2 and 4 ranks: `calibrated_profile` measures the links and compute rates with that many ranks running at
-once (the contention training meets on this machine), then every model is planned under that profile with each
-plan (data parallel, Megatron tensor parallel for the zoo models, ZeRO-3, a 2-stage pipeline, and the planner's own
+For 1, 2 and 4 ranks and each model: `calibrated_profile` measures the links and compute rates with that many ranks
+running at once (the contention training meets on this machine), then the model is planned under that profile with
+each plan (data parallel, Megatron tensor parallel for the zoo models, ZeRO-3, a 2-stage pipeline, and the planner's own
 automatic plan on the unnamed mesh) and trained: SGD, gradient sync after backward (overlap off: the predicted step
 is not overlapped), in `ROUNDS` rounds that take the plans in turn: in each, `WARMUP` steps and then `STEPS` measured
 back to back, the slowest rank's mean step (its loop's time per step: the job's throughput) the round's figure, each
@@ -42,8 +42,9 @@ WARMUP, STEPS = 2, 10
 # Each plan is measured in ROUNDS rounds, the plans in turn, and the median round is its figure: one run of a plan on
 # this VM moves by 20-50% from one minute to the next (the transformers Qwen2 on 2 ranks, the same plan and profile
 # twice: data parallel 6.35 and 4.30 ms, ZeRO-3 34.1 and 45.1 ms), more than the 20% the predictions are held to.
-# The rounds' spread is published beside each figure: what the run itself varies by.
-ROUNDS = 3
+# The rounds' spread is published beside each figure: what the run itself varies by. Five rounds: the median then
+# stands while two of them are disturbed (three let one).
+ROUNDS = 5
 # The deadline of one rank count's training task (every plan's rounds: minutes on 4 ranks sharing 2 cores; a slow hour
 # overran run_distributed's default 180 s); each collective keeps its own timeout.
 TASK_S = 1800
@@ -176,30 +177,33 @@ def _pipeline_step(module, opt, inputs, clock):
 
 
 def measure(quick: bool = False) -> list[dict]:
-    """Calibrate, plan and train every case; one row per case."""
+    """For each rank count and model: calibrate, plan its cases under that profile and train them; one row per case.
+    Calibrated again before each model's runs (not once per rank count): this VM's speed moves 20-30% over the few
+    minutes one rank count's runs take, so the runs stay within a minute or two of the figures they are predicted
+    with, as a user calibrates and then trains."""
     rows = []
     models = QUICK_MODELS if quick else tuple(MODELS)
     with tempfile.TemporaryDirectory() as folder:
         for world in WORLDS[:2] if quick else WORLDS:
-            started = time.perf_counter()
-            profile = calibrated_profile(Mesh((world,), ("dp",)), quiet=True)
-            calibration_s = time.perf_counter() - started
-            jobs = []
             for name in models:
+                started = time.perf_counter()
+                profile = calibrated_profile(Mesh((world,), ("dp",)), quiet=True)
+                calibration_s = time.perf_counter() - started
+                jobs = []
                 for plan_name, (axes, options) in plans_for(name, world).items():
                     try:
                         jobs.append(plan_case(name, world, plan_name, axes, options, profile, folder))
                     except autoshard.AutoshardError as exc:
                         rows.append({"model": name, "world": world, "plan": plan_name,
                                      "error": str(exc).splitlines()[0]})
-            measured = run_distributed(_train_task, world, jobs, total_s=TASK_S)
-            for i, job in enumerate(jobs):
-                rounds = [max((got[i][r] for got in measured.values()), key=lambda m: m["step_s"])
-                          for r in range(ROUNDS)]  # each round's slowest rank
-                rows.append(dict(job, measured=median_round(rounds), rounds=[m["step_s"] for m in rounds],
-                                 calibration_s=calibration_s,
-                                 sent={axis: max(got[i][r]["bytes"].get(axis, 0) for got in measured.values()
-                                                 for r in range(ROUNDS)) for axis in job["bytes"]}))
+                measured = run_distributed(_train_task, world, jobs, total_s=TASK_S)
+                for i, job in enumerate(jobs):
+                    rounds = [max((got[i][r] for got in measured.values()), key=lambda m: m["step_s"])
+                              for r in range(ROUNDS)]  # each round's slowest rank
+                    rows.append(dict(job, measured=median_round(rounds), rounds=[m["step_s"] for m in rounds],
+                                     calibration_s=calibration_s,
+                                     sent={axis: max(got[i][r]["bytes"].get(axis, 0) for got in measured.values()
+                                                     for r in range(ROUNDS)) for axis in job["bytes"]}))
     return rows
 
 
@@ -291,8 +295,8 @@ def report(rows) -> tuple[str, list, list]:
         "(target: the fastest, or within 5% of it):\n\n"
         + table(["model", "ranks", "planner's choice", "measured fastest", "choice slower by", "within 5%",
                  "predicted order = measured order"], rank_rows)
-        + "\n\nReproduce: `python -m benchmarks --only prediction_accuracy` (calibrates first; about six minutes on "
-        "2 cores). Peak memory is compared term by term in section 15 (memory_accuracy).\n")
+        + "\n\nReproduce: `python -m benchmarks --only prediction_accuracy` (calibrates before each model's runs; about "
+        "20 minutes on 2 cores). Peak memory is compared term by term in section 15 (memory_accuracy).\n")
     csv_rows = [[row["model"], row["world"], row["plan"], row.get("error", ""),
                  row["predicted"]["step_s"] if "error" not in row else "",
                  row["measured"]["step_s"] if "error" not in row else ""] for row in rows]
