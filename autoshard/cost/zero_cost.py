@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from autoshard.cost.axis_cost import data_parallel_bucket_bytes, needs_grad
+from autoshard.cost.axis_cost import needs_grad
 from autoshard.cost.collective_time import (
     all_gather_time,
     grad_sync_time,
@@ -326,9 +326,10 @@ def reduce_scatter_shares(graph, mesh, groups: list | None = None) -> dict:
     return shares
 
 
-def apply_zero(state) -> None:
+def apply_zero(state, bucket_bytes: float) -> None:
     """Correct predict's figures (made as if without ZeRO) for the ZeroOptimizer's work: the gradient
-    sync of replicated parameters becomes a reduce-scatter of padded chunks (stage >= 2), their chunks
+    sync of replicated parameters (which predict priced as shares of a bucket of `bucket_bytes`,
+    `grad_sync_time`) becomes a reduce-scatter of padded chunks (stage >= 2), their chunks
     are all-gathered after the step, and memory follows `memory_breakdown`. Each parameter's own row
     (`autoshard.node_cost`) gets its ZeRO memory; in a pipeline's micro-batch program also its ZeRO sync
     seconds, which the stage table sums per stage (cut_stages) and the pipeline's step runs after the last
@@ -352,7 +353,6 @@ def apply_zero(state) -> None:
     seconds = 0.0
     memory = 0
     pipelined = state.options.pipeline is not None
-    bucket = data_parallel_bucket_bytes(needs_grad(state.gm.graph))  # what predict priced each sync a share of
     for node, spec, numel, itemsize, kept in _trained_param_shards(state):
         memory -= int(kept * (2 + f))
         if zero.stage == 3 and isinstance(spec[axis], Shard):
@@ -365,7 +365,7 @@ def apply_zero(state) -> None:
         extra = all_gather_time(padded, k, link)
         if zero.stage >= 2 and zero.axis in state.grad_reduce.get(node.meta[meta.PATH], ()):
             sent.sync += padded - kept  # a reduce-scatter of the padded gradient, not an all-reduce
-            extra += reduce_scatter_time(padded, k, link) - grad_sync_time(kept, k, link, bucket)
+            extra += reduce_scatter_time(padded, k, link) - grad_sync_time(kept, k, link, bucket_bytes)
         seconds += extra
         cost = node.meta.get(NODE_COST)
         if cost is not None:

@@ -175,7 +175,7 @@ def predict(state) -> None:
         node.meta[NODE_COST] = NodeCost(seconds, saved, forward_s=forward)
     state.predicted = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                                  comm_bytes_per_step=per_axis, memory_bytes_per_rank=int(memory))
-    apply_zero(state)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
+    apply_zero(state, bucket)  # ZeRO: the optimizer's reduce-scatter/all-gather and the sharded memory
     if state.options.pipeline is None:  # a pipeline's stages bucket their own gradients (cut_stages adds theirs)
         for node, seconds in bucket_correction(state, bucket_bytes=bucket).items():  # each bucket as the runtime pays it
             node.meta[NODE_COST] = replace(node.meta[NODE_COST], sync_s=node.meta[NODE_COST].sync_s + seconds)
