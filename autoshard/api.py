@@ -56,8 +56,9 @@ def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None,
     (`float("inf")`: no bound). A plan that does not fit is not refused while ZeRO or recomputation can
     make one fit: the planner climbs ZeRO-1/2/3 and recomputation of repeated layers by itself
     (autoshard/passes/memory_fit.py); `prog.plan.predicted["memory"]` breaks the memory down.
-    `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions are
-    applied after checking they were made for this mesh, these hints, this model and these input shapes.
+    `plan` (a Plan, or the path of a file written by `Plan.save`) replaces solving: its decisions (a pipeline's cut
+    among them) are applied after checking they were made for this mesh, these hints, this model and these input
+    shapes, and priced under this call's `profile` (a new calibration prices the same plan anew).
     `plan_other_shapes=True` applies a `plan` made at other sizes (another batch, sequence length or width):
     the model must trace to the same graph op for op (same depth, modules and dtypes), each decision must
     still divide its dims and a pipeline's cut must fall on the same ops, else PlanMismatchError; e.g. a plan

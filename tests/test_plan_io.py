@@ -405,3 +405,25 @@ def test_pipelined_plan_with_another_cut_is_a_mismatch(gpt2_case, tmp_path):
                               pipeline={"balance": [5, 2]})
     with pytest.raises(PlanMismatchError, match=r"pipelines over axis 'pp', which mesh Mesh\(dp=2, tp=2\)"):
         autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"), plan=prog.plan)
+
+
+def test_pipelined_plan_applies_its_cut_under_another_profile(tmp_path):
+    """A saved pipelined plan's cut is one of its decisions: under another profile (a user's new calibration), where
+    a fresh plan cuts the model elsewhere, the saved one applies with its stages and placements and is priced anew
+    (it was refused: the cut was made again and compared by fingerprint)."""
+    import dataclasses
+
+    from autoshard.cost.profiles import CPU_PROFILE
+    model, inputs, loss_fn = gpt2(batch=4, seq=16, dim=32, n_heads=2, n_layers=3, vocab_size=512)
+    slower_ops = dataclasses.replace(CPU_PROFILE, op_overhead_s=1e-3, grad_op_overhead_s=1e-3)
+    kwargs = {"loss_fn": loss_fn, "axis_names": ("pp",)}
+    prog = autoshard.parallelize(model, (2,), inputs, pipeline={"microbatches": 2}, **kwargs)
+    fresh = autoshard.parallelize(model, (2,), inputs, profile=slower_ops, pipeline={"microbatches": 2}, **kwargs)
+    stages = [(r.name, r.stage) for r in prog.plan.rows if r.kind != "comm"]
+    assert stages != [(r.name, r.stage) for r in fresh.plan.rows if r.kind != "comm"]  # the case: another cut
+    prog.plan.save(tmp_path / "piped.json")
+    again = autoshard.parallelize(model, (2,), inputs, profile=slower_ops, plan=str(tmp_path / "piped.json"), **kwargs)
+    assert [(r.name, r.stage) for r in again.plan.rows if r.kind != "comm"] == stages
+    assert [r.choice for r in again.plan.rows] == [r.choice for r in prog.plan.rows]
+    assert again.plan.pipeline["cut"] == "automatic"
+    assert again.plan.pipeline["predicted_step_s"] > 2 * prog.plan.pipeline["predicted_step_s"]  # priced anew

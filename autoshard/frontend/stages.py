@@ -43,8 +43,8 @@ def stage(module: nn.Module, k: int) -> nn.Module:
 
 @dataclass(frozen=True)
 class StageAnnotations:
-    """Stage numbers per module-path glob, or split points (path, 'beginning'|'end'); `source` names the
-    notation for error messages.
+    """Stage numbers per module-path glob, or split points (path, 'beginning'|'end'), or a saved plan's stage per
+    node name (`node_stages`: its cut applied as it was made); `source` names the notation for error messages.
 
     >>> StageAnnotations({"layers.0": 0, "layers.1": 1}, source="':stage' hints").module_stages["layers.1"]
     1
@@ -53,6 +53,7 @@ class StageAnnotations:
     module_stages: dict = field(default_factory=dict)
     split_points: tuple = ()
     source: str = ""
+    node_stages: dict = field(default_factory=dict)
 
 
 def top_level_sequence(model: nn.Module) -> list[str]:

@@ -108,6 +108,8 @@ def module_stack(node) -> list[str]:
 # ----------------------------------------------------------------------------------------- annotations
 
 def _from_annotations(nodes, annotations, num_stages) -> dict:
+    if annotations.node_stages:  # a saved plan's cut (its collectives follow their inputs, as insert_comm put them)
+        return {n: annotations.node_stages[n.name] for n in nodes if n.name in annotations.node_stages}
     if annotations.split_points:
         return _from_split_points(nodes, annotations, num_stages)
     stage, used = {}, set()

@@ -286,6 +286,11 @@ def parallelize_pipeline(request: CompileRequest, axis: str, options: dict, wort
     mesh, model = request.mesh, request.model
     example_inputs = _inputs(request)
     annotations = collect_annotations(model, request.hints, options.get("balance"), options.get("split_points"))
+    if annotations is None and request.plan is not None:
+        # a saved plan's cut is one of its decisions, applied as made: cut again under another profile (a user's
+        # new calibration) the cost-balanced cut may fall elsewhere, and the saved placements with it
+        annotations = StageAnnotations(node_stages={r.name: r.stage for r in request.plan.rows if r.kind != "comm"},
+                                       source=request.plan.pipeline["cut"])
     profile = request.options.profile
     config = make_config(mesh, axis, options, annotations, batch_size(example_inputs), profile)
     _warn_batch_statistics(model, config.microbatches)
