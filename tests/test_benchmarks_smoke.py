@@ -88,6 +88,9 @@ def test_prediction_accuracy_smallest():
     assert all(len(r["rounds"]) == prediction_accuracy.ROUNDS and r["measured"]["step_s"] in r["rounds"]
                for r in measured)  # the median round is the figure
     assert all(r["bytes"] == {a: r["sent"][a] for a in r["bytes"]} for r in measured)  # the plan's bytes, sent
+    # the prediction: the mean of the plan's prices under the calibrations before and after its runs
+    assert all(r["predicted"]["step_s"] == pytest.approx((r["predicted_before"]["step_s"]
+                                                           + r["predicted_after"]["step_s"]) / 2) for r in measured)
     body, headers, csv_rows = prediction_accuracy.report(rows)
     assert "Step time:" in body and len(csv_rows) == len(rows) and len(headers) == len(csv_rows[0])
 
