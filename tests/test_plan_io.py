@@ -427,3 +427,18 @@ def test_pipelined_plan_applies_its_cut_under_another_profile(tmp_path):
     assert [r.choice for r in again.plan.rows] == [r.choice for r in prog.plan.rows]
     assert again.plan.pipeline["cut"] == "automatic"
     assert again.plan.pipeline["predicted_step_s"] > 2 * prog.plan.pipeline["predicted_step_s"]  # priced anew
+
+
+def test_pipelined_plan_with_a_stage_of_unlisted_ops_applies(tmp_path):
+    """A 2-layer model cut into 4 stages: one stage holds only a check of a tensor's metadata, which has no row in the
+    plan (no placement); applying the saved cut puts it back in that stage (it left the stage empty: an error)."""
+    from autoshard.zoo.transformers_families import llama
+    model, inputs, loss_fn = llama()
+    kwargs = {"loss_fn": loss_fn, "axis_names": ("pp",)}
+    prog = autoshard.parallelize(model, (4,), inputs, pipeline={"schedule": "1f1b", "microbatches": 4}, **kwargs)
+    assert {r.stage for r in prog.plan.rows if r.kind != "comm"} != set(range(4))  # the case: a stage without rows
+    prog.plan.save(tmp_path / "piped.json")
+    again = autoshard.parallelize(model, (4,), inputs, plan=str(tmp_path / "piped.json"), **kwargs)
+    assert again.plan.fingerprint == prog.plan.fingerprint
+    assert [n.meta.get("autoshard.stage") for n in again.state.gm.graph.nodes] == \
+        [n.meta.get("autoshard.stage") for n in prog.state.gm.graph.nodes]

@@ -109,7 +109,7 @@ def module_stack(node) -> list[str]:
 
 def _from_annotations(nodes, annotations, num_stages) -> dict:
     if annotations.node_stages:  # a saved plan's cut (its collectives follow their inputs, as insert_comm put them)
-        return {n: annotations.node_stages[n.name] for n in nodes if n.name in annotations.node_stages}
+        return _from_node_stages(nodes, annotations.node_stages)
     if annotations.split_points:
         return _from_split_points(nodes, annotations, num_stages)
     stage, used = {}, set()
@@ -136,6 +136,33 @@ def _from_annotations(nodes, annotations, num_stages) -> dict:
         raise UserInputError(f"{annotations.source}: the annotations use pipeline stages {numbers} but the pipeline "
                              f"has {num_stages} stages (0..{num_stages - 1}: pp axis size x virtual stages per rank); number the "
                              "stages 0, 1, ... in execution order, one per stage")
+    return stage
+
+
+def _from_node_stages(nodes, node_stages: dict) -> dict:
+    """The stage of each op a saved plan lists (`node_stages`: name -> stage); an op it does not list (no placement:
+    a check of a tensor's metadata) that lies where the listed ops skip stages, in the order the automatic cut
+    cuts (the ops but the weight-only ones), made those stages alone, in order (`_fill_and_check` places the other
+    unlisted ops).
+
+    >>> listed = {nodes[0].name: 0, nodes[2].name: 2, nodes[3].name: 2}  # nodes[1], unlisted, made stage 1
+    >>> stage = _from_node_stages(nodes[:4], listed)
+    >>> [stage[n] for n in nodes[:4]]
+    [0, 1, 2, 2]
+    """
+    stage = {n: node_stages[n.name] for n in nodes if n.name in node_stages}
+    floating = weight_only_ops(nodes)
+    last, unlisted = -1, []
+    for node in nodes:
+        if node in floating:
+            continue
+        if node not in stage:
+            unlisted.append(node)
+            continue
+        here = stage[node]
+        for i, skipped in enumerate(unlisted if here > last + 1 else ()):
+            stage[skipped] = min(last + 1 + i, here - 1)
+        last, unlisted = max(last, here), []
     return stage
 
 
