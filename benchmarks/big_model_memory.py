@@ -66,7 +66,7 @@ def config(layers: int, dim: int, quick: bool):
 def hints() -> dict:
     """Megatron on tp (the families' hints) with the embedding and the head split on tp too (vocabulary-
     parallel head), so that with ZeRO-3 on dp every weight is split 8 ways."""
-    from autoshard.zoo.transformers_families import HINTS
+    from autoshard.zoo.transformers_hints import HINTS
     return {**HINTS["llama"], "model.embed_tokens.weight": {"tp": "S(1)"}, "lm_head.weight": {"tp": "S(0)"}}
 
 

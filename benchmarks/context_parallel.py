@@ -54,7 +54,8 @@ def _quiet():
 def predicted_at_scale(seq: int = SCALE_SEQ) -> list:
     import autoshard
     from autoshard.cost.profiles import load_profile
-    from autoshard.zoo.transformers_families import HINTS, llama3
+    from autoshard.zoo.transformers_families import llama3
+    from autoshard.zoo.transformers_hints import HINTS
     _quiet()
     tp = {k: v for k, v in HINTS["llama"].items() if "tp" in v}
     rows = []

@@ -29,7 +29,7 @@ from autoshard.runtime.launch import (
     init_distributed,
 )
 from autoshard.runtime.loss_scale import LossScaler, optimizer_step
-from autoshard.zoo.transformers_families import HINTS
+from autoshard.zoo.transformers_hints import HINTS
 
 
 def transformers_quietly():

@@ -26,7 +26,7 @@ from autoshard.runtime.simulator import run_on_mesh
 from autoshard.verify.verify import verify_factory
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import plan_hints
-from autoshard.zoo.transformers_families import HINTS as TRANSFORMERS_HINTS
+from autoshard.zoo.transformers_hints import HINTS as TRANSFORMERS_HINTS
 
 FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard. the hint")  # gathered sequence hints are reported

@@ -19,11 +19,11 @@ torch.Size([4, 64, 32])
 from __future__ import annotations
 
 from autoshard.zoo.transformers_families import (
-    DATA_PARALLEL,
     DECODER,
     causal_lm,
     mixtral_grouped_mm,
 )
+from autoshard.zoo.transformers_hints import DATA_PARALLEL
 
 _QWEN2_MOE = {**DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 64, "norm_topk_prob": True, "output_router_logits": True,

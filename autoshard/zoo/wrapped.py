@@ -5,7 +5,7 @@ default initialisation and `weights=` find the transformers model inside (autosh
 
     python -m autoshard verify autoshard.zoo.wrapped:wrapped_llama --mesh 2,2 --axis-names dp,tp --simulate
 
-`HINTS` is the Llama family's data and tensor parallelism (autoshard/zoo/transformers_families.py) under `inner.`.
+`HINTS` is the Llama family's data and tensor parallelism (autoshard/zoo/transformers_hints.py) under `inner.`.
 
 >>> model, inputs, loss_fn = wrapped_llama()
 >>> type(model.inner).__name__, next(iter(dict(model.named_parameters())))
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.zoo.transformers_families import DECODER, model_loss
-from autoshard.zoo.transformers_families import HINTS as FAMILY_HINTS
+from autoshard.zoo.transformers_hints import HINTS as FAMILY_HINTS
 
 # The Llama family's DP + Megatron TP hints, under the wrapper's `inner.`.
 HINTS = {key if key.startswith(("input:", "*")) else f"inner.{key}": value for key, value in FAMILY_HINTS["llama"].items()}

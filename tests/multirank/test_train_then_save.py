@@ -21,7 +21,7 @@ from autoshard.verify.training import VerifyOptions
 from autoshard.verify.verify import build_case, rank_run, reference_run
 from autoshard.weights.layout import INDEX
 from autoshard.zoo.hints import plan_hints
-from autoshard.zoo.transformers_families import HINTS
+from autoshard.zoo.transformers_hints import HINTS
 
 MESH, AXES = (2, 2), ("dp", "tp")
 CASES = {

@@ -16,7 +16,7 @@ from autoshard.runtime.simulator import run_ranks
 from autoshard.verify.training import VerifyOptions
 from autoshard.verify.verify import Training, build_case, reference_run, verify_factory
 from autoshard.zoo.hints import plan_hints
-from autoshard.zoo.transformers_families import DATA_PARALLEL, HINTS
+from autoshard.zoo.transformers_hints import DATA_PARALLEL, HINTS
 
 DP_TP = ((2, 2), ("dp", "tp"))
 GPT2_DP_TP = plan_hints("gpt2", ("dp", "tp"), ("dp",), "tp")

@@ -12,7 +12,7 @@ import pytest
 
 from autoshard.verify.verify import verify_factory
 from autoshard.zoo.hints import plan_hints
-from autoshard.zoo.transformers_families import HINTS
+from autoshard.zoo.transformers_hints import HINTS
 
 LLAMA = "autoshard.zoo.transformers_families:llama"
 DP_ONLY = {"input:0": {"dp": "S(0)"}, "input:1": {"dp": "S(0)"}}
