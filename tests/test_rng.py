@@ -11,6 +11,7 @@ from autoshard.ir.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import transformers_families as families
+from autoshard.zoo.transformers_hints import DATA_PARALLEL, HINTS
 
 
 class Dropped(nn.Module):
@@ -74,8 +75,8 @@ def test_exact_masks_are_blocks_of_the_single_device_masks():
 
 
 @pytest.mark.parametrize("mesh,names,hints", [
-    ((2, 2), ("dp", "tp"), families.HINTS["gpt2"]),
-    ((4,), ("dp",), families.DATA_PARALLEL),
+    ((2, 2), ("dp", "tp"), HINTS["gpt2"]),
+    ((4,), ("dp",), DATA_PARALLEL),
 ], ids=["dp2xtp2-megatron", "dp4"])
 def test_transformers_gpt2_with_its_dropout_verifies_exactly(mesh, names, hints):
     """GPT-2 at its default dropout 0.1 (embeddings, residuals, and the attention weights' dropout inside

@@ -28,6 +28,7 @@ from autoshard.cost.profiles import HardwareProfile
 from autoshard.ir.errors import ExportError
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import transformers_families as families
+from autoshard.zoo.transformers_hints import DATA_PARALLEL, HINTS
 
 FULL = os.environ.get("AUTOSHARD_FULL_MATRIX") == "1"
 MODES = ("dp_tp", "dp", "auto")
@@ -46,8 +47,8 @@ DEFAULT = [(f, "dp_tp") for f in SAMPLED] + [(f, "auto") for f in AUTO_SUBSET] +
 CASES = [(f, m) for f in families.FAMILIES for m in MODES] if FULL else DEFAULT
 
 OPTIONS = {
-    "dp": lambda family: {"mesh": (2,), "axis_names": ("dp",), "hints": families.DATA_PARALLEL},
-    "dp_tp": lambda family: {"mesh": (2, 2), "axis_names": ("dp", "tp"), "hints": families.HINTS[family]},
+    "dp": lambda family: {"mesh": (2,), "axis_names": ("dp",), "hints": DATA_PARALLEL},
+    "dp_tp": lambda family: {"mesh": (2, 2), "axis_names": ("dp", "tp"), "hints": HINTS[family]},
     "auto": lambda family: {"mesh": (2, 2), "axis_names": ("dp", "tp"), "profile": SLOW_DEVICE},
 }
 
@@ -73,7 +74,7 @@ def test_mixtral_eager_experts_name_their_limit():
     the error says where and what to do (the grouped_mm and batched_mm implementations verify above)."""
     model, inputs, loss_fn = families.mixtral_eager()
     with pytest.raises(ExportError, match="data-dependent") as caught:
-        parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=families.DATA_PARALLEL)
+        parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",), hints=DATA_PARALLEL)
     assert "for expert_idx in expert_hit" in str(caught.value)
     assert "use torch.where / torch.cond" in str(caught.value)
 
@@ -84,11 +85,11 @@ def test_megatron_hints_place_every_parameter_once(family):
     and every glob names parameters (a module renamed in a transformers release fails here, fast)."""
     model, _, _ = families.FAMILIES[family]()
     names = [name for name, _ in model.named_parameters()]
-    globs = [key for key in families.HINTS[family] if not key.startswith("input:")]
+    globs = [key for key in HINTS[family] if not key.startswith("input:")]
     for glob in globs:
         assert fnmatch.filter(names, glob), f"{family}: hint {glob!r} matches no parameter"
     for name in names:
-        placements = {families.HINTS[family][glob]["tp"] for glob in globs if fnmatch.fnmatchcase(name, glob)}
+        placements = {HINTS[family][glob]["tp"] for glob in globs if fnmatch.fnmatchcase(name, glob)}
         assert len(placements) == 1, f"{family}: {name} gets {placements or 'no placement'} on tp"
 
 

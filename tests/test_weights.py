@@ -18,6 +18,7 @@ from autoshard.ir.errors import UserInputError
 from autoshard.runtime.simulator import run_ranks
 from autoshard.weights.training_checkpoint import CheckpointError
 from autoshard.zoo import transformers_families as tf
+from autoshard.zoo.transformers_hints import HINTS
 
 ZOO = ["mlp", "bert", "gpt2", "llama", "resnet", "vit"]
 
@@ -67,7 +68,7 @@ def test_init_equals_the_single_device_initialisation_under_the_same_seed(name):
 def llama_prog():
     """A transformers Llama built on the meta device (float64), planned once with DP + Megatron TP hints."""
     model, inputs = _meta(tf.llama)
-    return _plan(model.double(), inputs, tf.model_loss, hints=tf.HINTS["llama"])
+    return _plan(model.double(), inputs, tf.model_loss, hints=HINTS["llama"])
 
 
 def test_init_of_a_transformers_model_replays_its_init_weights(llama_prog):
