@@ -92,16 +92,17 @@ def _tokens(low: int = 3, shape=(BATCH, SEQ)):
     return torch.randint(low, VOCAB, shape)
 
 
-def causal_lm(model_class: str, config_class: str, attn_implementation=None, **config):
+def causal_lm(model_class: str, config_class: str, attn_implementation=None, tokens=(BATCH, SEQ), **config):
     """A seeded random transformers causal LM (`model_class` of `config_class(**config)`) with inputs
-    (input_ids, labels) and `model_loss`; the factories here (and autoshard/zoo/transformers_moe.py) use it.
+    (input_ids, labels) of shape `tokens` (batch, sequence) and `model_loss`; the factories here (and
+    autoshard/zoo/transformers_moe.py) use it.
 
     >>> model, (ids, labels), loss_fn = causal_lm("LlamaForCausalLM", "LlamaConfig", **DECODER)
     >>> type(model).__name__, tuple(ids.shape)
     ('LlamaForCausalLM', (4, 8))
     """
     model = _build(model_class, config_class, attn_implementation=attn_implementation, **config)
-    ids = _tokens()
+    ids = _tokens(shape=tokens)
     return model, (ids, ids.clone()), model_loss  # causal LM: the model shifts the labels itself
 
 
