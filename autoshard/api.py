@@ -61,7 +61,7 @@ def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None,
     shapes, and priced under this call's `profile` (a new calibration prices the same plan anew).
     `plan_other_shapes=True` applies a `plan` made at other sizes (another batch, sequence length or width):
     the model must trace to the same graph op for op (same depth, modules and dtypes), each decision must
-    still divide its dims and a pipeline's cut must fall on the same ops, else PlanMismatchError; e.g. a plan
+    still divide its dims (a pipeline's cut is applied as saved), else PlanMismatchError; e.g. a plan
     made for a model at its real size on the meta device, trained on a narrow copy (see the example below).
     `zero` (1, 2, 3, or {axis name: stage}) applies ZeRO on the data-parallel axis: stage 1 shards the
     optimizer state, 2 also gradients, 3 also parameters (autoshard/passes/zero.py; train with
