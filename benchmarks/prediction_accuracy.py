@@ -121,7 +121,7 @@ def _train_task(rank, world, jobs):
     """Every job on this rank, measured in `ROUNDS` interleaved rounds (each job's steps once per round, the jobs in
     turn): per job, each round's StepClock phases (and bytes) over its measured steps."""
     torch.manual_seed(0)
-    prepared = [_prepared(job, rank, world) for job in jobs]
+    prepared = [_prepared(job, rank) for job in jobs]
     steps = [_steps_per_round(make_step) for make_step, _ in prepared]
     out = [[] for _ in jobs]
     for _ in range(ROUNDS):
@@ -155,12 +155,9 @@ def _steps_per_round(make_step) -> int:
     return int(count.item())
 
 
-def _prepared(job, rank, world):
+def _prepared(job, rank):
     """(clock -> one training step of `job`'s plan on this rank, its communicator)."""
-    model, inputs, loss_fn = MODELS[job["model"]]()
-    axes = tuple(job["axes"]) if job["axes"] else None  # None: the automatic plan's unnamed mesh
-    prog = autoshard.parallelize(model, (world,), inputs, loss_fn=loss_fn, axis_names=axes, plan=job["path"],
-                                 profile=HardwareProfile.from_json(job["profile"]), **SGD)
+    prog, inputs = _applied(job, HardwareProfile.from_json(job["profile"]))
     comm = communicator_for(prog.mesh)
     module = prog.module(rank, comm)
     params = [p for _, p in module.named_local_parameters()]
@@ -244,13 +241,18 @@ def measure(quick: bool = False) -> list[dict]:
     return rows
 
 
-def repriced(job, profile) -> dict:
-    """`job`'s plan (its file: decisions and cut as made) priced under `profile`: its predicted phases."""
+def _applied(job, profile) -> tuple:
+    """(`job`'s plan file applied under `profile`: its decisions and cut as made, priced anew; the example inputs)."""
     model, inputs, loss_fn = MODELS[job["model"]]()
-    axes = tuple(job["axes"]) if job["axes"] else None
+    axes = tuple(job["axes"]) if job["axes"] else None  # None: the automatic plan's unnamed mesh
     prog = autoshard.parallelize(model, (job["world"],), inputs, loss_fn=loss_fn, axis_names=axes, plan=job["path"],
                                  profile=profile, **SGD)
-    return predicted_phases(prog)
+    return prog, inputs
+
+
+def repriced(job, profile) -> dict:
+    """`job`'s plan (its file: decisions and cut as made) priced under `profile`: its predicted phases."""
+    return predicted_phases(_applied(job, profile)[0])
 
 
 def calibrations_apart(row) -> float:
