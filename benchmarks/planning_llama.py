@@ -38,6 +38,8 @@ from .planning_scale import (
     PP,
     applies_summary,
     applies_text,
+    built_summary,
+    built_text,
     catalogue_roles,
     figures,
     hand_plan,
@@ -65,8 +67,10 @@ QUICK = (0,)  # the 8B run on 8 GPUs
 PROFILE = "h100"
 LAYERS = "model.layers.*"  # transformers' module path of the repeated layers
 # The narrow copy each chosen plan is verified on: the same depth, 8 kv heads as the real models (tensor
-# parallelism up to 8 splits whole kv heads) under 16 query heads of 8 features, FFN 256, vocabulary 128, sequence 16.
-TINY = {"vocab_size": 128, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 16,
+# parallelism up to 8 splits whole kv heads) under 16 query heads of 16 features, FFN 256, vocabulary 128, sequence
+# 16. Heads of 16 features keep the rotary buffer (half a head: 64 entries in the real models) divisible 8 ways, as
+# a plan made at the real width may split it (at 8 features its 4 entries refused such a plan).
+TINY = {"vocab_size": 128, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 16,
         "num_key_value_heads": 8, "max_position_embeddings": 16, "rope_theta": 500000.0, "attention_dropout": 0.0,
         "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 TINY_SEQ = 16
@@ -113,7 +117,8 @@ def plan_run(run) -> dict:
         unbounded = dict(options, memory_budget=float("inf"))
         bounds = [plan(model, inputs, loss_fn, profile=PROFILE, **unbounded)[0],
                   plan(model, inputs, loss_fn, profile=PROFILE, **unbounded, checkpoint=[LAYERS])[0]]
-    check = verify_shrunk(auto, tiny_llama(LLAMA3_SHAPES[name.lower()][0]), dp * local, PROFILE) \
+    check = verify_shrunk(auto, tiny_llama(LLAMA3_SHAPES[name.lower()][0]), dp * local, PROFILE,
+                          (model, inputs, loss_fn)) \
         if auto is not None else NOT_VERIFIED
     candidates, why = mesh_search_record(auto, error, gpus, PROFILE)
     return {"run": run, "batch": dp * local, "auto": figures(auto) if auto is not None else no_plan(error),
@@ -176,7 +181,8 @@ def report(results):
                               num(predicted_pub, ",.0f"), num(predicted_pub / measured, ".2f"),
                               num(predicted_pub * flops_per_token(model) / H100_BF16_PEAK, ".1%"),
                               num(tokens(r, auto["step_s"]), ",.0f")])
-        checks.append([label, shape_text(auto), applies_text(check), verified_text(check), check["roles"] or "-",
+        checks.append([label, shape_text(auto), built_text(check), applies_text(check), verified_text(check),
+                       check["roles"] or "-",
                        f"{check['seconds']:.0f}"])
         csv_rows.append([model, gpus, dp, tp, pp, local, m, ac, ran, measured, memory or "",
                          "x".join(map(str, pub["mesh"])), pub["roles"], num(pub["step_s"], ".4g"),
@@ -187,7 +193,8 @@ def report(results):
                          auto["recomputed"], auto["chosen_plan"], num(auto["step_s"], ".4g"),
                          num(auto["memory_bytes"], ".4g"), num(tokens(r, auto["step_s"]), ".4g"), num(ratio, ".4f"),
                          f"{r['budget']:.4g}", f"{r['planning_s']:.2f}", f"{r['planning_cpu_s']:.2f}",
-                         len(r["candidates"]), check["applies"], "x".join(map(str, check["mesh"])), check["batch"],
+                         len(r["candidates"]), bool(check["built_ranks"]), check["applies"],
+                         "x".join(map(str, check["mesh"])), check["batch"],
                          check["ok"], f"{check['seconds']:.1f}", "yes" if met else "no"])
     headers = (["published run", "torchtitan's configuration", "its mesh here", "its ZeRO", "its pipeline",
                 "its recomputed layers", "autoshard's mesh (devices=GPUs)", "what each axis does", "ZeRO", "pipeline",
@@ -199,8 +206,9 @@ def report(results):
                ["published run", "what ran", "source", "measured TPS/GPU", "measured memory",
                 "predicted TPS/GPU (torchtitan's config)", "predicted / measured", "predicted MFU (989 TF)",
                 "predicted TPS/GPU (autoshard)"],
-               ["published run", "chosen mesh", "the plan applies at width 128 (plan_other_shapes)",
-                "its decisions trained at width 128 (float64, simulator)", "what each axis does there", "verify s"])
+               ["published run", "chosen mesh", "its plan file builds rank programs (real width)",
+                "the plan applies at width 256 (plan_other_shapes)",
+                "its decisions trained at width 256 (float64, simulator)", "what each axis does there", "verify s"])
     csv_headers = ["model", "gpus", "fsdp", "tp", "pp", "local_batch", "microbatches", "ac", "ran",
                    "measured_tps_per_gpu", "measured_memory_gib", "published_mesh", "published_roles",
                    "published_step_s", "published_memory_bytes", "published_predicted_tps_per_gpu",
@@ -208,7 +216,7 @@ def report(results):
                    "published_full_ac_memory_bytes", "mesh", "roles",
                    "zero", "pipeline", "recomputed_layers", "chosen_plan", "step_s", "memory_bytes",
                    "predicted_tps_per_gpu", "ratio", "budget_bytes", "planning_s", "planning_cpu_s", "meshes_tried",
-                   "plan_applies_narrow", "verify_mesh", "verify_batch", "verify_ok", "verify_s", "met"]
+                   "rank_programs_built", "plan_applies_narrow", "verify_mesh", "verify_batch", "verify_ok", "verify_s", "met"]
     return (configs, figures_rows, measured_rows, checks), headers, csv_headers, csv_rows, misses
 
 
@@ -254,7 +262,8 @@ def notes(results) -> str:
         "TFLOP/s dense bf16 peak), other ops at 0.9 x 3.35 TB/s of HBM3, NVLink at 360 GB/s bus bandwidth, "
         "InfiniBand at 40 GB/s per GPU, 5 and 10 us per ring step: assumptions from public figures, not a "
         "measurement (no machine here has an H100).\n\n"
-        "Each chosen plan on a narrow copy (the fourth table; transformers' Llama at width 128, 16 heads on 8 kv "
+        + built_summary(results) + " "
+        "Each chosen plan on a narrow copy (the fourth table; transformers' Llama at width 256, 16 heads on 8 kv "
         "heads, FFN 256, vocabulary 128, sequence 16, the real depth): as in section 5, \"applies\" is the plan "
         "itself applied to the narrow copy on the same mesh shape (`parallelize(plan=..., plan_other_shapes=True)`), "
         "\"trained\" its decisions as hints on the same mesh shape up to 64 ranks, else on the smallest mesh of the "

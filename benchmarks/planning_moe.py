@@ -23,6 +23,7 @@ from autoshard.zoo.moe import moe_llama
 from .planning_scale import (
     NOT_VERIFIED,
     applies_text,
+    built_text,
     catalogue_roles,
     figures,
     mesh_search_record,
@@ -74,7 +75,8 @@ def plan_run(run) -> dict:
     auto, error, wall, cpu = plan(model, inputs, loss_fn, devices=devices, profile=PROFILE)
     expert, expert_error, expert_s, _ = plan(model, inputs, loss_fn, profile=PROFILE,
                                              **expert_options(model, inputs, loss_fn, dp, ep, batch))
-    check = verify_shrunk(auto, tiny_moe(shape["n_layers"], shape["n_experts"], shape["top_k"]), batch, PROFILE) \
+    check = verify_shrunk(auto, tiny_moe(shape["n_layers"], shape["n_experts"], shape["top_k"]), batch, PROFILE,
+                          (model, inputs, loss_fn)) \
         if auto is not None else NOT_VERIFIED
     candidates, why = mesh_search_record(auto, error, devices, PROFILE)
     return {"run": run, "params": sum(p.numel() for p in model.parameters()),
@@ -103,20 +105,21 @@ def report(results):
                      num(expert["memory_bytes"] / 1e9, ".1f"), num(ratio, ".3f"), "yes" if faster else "NO",
                      f"{r['planning_s']:.0f} / {r['planning_cpu_s']:.0f}", "yes" if quick else "NO",
                      f"{sum('predicted_step_s' in c for c in r['candidates'])} of {len(r['candidates'])}",
-                     applies_text(check), verified_text(check)])
+                     built_text(check), applies_text(check), verified_text(check)])
         csv_rows.append([name, r["params"], devices, batch, seq, "x".join(map(str, auto["mesh"])), auto["roles"],
                          auto["pipeline"], auto["recomputed"], num(auto["step_s"], ".4g"),
                          num(auto["memory_bytes"], ".4g"), "x".join(map(str, expert["mesh"])), expert["roles"],
                          num(expert["step_s"], ".4g"), num(expert["memory_bytes"], ".4g"), num(ratio, ".4f"),
                          f"{r['planning_s']:.2f}", f"{r['planning_cpu_s']:.2f}", f"{r['expert_s']:.2f}",
-                         check["ok"], "yes" if faster and quick else "no"])
+                         bool(check["built_ranks"]), check["ok"], "yes" if faster and quick else "no"])
     headers = ["run", "autoshard's mesh (devices=GPUs)", "what each axis does", "pipeline", "recomputed layers",
                "predicted step s", "memory GB", "expert's layout (ep_dp + the memory ladder)", "its step s",
                "its memory GB", "ratio", "no slower and fits", "planning s (wall / CPU, workers included)", f"<= {PLANNING_TARGET_S:.0f} s",
-               "meshes with a plan", "the plan applies at width 64", "its decisions trained at width 64"]
+               "meshes with a plan", "its plan file builds rank programs (real width)", "the plan applies at width 64",
+               "its decisions trained at width 64"]
     csv_headers = ["model", "params", "gpus", "batch", "seq", "mesh", "roles", "pipeline", "recomputed_layers",
                    "step_s", "memory_bytes", "expert_mesh", "expert_roles", "expert_step_s", "expert_memory_bytes",
-                   "ratio", "planning_s", "planning_cpu_s", "expert_planning_s", "verify_ok", "met"]
+                   "ratio", "planning_s", "planning_cpu_s", "expert_planning_s", "rank_programs_built", "verify_ok", "met"]
     return rows, headers, csv_rows, csv_headers, misses
 
 
@@ -135,7 +138,8 @@ def write(results, seconds: float) -> None:
         f"expert's (ratio <= 1.00), and planning takes at most {PLANNING_TARGET_S:.0f} s — {verdict}.\n\n"
         + table(headers, rows) + "\n\n"
         "Planning seconds are the devices= call's, export included, on this VM of 2 shared CPUs. The narrow copy "
-        "checks are section 5's (planning_scale.verify_shrunk): the plan itself applied at width 64 "
+        "checks are section 5's (planning_scale.verify_shrunk): the plan file applied to the real model on its mesh "
+        "and rank 0's and the last rank's programs built from it, the plan itself applied at width 64 "
         "(`plan_other_shapes`), and its decisions trained one step in the simulator against the single device in "
         "float64.\n\nEvery shape the search planned, and why it kept one:\n\n" + whys
         + f"\n\nWhole benchmark: {seconds:.0f} s (`python -m benchmarks --only planning_moe`).")

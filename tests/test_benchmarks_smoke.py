@@ -64,6 +64,7 @@ def test_planning_scale_smallest():
     assert [c["mesh"] for c in result["candidates"]] == [[8], [2, 4], [2, 2, 2]]
     assert result["published"]["names"] == ("pp", "dp", "tp") and result["published"]["recomputed"] == 8
     assert result["verify"]["ok"], result["verify"]["report"]
+    assert result["verify"]["built_ranks"] == [0, 7], result["verify"]["built_error"]  # its file, at the real width
     configs, figures, checks, headers, csv_headers, csv_rows, _ = planning_scale.report([result])
     assert [len(rows[0]) for rows in (configs, figures, checks)] == [len(h) for h in headers]
     assert len(csv_rows[0]) == len(csv_headers)
@@ -75,6 +76,7 @@ def test_planning_moe_smallest():
     result = planning_moe.plan_run(planning_moe.QUICK[0])
     assert result["expert"]["names"] == ("ep",) and result["auto"]["mesh"]
     assert result["verify"]["ok"], result["verify"]["report"]
+    assert result["verify"]["built_ranks"], result["verify"]["built_error"]
     rows, headers, csv_rows, csv_headers, _ = planning_moe.report([result])
     assert len(rows[0]) == len(headers) and len(csv_rows[0]) == len(csv_headers)
 
