@@ -18,7 +18,7 @@ Their hardware: Grand Teton hosts of 8 H100 (96 GB HBM2e, 2.4 TB/s, 500 W power 
 Each model is transformers' LlamaForCausalLM at the Llama 3 shape (autoshard.zoo.transformers_families.llama3:
 RMSNorm, RoPE, SwiGLU, grouped-query attention, untied head, vocabulary 128256) at the real width and depth on the
 meta device, sequence 8192, with torchtitan's global batch (FSDP degree x local batch) as its example inputs.
-Both figures are plans `parallelize` returns; the helpers are benchmark 5's (planning_scale.py).
+Both figures are plans `parallelize` returns; the helpers are benchmarks/planning_common.py's and the checks benchmarks/plan_checks.py's.
 """
 from __future__ import annotations
 
@@ -33,13 +33,17 @@ from autoshard.cost.profiles import H100_BF16_PEAK
 from autoshard.frontend.request import CompileOptions
 from autoshard.zoo.transformers_families import LLAMA3_SHAPES, causal_lm, llama3
 
-from .planning_scale import (
+from .plan_checks import (
     NOT_VERIFIED,
-    PP,
     applies_summary,
     applies_text,
     built_summary,
     built_text,
+    verified_text,
+    verify_shrunk,
+)
+from .planning_common import (
+    PP,
     catalogue_roles,
     figures,
     hand_plan,
@@ -49,8 +53,6 @@ from .planning_scale import (
     plan,
     published_mesh,
     shape_text,
-    verified_text,
-    verify_shrunk,
 )
 from .report import table, write_section
 

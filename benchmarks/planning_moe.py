@@ -6,7 +6,7 @@ the 8 GPUs of a node, the batch over all 256) on (dp=32, ep=8), with what the me
 (ZeRO, recomputation). Issue 31's target: planning within 60 s, and the plan no slower than the expert's.
 
 Both are plans `parallelize` returns, in bf16 on the meta device, sequence 4096, global batch 256; the chosen plan is
-then checked on a narrow copy of the same depth (planning_scale.verify_shrunk).
+then checked on a narrow copy of the same depth (benchmarks/plan_checks.py).
 """
 from __future__ import annotations
 
@@ -20,10 +20,14 @@ from autoshard.catalogue import hand_plans as catalogue
 from autoshard.frontend.request import CompileOptions
 from autoshard.zoo.moe import moe_llama
 
-from .planning_scale import (
+from .plan_checks import (
     NOT_VERIFIED,
     applies_text,
     built_text,
+    verified_text,
+    verify_shrunk,
+)
+from .planning_common import (
     catalogue_roles,
     figures,
     mesh_search_record,
@@ -31,8 +35,6 @@ from .planning_scale import (
     num,
     plan,
     shape_text,
-    verified_text,
-    verify_shrunk,
 )
 from .report import table, write_section
 
@@ -138,7 +140,7 @@ def write(results, seconds: float) -> None:
         f"expert's (ratio <= 1.00), and planning takes at most {PLANNING_TARGET_S:.0f} s — {verdict}.\n\n"
         + table(headers, rows) + "\n\n"
         "Planning seconds are the devices= call's, export included, on this VM of 2 shared CPUs. The narrow copy "
-        "checks are section 5's (planning_scale.verify_shrunk): the plan file applied to the real model on its mesh "
+        "checks are section 5's (benchmarks/plan_checks.py): the plan file applied to the real model on its mesh "
         "and rank 0's and the last rank's programs built from it, the plan itself applied at width 64 "
         "(`plan_other_shapes`), and its decisions trained one step in the simulator against the single device in "
         "float64.\n\nEvery shape the search planned, and why it kept one:\n\n" + whys

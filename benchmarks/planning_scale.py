@@ -9,32 +9,40 @@ returns: autoshard's is `parallelize(model, devices=GPUs, ...)`, which plans the
 shape and keeps the fastest predicted step (autoshard/search/mesh_search.py); Megatron's is `parallelize` on the
 published (pp, dp, tp) mesh with the catalogue's Megatron tensor-parallel hints (autoshard/catalogue/hand_plans.py),
 a 1F1B pipeline, every layer recomputed and no ZeRO. Each chosen plan is then checked on a narrow copy of the same
-model (`verify_shrunk`). The helpers here are shared with benchmark 8 (planning_llama.py).
+model (benchmarks/plan_checks.py); the helpers the planning benchmarks share are in benchmarks/planning_common.py.
 """
 from __future__ import annotations
 
 import json
-import math
-import os
-import re
 import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
-import autoshard
-from autoshard.catalogue import hand_plans as catalogue
-from autoshard.catalogue.roles import layer_glob, model_roles
-from autoshard.cost.profiles import load_profile
-from autoshard.frontend.request import CompileOptions, CompileRequest
-from autoshard.ir.placement import Shard, Spec
-from autoshard.passes.pass_lists import trace_for_plan
-from autoshard.search.mesh_search import candidate_shapes
-from autoshard.search.shape_result import describe_roles, predicted_step_s
-from autoshard.verify.verify import verify_simulated
+from autoshard.frontend.request import CompileOptions
 from autoshard.zoo import gpt2
 
+from .plan_checks import (
+    NOT_VERIFIED,
+    SIMULATED_RANKS,
+    applies_summary,
+    applies_text,
+    built_summary,
+    built_text,
+    verified_text,
+    verify_shrunk,
+)
+from .planning_common import (
+    PP,
+    catalogue_roles,
+    figures,
+    hand_plan,
+    mesh_search_record,
+    no_plan,
+    num,
+    plan,
+    published_mesh,
+    shape_text,
+)
 from .report import table, write_section
 
 SEQ, VOCAB = 2048, 51200
@@ -57,227 +65,6 @@ QUICK = ("1.7B",)
 # The narrow copy each chosen plan is verified on: the same depth (a plan names every layer), 8 heads so that
 # tensor parallelism up to 8 still splits whole heads, a sequence of 16 (split 8 ways by sequence parallelism).
 TINY = {"dim": 64, "n_heads": 8, "vocab_size": 128, "seq": 16}
-SIMULATED_RANKS = 64  # above this the simulator takes minutes a step: the smallest mesh of the same structure
-PP = "pp"
-
-
-def _cpu_s() -> float:
-    """CPU seconds of this process and of its children that finished (the mesh search's planning workers)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def plan(model, inputs, loss_fn, **options):
-    """`parallelize` in bf16 mixed precision: (Program or None, the refusal's first line, wall s, CPU s of this
-    process and its planning workers)."""
-    wall, cpu = time.perf_counter(), _cpu_s()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            prog = autoshard.parallelize(model, example_inputs=inputs, loss_fn=loss_fn, mixed_precision="bf16",
-                                         **options)
-        except autoshard.AutoshardError as exc:
-            prog, error = None, str(exc).splitlines()[0]
-        else:
-            error = ""
-    return prog, error, time.perf_counter() - wall, _cpu_s() - cpu
-
-
-def memory_bytes(prog) -> float:
-    """Bytes per device the plan is predicted to hold: a pipeline's fullest pp rank (its stages' parameters and
-    the micro-batches 1F1B keeps in flight), else the intra-op plan's figure (what the mesh search compares)."""
-    pipeline = prog.plan.pipeline
-    if pipeline and pipeline.get("memory_bytes_per_pp_rank"):
-        return max(pipeline["memory_bytes_per_pp_rank"])
-    return prog.plan.predicted["memory_bytes_per_rank"]
-
-
-def figures(prog) -> dict:
-    """What the tables show of one plan."""
-    pipeline = prog.plan.pipeline or {}
-    hints = prog.plan.hints or {}
-    return {"mesh": tuple(prog.mesh.shape), "names": tuple(prog.mesh.names), "roles": describe_roles(prog),
-            "zero": repr(prog.zero) if getattr(prog, "zero", None) is not None else "none",
-            "pipeline": (f"{pipeline['stages']} stages over {pipeline['axis']}, {pipeline['microbatches']} "
-                         f"micro-batches, {pipeline['schedule']}") if pipeline else "none",
-            "recomputed": len(hints.get("recompute", [])), "step_s": predicted_step_s(prog),
-            "memory_bytes": memory_bytes(prog), "chosen_plan": prog.plan.search.get("chosen_plan", ""),
-            "overlapped_s": prog.plan.predicted.get("overlapped_step_s", prog.plan.predicted["step_time_s"])}
-
-
-def no_plan(error: str) -> dict:
-    """`figures` of a refusal: what the tables show where `parallelize` returned no plan.
-
-    >>> no_plan("no plan fits the memory budget of 67.055 GiB (...): the smallest footprint ... is 148.297 GiB (...)")["roles"]
-    'no plan fits the budget (smallest footprint 148.3 GiB)'
-    """
-    footprint = re.search(r"smallest footprint .*? is ([\d.]+) GiB", error)
-    short = f"no plan fits the budget (smallest footprint {float(footprint[1]):.1f} GiB)" if footprint else \
-        f"no plan: {error[:100]}"
-    return {"mesh": (), "names": (), "roles": short, "zero": "-", "pipeline": "-", "recomputed": 0,
-            "step_s": math.nan, "memory_bytes": math.nan, "chosen_plan": "-", "overlapped_s": math.nan}
-
-
-def mesh_search_record(prog, error: str, devices: int, profile: str) -> tuple[list, str]:
-    """The candidate meshes `parallelize(devices=...)` compared and why it kept one; on a refusal, the shapes it
-    tried (none planned: the refusal is the one with the smallest footprint)."""
-    if prog is not None:
-        return prog.plan.search["mesh_candidates"], prog.plan.search["why_mesh"]
-    nodes = load_profile(profile).devices_per_node
-    return [{"mesh": list(shape), "error": "no plan"} for shape in candidate_shapes(devices, nodes)], error
-
-
-def num(value: float, spec: str) -> str:
-    """`value` formatted, or "-" where there is none (NaN: no plan)."""
-    return "-" if math.isnan(value) else format(value, spec)
-
-
-def catalogue_roles(model, inputs, loss_fn, mesh: autoshard.Mesh):
-    """The model's roles for the catalogue's hand plans, from its (folded) trace."""
-    request = CompileRequest(model, mesh, inputs, None, loss_fn, CompileOptions.parse(mixed_precision="bf16"))
-    traced, _ = trace_for_plan(request, None, request.options)
-    return model_roles(traced.gm)
-
-
-def published_mesh(sizes: dict) -> autoshard.Mesh:
-    """The published degrees as a named mesh, pipeline outermost and tensor parallelism innermost (the fastest
-    links); degrees of 1 are left out."""
-    names = tuple(n for n in (PP, "dp", "tp") if sizes.get(n, 1) > 1)
-    return autoshard.Mesh(tuple(sizes[n] for n in names), names)
-
-
-def hand_plan(roles, mesh: autoshard.Mesh, batch: int, n_inputs: int, microbatches: int | None = None):
-    """The catalogue plan for the published layout: FSDP x TP x PP with a pipeline axis, FSDP x TP with a tp axis,
-    else FSDP (torchtitan's names; Megatron's layouts are the same plans without ZeRO)."""
-    if PP in mesh.names:
-        return catalogue.fsdp_tp_pp(roles, mesh, batch, n_inputs, microbatches=microbatches)
-    if "tp" in mesh.names:
-        return catalogue.fsdp_tp(roles, mesh, batch, n_inputs)
-    return catalogue.fsdp(roles, mesh, batch, n_inputs)
-
-
-# --- the chosen plan on a narrow copy of the model -----------------------------------------------------------------
-
-def decisions(plan, sizes: dict) -> dict:
-    """The plan's decisions as `parallelize` options for the same mesh axes at `sizes` (axis name -> size): each
-    parameter's and input's placement on every axis (one glob for all layers where they agree), its ZeRO and
-    recomputed layers (its hints carry them), and its pipeline (axis, schedule, micro-batches per pp rank). On a
-    ZeRO-3 axis the parameters' shards are ZeRO's, not placements: they are left to it."""
-    hints = {k: v for k, v in (plan.hints or {}).items() if k in ("zero", "recompute")}
-    zero3 = {axis for axis, stage in (hints.get("zero") or {}).items() if stage == 3}
-    names = plan.mesh.names  # a pipeline's plan is its micro-batch program's: the mesh without the pp axis
-    placements: dict = {}
-    for row in plan.rows:
-        if row.kind not in ("param", "input"):
-            continue
-        spec = Spec.parse(row.spec)
-        hint = {n: str(p) if isinstance(p, Shard) else "R" for n, p in zip(names, spec)
-                if not (row.kind == "param" and n in zero3)}
-        if hint:
-            placements[row.path] = hint
-    globs: dict = {}
-    for path, hint in placements.items():
-        globs.setdefault(layer_glob(path), []).append((path, hint))
-    for glob, members in globs.items():
-        alike = all(hint == members[0][1] for _, hint in members)
-        hints.update({glob: members[0][1]} if alike else dict(members))
-    options = {"hints": hints}
-    pipeline = plan.pipeline
-    if pipeline:
-        per_rank = max(1, pipeline["microbatches"] // pipeline["pp_size"])
-        options["pipeline"] = {"axis": pipeline["axis"], "schedule": pipeline["schedule"],
-                               "microbatches": per_rank * sizes[pipeline["axis"]],
-                               "virtual_stages": pipeline.get("virtual_stages", 1)}
-    return options
-
-
-def smallest_batch(options: dict, sizes: dict) -> int:
-    """The smallest batch `options` divide: the sizes of the axes the batch is split on times the micro-batches."""
-    axes = {a for key, hint in options["hints"].items() if key.startswith("input:") for a, p in hint.items()
-            if p == "S(0)"}
-    return math.prod(sizes[a] for a in axes) * (options.get("pipeline") or {}).get("microbatches", 1)
-
-
-def rank_programs_built(prog, real: tuple, profile: str) -> dict:
-    """The chosen plan's own file applied to the real model (`real`: (model, inputs, loss_fn) on the meta device, as
-    planned) on its mesh, and rank 0's and the last rank's programs built from it (a pipeline's: their stages'
-    graphs): the figures published are of a plan whose file compiles to rank programs. A refusal or an error is
-    recorded, not raised."""
-    start = time.perf_counter()
-    ranks = sorted({0, prog.mesh.size - 1})
-    with tempfile.TemporaryDirectory() as folder:
-        path = str(Path(folder) / "plan.json")
-        prog.plan.save(path)
-        applied, error, _, _ = plan(*real, mesh=tuple(prog.mesh.shape), plan=path, profile=profile)
-    if applied is not None:
-        try:
-            for rank in ranks:
-                applied.graph(rank)
-        except Exception as exc:  # noqa: BLE001 -- the table says what failed
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return {"built_ranks": ranks if not error else [], "built_error": error, "built_s": time.perf_counter() - start}
-
-
-def built_text(check) -> str:
-    """The real-width check in a few words."""
-    if check.get("built_ranks"):
-        return f"yes: ranks {' and '.join(map(str, check['built_ranks']))}, {check['built_s']:.0f} s"
-    return f"no: {check.get('built_error', 'not checked')[:100]}"
-
-
-def built_summary(results) -> str:
-    """One sentence: for how many chosen plans the saved plan file built rank programs at the real width."""
-    checked = [r for r in results if r["auto"]["mesh"]]
-    built = sum(bool(r["verify"]["built_ranks"]) for r in checked)
-    return (f"The plan file of {built} of {len(checked)} chosen plans, saved and applied to the real model on its "
-            "mesh (`parallelize(plan=...)`: no solving), built rank 0's and the last rank's programs (the first check "
-            "column; a pipeline's: their stages' graphs).")
-
-
-def verify_shrunk(prog, tiny, batch: int, profile: str, real: tuple) -> dict:
-    """The chosen plan's file applied to the real model (`real`, see `rank_programs_built`), and the plan checked on
-    a narrow copy of the model (`tiny(batch, device)` -> (model, inputs, loss_fn): the same family and depth at a
-    small width).
-
-    Two narrow checks. "applies": the plan itself, made at the real width, applied to the narrow copy at the real `batch`
-    on the same mesh shape (`parallelize(plan=..., plan_other_shapes=True)`: every decision still holds there, and
-    the rank programs are generated). "trains": its decisions (`decisions`) planned for the narrow copy in float64 on the same mesh
-    shape, or where that has more than SIMULATED_RANKS ranks on the smallest mesh of the same axes (each of size 2,
-    the pipeline then of 2 stages), at the smallest batch they divide, and one training step in the simulator
-    against the single device (float64: within 1e-6)."""
-    shape, names = tuple(prog.mesh.shape), tuple(prog.mesh.names)
-    sizes = dict(zip(names, shape))
-    small = sizes if math.prod(shape) <= SIMULATED_RANKS else {n: 2 for n in names}
-    # on the meta device at the real batch, as the plan was made: a dim of 1, or another device's attention
-    # kernel (its output's strides), traces to another graph
-    model, inputs, loss_fn = tiny(batch, "meta")
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder:
-        path = str(Path(folder) / "plan.json")
-        prog.plan.save(path)
-        applied, error, _, _ = plan(model, inputs, loss_fn, mesh=shape, plan=path, plan_other_shapes=True,
-                                    profile=profile)
-    applies_s = time.perf_counter() - start
-    options = decisions(prog.plan, small)
-    batch = smallest_batch(options, small)
-    model, inputs, loss_fn = tiny(batch, "cpu")
-    start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            report, checked = verify_simulated(model, inputs, loss_fn, mesh=tuple(small.values()), steps=1,
-                                               profile=profile, **options)
-        except autoshard.AutoshardError as exc:
-            report, checked = None, str(exc).splitlines()[0]
-    return {**rank_programs_built(prog, real, profile), "applies": applied is not None, "applies_error": error,
-            "applies_s": applies_s,
-            "mesh": tuple(small.values()), "batch": batch, "ok": report is not None and report.ok,
-            "roles": describe_roles(checked) if report is not None else "",
-            "report": repr(report) if report is not None else checked, "seconds": time.perf_counter() - start}
-
-
-NOT_VERIFIED = {"built_ranks": [], "built_error": "no plan", "built_s": 0.0, "applies": False, "applies_error": "no plan", "applies_s": 0.0, "mesh": (), "batch": 0, "ok": False,
-                "roles": "", "report": "no plan", "seconds": 0.0}
 
 
 # --- section 5 ---------------------------------------------------------------------------------------------------
@@ -343,76 +130,6 @@ def tokens(r, step_s: float) -> float:
     """Tokens/s/GPU of a predicted step."""
     return r["batch"] * r["seq"] * 1.0 / (step_s * r["gpus"])
 
-
-def shape_text(f) -> str:
-    """A plan's mesh with its axis names: (a0=4, a1=8); "-" for no plan."""
-    return "(" + ", ".join(f"{n}={s}" for n, s in zip(f["names"], f["mesh"])) + ")" if f["mesh"] else "-"
-
-
-def verified_text(check) -> str:
-    """The narrow copy's training check in a few words."""
-    if not check["mesh"]:
-        return "-"
-    result = "OK" if check["ok"] else "MISMATCH" if check["roles"] else f"not planned: {check['report'][:90]}"
-    return f"{result} on {tuple(check['mesh'])}, batch {check['batch']}"
-
-
-APPLIES = {  # why a plan did not apply at the narrow width, as the tables and the text say it
-    "casts": ("refused, the bf16 casts are elsewhere in the plan's rows (ZeRO-3)",
-              ("a ZeRO-3 plan of this model in bf16 is refused even at its own shapes (the plan's rows have "
-               "parameter casts where the traced graph has other nodes: \"the plan has node 'embedding' where the "
-               "traced graph has node 'to'\")")),
-    "cut": ("refused, the pipeline is cut elsewhere at this width",
-            "a pipelined plan is refused: the stages its rows give do not cut the narrow copy's graph"),
-    "divide": ("refused, a decision does not divide the narrow copy's dims",
-               "a decision that splits a dim of the narrow copy over an axis whose size does not divide it is refused"),
-}
-
-
-def applies_cause(check) -> str:
-    """"yes", a key of APPLIES, or "other": whether the plan itself applied at the narrow width, and if not why."""
-    error = check["applies_error"]
-    if check["applies"]:
-        return "yes"
-    if re.search(r"(the plan has|traced graph has) node 'to(_\d+)?' \(to\.dtype", error):
-        return "casts"
-    if "not a strategy autoshard can use there" in error:
-        return "divide"
-    return "cut" if "cuts the model elsewhere" in error else "other"
-
-
-def applies_text(check) -> str:
-    """Whether the plan itself applied at the narrow width (and why not, in short: see the section's text)."""
-    cause = applies_cause(check)
-    if cause == "yes":
-        return "yes"
-    return f"no: {APPLIES[cause][0]}" if cause in APPLIES else f"no: {check['applies_error'][:100]}"
-
-
-def applies_summary(results, name) -> str:
-    """One sentence: for how many of the checked plans the plan itself applied, and why the others did not."""
-    checked = [r for r in results if r["verify"]["mesh"]]
-    causes = [applies_cause(r["verify"]) for r in checked]
-    applied = [name(r) for r, c in zip(checked, causes) if c == "yes"]
-    why = []
-    for cause, (_, sentence) in APPLIES.items():
-        rows = [r for r, c in zip(checked, causes) if c == cause]
-        if rows and cause == "divide":
-            sentence += " (" + "; ".join(_undivided(r, name) for r in rows) + ")"
-        if rows:
-            why.append(sentence)
-    text = f"The plan itself applied for {len(applied)} of {len(checked)}" + (f" ({', '.join(applied)})" if applied
-                                                                             else "")
-    return text + (": " + "; ".join(why) if why else "") + "."
-
-
-def _undivided(r, name) -> str:
-    """Where a plan's decision does not divide the narrow copy: the parameter and the axis, from the refusal."""
-    found = re.search(r"at ([\w.]+)\) on mesh axis '(\w+)'", r["verify"]["applies_error"])
-    if not found:
-        return name(r)
-    size = dict(zip(r["auto"]["names"], r["auto"]["mesh"]))[found[2]]
-    return f"{name(r)}: {found[1]} over {found[2]} of {size}"
 
 
 def report(results):
