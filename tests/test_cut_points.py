@@ -10,8 +10,8 @@ from autoshard.frontend.cut_points import find_layers
 from autoshard.frontend.trace import trace
 from autoshard.ir import meta
 from autoshard.ir.errors import PlanError
-from autoshard.passes import cut_stages as cut_mod
-from autoshard.passes.cut_stages import module_stack
+from autoshard.passes import auto_cut as cut_mod
+from autoshard.frontend.cut_points import module_stack
 from autoshard.verify.verify import verify_simulated
 from autoshard.zoo import llama
 from autoshard.zoo import transformers_families as families

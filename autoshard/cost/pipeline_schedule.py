@@ -250,7 +250,7 @@ def stage_activations(state, per_stage) -> tuple[dict, dict]:
 
 
 class StageMemory:
-    """The automatic cut's memory model (autoshard/passes/cut_stages.py): the bytes a stage [a, b) of the op sequence
+    """The automatic cut's memory model (autoshard/passes/auto_cut.py): the bytes a stage [a, b) of the op sequence
     `nodes` (`index`: each op's position in it, ops left out at their first user's) adds to its pp rank,
     its parameters (with their gradients and optimizer state, predict's per-parameter bytes, at their first user)
     and the activations its rank keeps for that stage's micro-batches in flight under the schedule (predict's

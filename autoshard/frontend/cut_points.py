@@ -8,7 +8,7 @@ uses a value of the one before it, directly or through ops outside the items (a 
 read the same input, is not a sequence of layers). The container with the most layers wins, the shallower
 one on a tie; other containers of layers of the same class outside it count too (an encoder's and a
 decoder's blocks). The modules before and after the layers (embedding, final norm, head) are no layers: the
-automatic cut (passes/cut_stages.py) keeps them with the first and last stage unless a stage boundary next
+automatic cut (passes/auto_cut.py) keeps them with the first and last stage unless a stage boundary next
 to them balances better.
 
 It reads the graph, not the module tree, so it sees what ran: a folded trace (frontend/fold.py) shows three
@@ -150,3 +150,12 @@ def _chained(ops, layers: list) -> bool:
             latest[node] = mine
             fed[mine] = fed[mine] or (mine - 1) in inputs
     return all(fed[1:])
+
+
+def module_stack(node) -> list[str]:
+    """Module paths of a node, outermost first (model-relative, the model itself left out).
+
+    >>> module_stack(attention_op)[-1]
+    'inner.layers.0.attn'
+    """
+    return [path for path, _ in module_entries(node)]

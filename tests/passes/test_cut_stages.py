@@ -8,8 +8,8 @@ from torch import nn
 import autoshard
 from autoshard.ir import meta
 from autoshard.ir.errors import HintError, UserInputError
-from autoshard.passes import cut_stages as cut_mod
-from autoshard.passes.cut_stages import CutCosts
+from autoshard.passes import auto_cut as cut_mod
+from autoshard.passes.auto_cut import CutCosts
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.staged import gpt2_staged, llama_staged
 

@@ -12,7 +12,7 @@ from autoshard.cost.pipeline_schedule import (
     schedule_order,
 )
 from autoshard.ir.meta import NODE_COST, RECOMPUTE
-from autoshard.passes.cut_stages import op_positions
+from autoshard.passes.auto_cut import op_positions
 from autoshard.program.pipeline import PipelineConfig
 from autoshard.zoo import gpt2
 
