@@ -2,9 +2,9 @@
 time (the axis itself is pipeline_search's choice).
 
 The micro-batch count, when not given, is the multiple of p dividing the batch with the least predicted step time:
-planned at p or 2p (and at Megatron's count, one sample per data-parallel device, when that first plan does not split
-its micro-batch over them all), every other count estimated from those plans (see `estimate_step`), and re-planned
-once if another count wins. The predicted step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1)
+planned at p or 2p (and at Megatron's count, one sample per data-parallel device, when that first plan's batch split
+cannot estimate it), every other count estimated from those plans (`expected_steps`: a finer count without the
+recomputation the planned one needed), and re-planned once if another count wins. The predicted step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1)
 x the slowest stage + the slowest stage's gradient sync; then the schedules of two stages per rank
 (`SEARCHED_SCHEDULES`) are weighed on the same micro-batch program (`best_schedule`). Each re-plan is skipped when
 its least step cannot beat `to_beat`, the best step the caller knows.
@@ -161,6 +161,16 @@ def _batch_ways(prog) -> int:
     return max((math.prod(shape[a] for a, p in enumerate(spec) if p == Shard(0)) for spec in specs), default=1)
 
 
+def _estimates_megatron_count(prog, inner: tuple) -> bool:
+    """Whether the micro-batch counts estimated from `prog` (`_finer_counts` of its batch split) include Megatron's
+    count, one sample per data-parallel device of the inner mesh: they do when its data devices are a multiple of the
+    devices `prog` splits a micro-batch over. A first plan that splits its micro-batch over more devices (its batch
+    over the axis Megatron's rule gives tensor parallelism: Llama 3 8B pipelined over 2 of 8 GPUs, 4 sequences a
+    micro-batch over the other 4) estimates only counts of 4 or more sequences; Megatron's count of one, planned,
+    shards otherwise and ran 8% faster (1.69 vs 1.83 s)."""
+    return _data_devices(inner) % _batch_ways(prog) == 0
+
+
 def _finer_counts(p: int, batch: int, ways: int) -> list[int]:
     """The micro-batch counts estimated from the first plan: every multiple of the pp size dividing the batch
     whose micro-batch still splits over the `ways` devices the first plan gives the batch (Megatron runs 8 to 24
@@ -195,6 +205,38 @@ def estimate_step(stages: list[dict], m0: int, m: int, config) -> float:
     return predicted_step(scaled, m, config.virtual)
 
 
+def expected_steps(planned: dict, p: int, batch: int) -> dict:
+    """{count: (expected step, the planned count it is estimated from)} over the counts each plan of `planned`
+    ({count: its Program}) estimates (`_finer_counts` of its batch split), each the least expected of them; a planned
+    count's own is its predicted step. A finer count keeps smaller micro-batches in flight: what the memory ladder
+    recomputed at the planned count it recomputes at most there, so its estimate leaves the recomputation out (Llama 3
+    8B pipelined over 2 of 8 GPUs: at 4 micro-batches 20 layers recomputed; 16 estimated with them at 2.01 s were not
+    planned; planned, 1.69 s).
+
+    >>> from types import SimpleNamespace as Plan
+    >>> from autoshard.cost.profiles import Link
+    >>> from autoshard.program.pipeline import PipelineConfig
+    >>> rows = [{"seconds": 3.0, "recompute_s": 1.0, "sync_s": 0.0}, {"seconds": 3.0, "recompute_s": 1.0, "sync_s": 0.0}]
+    >>> four = Plan(config=PipelineConfig("pp", 2, 4, link=Link(0.0, 1e9)), state=Plan(pipeline_stages=rows),
+    ...             predicted_step_s=15.0, inner_mesh=Plan(shape=(4,)), input_specs=[])
+    >>> {m: round(step, 2) for m, (step, _) in expected_steps({4: four}, p=2, batch=16).items()}  # 8, 16: 2 s a stage
+    {2: 18.0, 4: 15.0, 8: 9.0, 16: 8.5}
+    """
+    expected = {}
+    for m0, prog in planned.items():
+        config, stages = prog.config, prog.state.pipeline_stages
+        own = estimate_step(stages, m0, m0, config)
+        lighter = [dict(row, seconds=row["seconds"] - row.get("recompute_s", 0.0)) for row in stages]
+        for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
+            # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
+            step = estimate_step(lighter if m > m0 else stages, m0, m, config) \
+                * prog.predicted_step_s \
+                / own if m != m0 else prog.predicted_step_s
+            if m not in expected or step < expected[m][0]:
+                expected[m] = (step, m0)
+    return expected
+
+
 def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: float = float("inf")):
     """Plan at one or two micro-batch counts (`_first_counts`), estimate the others from each plan, re-plan once if
     another count is expected to be faster; the fastest planned count wins. The re-plan is skipped when even without
@@ -218,25 +260,15 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
     replan = replan_bound(to_beat, "1F1B", 1)
     inner = inner_mesh(mesh, axis).shape
     for m in _first_counts(p, batch, inner):
-        if planned and all(_batch_ways(prog) >= _data_devices(inner) for prog in planned.values()):
-            break  # the first plan splits its micro-batch over every data device: it estimates the finer count
+        if planned and all(_estimates_megatron_count(prog, inner) for prog in planned.values()):
+            break  # the first plan splits its micro-batch as Megatron's count can be split: it estimates that count
         try:
             planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m), replan)
         except AutoshardError as exc:  # e.g. micro-batches too large to fit: the finer count may
             errors.append(exc)
     if not planned:
         raise errors[0]
-    expected = {}  # count -> (expected step, the planned count it is estimated from)
-    for m0, prog in planned.items():
-        config, stages = prog.config, prog.state.pipeline_stages
-        own = estimate_step(stages, m0, m0, config)
-        for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
-            # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
-            step = estimate_step(stages, m0, m, config) \
-                * prog.predicted_step_s \
-                / own if m != m0 else prog.predicted_step_s
-            if m not in expected or step < expected[m][0]:
-                expected[m] = (step, m0)
+    expected = expected_steps(planned, p, batch)
     best = min(expected, key=lambda m: (expected[m][0], m))
     base = planned[expected[best][1]]
     sync = max(row.get("sync_s", 0.0) for row in base.state.pipeline_stages)
@@ -272,14 +304,16 @@ def _first_counts(p: int, batch: int, inner: tuple) -> list[int]:
     """The micro-batch counts planned before the others are estimated: the largest of p, 2p that divides the
     batch (a small bubble for few micro-batches), and, when it is at least four times as many, Megatron's count:
     one sample per data-parallel device and micro-batch, the data-parallel devices taken as the inner mesh less
-    its innermost axis (tensor parallelism inside a node). A plan at a large micro-batch may shard very
-    differently (its activations crowd out the parameters): estimates from it alone would miss the fine counts.
+    its innermost axis (tensor parallelism inside a node; a one-axis inner mesh has none: one sample a micro-batch).
+    A plan at a large micro-batch may shard very differently (its activations crowd out the parameters): estimates
+    from it alone would miss the fine counts. Megatron's count is planned only where the first plan does not estimate
+    it (`_estimates_megatron_count`).
 
-    >>> _first_counts(2, 1536, (32, 8)), _first_counts(2, 8, (2,))
-    ([4, 48], [4])
+    >>> _first_counts(2, 1536, (32, 8)), _first_counts(2, 8, (2,)), _first_counts(2, 16, (4,))
+    ([4, 48], [4], [4, 16])
     """
     coarse = _microbatch_candidates(p, batch)
     first = max([m for m in coarse if m <= 2 * p] or coarse[:1])
     data = _data_devices(inner)
-    fine = [m for m in _finer_counts(p, batch, data) if batch // m == data] if data > 1 else []
+    fine = [m for m in _finer_counts(p, batch, data) if batch // m == data]
     return [first] + [m for m in fine if m >= 4 * first]
