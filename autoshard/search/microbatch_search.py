@@ -2,8 +2,8 @@
 time (the axis itself is pipeline_search's choice).
 
 The micro-batch count, when not given, is the multiple of p dividing the batch with the least predicted step time:
-planned at p or 2p (and at Megatron's count, one sample per data-parallel device, when that first plan's batch split
-cannot estimate it), every other count estimated from those plans (`expected_steps`: a finer count without the
+planned at p or 2p (and at Megatron's count, one sample per data-parallel device, unless that first plan splits its
+micro-batch over exactly those devices), every other count estimated from those plans (`expected_steps`: a finer count without the
 recomputation the planned one needed), and re-planned once if another count wins. The predicted step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1)
 x the slowest stage + the slowest stage's gradient sync; then the schedules of two stages per rank
 (`SEARCHED_SCHEDULES`) are weighed on the same micro-batch program (`best_schedule`). Each re-plan is skipped when
@@ -161,14 +161,14 @@ def _batch_ways(prog) -> int:
     return max((math.prod(shape[a] for a, p in enumerate(spec) if p == Shard(0)) for spec in specs), default=1)
 
 
-def _estimates_megatron_count(prog, inner: tuple) -> bool:
-    """Whether the micro-batch counts estimated from `prog` (`_finer_counts` of its batch split) include Megatron's
-    count, one sample per data-parallel device of the inner mesh: they do when its data devices are a multiple of the
-    devices `prog` splits a micro-batch over. A first plan that splits its micro-batch over more devices (its batch
-    over the axis Megatron's rule gives tensor parallelism: Llama 3 8B pipelined over 2 of 8 GPUs, 4 sequences a
-    micro-batch over the other 4) estimates only counts of 4 or more sequences; Megatron's count of one, planned,
-    shards otherwise and ran 8% faster (1.69 vs 1.83 s)."""
-    return _data_devices(inner) % _batch_ways(prog) == 0
+def _splits_as_megatron(prog, inner: tuple) -> bool:
+    """Whether `prog` splits its micro-batch over exactly the inner mesh's data devices (Megatron's rule): then the
+    counts estimated from it (`_finer_counts` of its batch split) include Megatron's count, one sample per data
+    device, sharded alike. Over fewer devices it may shard otherwise (its activations crowd out the parameters);
+    over more, the counts of fewer samples than it splits are not estimated at all (Llama 3 8B pipelined over 2 of 8
+    GPUs, 4 sequences a micro-batch over the other 4: Megatron's count of one, planned, shards otherwise and runs 8%
+    faster): either way Megatron's count is planned."""
+    return _batch_ways(prog) == _data_devices(inner)
 
 
 def _finer_counts(p: int, batch: int, ways: int) -> list[int]:
@@ -260,8 +260,8 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
     replan = replan_bound(to_beat, "1F1B", 1)
     inner = inner_mesh(mesh, axis).shape
     for m in _first_counts(p, batch, inner):
-        if planned and all(_estimates_megatron_count(prog, inner) for prog in planned.values()):
-            break  # the first plan splits its micro-batch as Megatron's count can be split: it estimates that count
+        if planned and all(_splits_as_megatron(prog, inner) for prog in planned.values()):
+            break  # the first plan splits its micro-batch as Megatron's count would be: it estimates that count
         try:
             planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m), replan)
         except AutoshardError as exc:  # e.g. micro-batches too large to fit: the finer count may
@@ -307,7 +307,7 @@ def _first_counts(p: int, batch: int, inner: tuple) -> list[int]:
     its innermost axis (tensor parallelism inside a node; a one-axis inner mesh has none: one sample a micro-batch).
     A plan at a large micro-batch may shard very differently (its activations crowd out the parameters): estimates
     from it alone would miss the fine counts. Megatron's count is planned only where the first plan does not estimate
-    it (`_estimates_megatron_count`).
+    it (`_splits_as_megatron`).
 
     >>> _first_counts(2, 1536, (32, 8)), _first_counts(2, 8, (2,)), _first_counts(2, 16, (4,))
     ([4, 48], [4], [4, 16])
