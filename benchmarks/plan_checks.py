@@ -64,6 +64,16 @@ def smallest_batch(options: dict, sizes: dict) -> int:
     return math.prod(sizes[a] for a in axes) * (options.get("pipeline") or {}).get("microbatches", 1)
 
 
+def applied_file(prog, model, inputs, loss_fn, **options) -> tuple:
+    """(Program or None, the refusal's first line): `prog`'s plan saved to a file and applied to `model` on its mesh
+    shape (`parallelize(plan=<the file>, **options)` in bf16, as the benchmarks plan)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / "plan.json")
+        prog.plan.save(path)
+        applied, error, _, _ = plan(model, inputs, loss_fn, mesh=tuple(prog.mesh.shape), plan=path, **options)
+    return applied, error
+
+
 def rank_programs_built(prog, real: tuple, profile: str) -> dict:
     """The chosen plan's own file applied to the real model (`real`: (model, inputs, loss_fn) on the meta device, as
     planned) on its mesh, and rank 0's and the last rank's programs built from it (a pipeline's: their stages'
@@ -71,10 +81,7 @@ def rank_programs_built(prog, real: tuple, profile: str) -> dict:
     recorded, not raised."""
     start = time.perf_counter()
     ranks = sorted({0, prog.mesh.size - 1})
-    with tempfile.TemporaryDirectory() as folder:
-        path = str(Path(folder) / "plan.json")
-        prog.plan.save(path)
-        applied, error, _, _ = plan(*real, mesh=tuple(prog.mesh.shape), plan=path, profile=profile)
+    applied, error = applied_file(prog, *real, profile=profile)
     if applied is not None:
         try:
             for rank in ranks:
@@ -118,11 +125,7 @@ def verify_shrunk(prog, tiny, batch: int, profile: str, real: tuple) -> dict:
     # kernel (its output's strides), traces to another graph
     model, inputs, loss_fn = tiny(batch, "meta")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder:
-        path = str(Path(folder) / "plan.json")
-        prog.plan.save(path)
-        applied, error, _, _ = plan(model, inputs, loss_fn, mesh=shape, plan=path, plan_other_shapes=True,
-                                    profile=profile)
+    applied, error = applied_file(prog, model, inputs, loss_fn, plan_other_shapes=True, profile=profile)
     applies_s = time.perf_counter() - start
     options = decisions(prog.plan, small)
     batch = smallest_batch(options, small)
@@ -142,8 +145,8 @@ def verify_shrunk(prog, tiny, batch: int, profile: str, real: tuple) -> dict:
             "report": repr(report) if report is not None else checked, "seconds": time.perf_counter() - start}
 
 
-NOT_VERIFIED = {"built_ranks": [], "built_error": "no plan", "built_s": 0.0, "applies": False, "applies_error": "no plan", "applies_s": 0.0, "mesh": (), "batch": 0, "ok": False,
-                "roles": "", "report": "no plan", "seconds": 0.0}
+NOT_VERIFIED = {"built_ranks": [], "built_error": "no plan", "built_s": 0.0, "applies": False, "applies_error": "no plan",
+                "applies_s": 0.0, "mesh": (), "batch": 0, "ok": False, "roles": "", "report": "no plan", "seconds": 0.0}
 
 
 def verified_text(check) -> str:
