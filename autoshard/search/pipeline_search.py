@@ -40,8 +40,7 @@ from autoshard.program.pipeline import (
 from autoshard.search.hand_plan_search import plan_with_hand_plans
 from autoshard.search.microbatch_search import (
     SEARCH_RECORDS,
-    best_microbatches,
-    best_schedule,
+    best_pipeline,
 )
 from autoshard.solver.errors import MemoryBudgetError
 
@@ -102,7 +101,7 @@ def choose_pipeline(request: CompileRequest, pipeline, unnamed: bool):
     if axis is not None:
         if axis not in mesh.names:
             raise UserInputError(f"pipeline axis {axis!r} is not a mesh axis; mesh axes: {list(mesh.names)}")
-        return best_schedule(request, best_microbatches(request, axis, opts), opts)
+        return best_pipeline(request, axis, opts)
     return _search_axes(request, opts)
 
 
@@ -263,7 +262,7 @@ def _plan_axis(request: CompileRequest, axis: str, opts: dict, to_beat: float, c
     is appended to `candidates` (a refusal's to `errors` too)."""
     row = {"axis": axis} if request.options.zero is None else {"axis": axis, "zero": request.options.zero}
     try:
-        prog = best_schedule(request, best_microbatches(request, axis, opts, to_beat=to_beat), opts, to_beat=to_beat)
+        prog = best_pipeline(request, axis, opts, to_beat=to_beat)
     except AutoshardError as exc:
         candidates.append({**row, "error": str(exc).splitlines()[0]})
         errors.append(exc)
@@ -282,10 +281,11 @@ def _zero_data_request(request: CompileRequest, prog):
     """`request` with the batch split on the inner axis where `prog`'s plan splits parameters but not the batch,
     and ZeRO-2 there (Megatron's and torchtitan's layout: data parallelism with sharded optimizer state and
     gradients, synchronised once a step, instead of parameters split on a slow axis and gathered or reduced every
-    micro-batch); None when the plan has no such axis or the batch does not split over it.
+    micro-batch); None when the plan has no such axis or the batch of one of p micro-batches does not split over it.
 
     >>> from autoshard.frontend.request import CompileRequest
     >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("pp", "a")), inputs, loss_fn=loss_fn)
+    >>> from autoshard.search.microbatch_search import best_microbatches
     >>> _zero_data_request(request, best_microbatches(request, "pp", {})) is None  # it splits the batch on a
     True
     """
@@ -295,7 +295,10 @@ def _zero_data_request(request: CompileRequest, prog):
     params_on = {a for spec in specs.values() for a, p in enumerate(spec) if isinstance(p, Shard)}
     inputs = request.example_inputs
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    micro = batch_size(inputs) // prog.config.microbatches
+    # the largest micro-batch a pipeline over this axis runs (p of them): the request searches its own counts (Llama 3
+    # 70B over (2, 16, 8): a 2-sample micro-batch of the 256 first kept does not split over 8, 32 micro-batches do,
+    # and with ZeRO-2 there take 18.3 s against 19.6)
+    micro = batch_size(inputs) // prog.config.pp_size
     axes = [a for a in sorted(params_on - batch_on) if inner.shape[a] >= 2 and micro % inner.shape[a] == 0]
     if not axes or request.hints or request.options.zero is not None:
         return None
