@@ -245,9 +245,8 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
     """Plan at one or two micro-batch counts (`_first_counts`), estimate the others from each plan (`expected_steps`,
     without and with the planned count's recomputation), re-plan the count each estimate ranks first when it is
     another; the fastest planned count wins (`every`: every planned count's Program, fastest first). A re-plan is
-    skipped when even without
-    its gradient sync (the only cost a plan for another count weighs differently: its share per micro-batch) the
-    estimate cannot beat `to_beat`, the best step found so far.
+    skipped when even without its gradient sync (the only cost a plan for another count weighs differently: its share
+    per micro-batch) the estimate cannot beat `to_beat`, the best step found so far.
 
     The count kept (the module's example) is the one expected fastest, planned:
 
