@@ -255,8 +255,8 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
     """Plan at one or two micro-batch counts (`_first_counts`), estimate the others from each plan (`expected_steps`,
     without and with the planned count's recomputation), re-plan the count each estimate ranks first when it is
     another; the fastest planned count wins (`every`: every planned count's Program, fastest first). A re-plan is
-    skipped when even without its gradient sync (the only cost a plan for another count weighs differently: its share
-    per micro-batch) nor its bubble (zero bubble may remove it: `to_beat` is often a zero-bubble step) the estimate
+    skipped when, even without its gradient sync (the only cost a plan for another count weighs differently: its share
+    per micro-batch) and its bubble (zero bubble may remove it: `to_beat` is often a zero-bubble step), the estimate
     cannot beat `to_beat`, the best step found so far. Measured with the bubble kept in: Megatron's 3.6B GPT over 64
     GPUs kept a 1.543 s plan, its zero-bubble counts pruned by their 1F1B estimates; planned, 1.418 s.
 
