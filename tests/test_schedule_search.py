@@ -88,12 +88,10 @@ def test_a_count_is_replanned_unless_even_its_step_without_the_bubble_cannot_bea
 
     model, inputs, loss_fn = gpt2(n_layers=4)  # a batch of 8: the search plans 4 micro-batches first
     request = CompileRequest(model, autoshard.Mesh((2,), ("pp",)), inputs, loss_fn=loss_fn)
-    unbounded = best_microbatches(request, "pp", {}, every=True)
-    assert sorted(prog.config.microbatches for prog in unbounded) == [2, 4]  # 2 estimated fastest, re-planned
     four = parallelize_pipeline(request, "pp", {"microbatches": 4})
     step, planned_from, least = expected_steps({4: four}, 2, 8)[2]
     sync = max(row["sync_s"] for row in four.state.pipeline_stages)  # the gradient sync is left out of both too
-    assert planned_from == 4 and least < step
+    assert planned_from == 4 and least < step  # 2 micro-batches: the count the estimates rank first
     between = best_microbatches(request, "pp", {}, to_beat=(least + step) / 2 - sync, every=True)
     assert sorted(prog.config.microbatches for prog in between) == [2, 4]
     below = best_microbatches(request, "pp", {}, to_beat=(least - sync) / 2, every=True)
