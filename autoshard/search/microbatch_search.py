@@ -5,10 +5,11 @@ The micro-batch count, when not given, is the multiple of p dividing the batch w
 planned at p or 2p (and at Megatron's count, one sample per data-parallel device, unless that first plan splits its
 micro-batch over exactly those devices), every other count estimated from those plans (`expected_steps`: a finer
 count without the recomputation the planned one needed, and with it), and the count each estimate ranks first
-re-planned when it is another. The predicted step of a pipeline is the 1F1B-family formula: sum of stage times + (m - 1)
-x the slowest stage + the slowest stage's gradient sync; then the schedules of two stages per rank
-(`SEARCHED_SCHEDULES`) are weighed on the same micro-batch program (`best_schedule`). Each re-plan is skipped when
-its least step cannot beat `to_beat`, the best step the caller knows.
+re-planned when it is another. The predicted step of a pipeline is the 1F1B-family formula: sum of stage times
++ (m - 1) x the slowest stage + the slowest stage's gradient sync; then the schedules of two stages per rank
+(`SEARCHED_SCHEDULES`) are weighed on each planned count's micro-batch program (`best_pipeline`, `best_schedule`).
+Each re-plan and schedule is skipped when its least step (without the bubble) cannot beat `to_beat`, the best step
+the caller knows.
 
 >>> import autoshard
 >>> from autoshard.zoo import mlp
