@@ -118,8 +118,13 @@ def _without_timings(prog) -> tuple:
 
 
 # 0.5: a pipelined plan is kept (applied from a worker's plan); 16 devices: four shapes, so two are planned after the
-# first two, and the hand plans are compared on a worker they leave idle (steps tie: the first shape is kept)
-@pytest.mark.parametrize(("devices", "budget_share"), [(4, None), (4, 0.5), (16, None)])
+# first two, and the hand plans are compared on a worker they leave idle (steps tie: the first shape is kept). 4 devices
+# unbudgeted (a flat plan kept: what 16 devices also check) runs under AUTOSHARD_FULL_MATRIX=1 (the suite's 10 minutes).
+@pytest.mark.parametrize(("devices", "budget_share"), [
+    pytest.param(4, None, marks=pytest.mark.skipif(os.environ.get("AUTOSHARD_FULL_MATRIX") != "1",
+                                                   reason="16 devices check a flat plan too; AUTOSHARD_FULL_MATRIX=1 "
+                                                          "runs it")),
+    (4, 0.5), (16, None)])
 def test_shapes_planned_in_worker_processes_give_the_plan_planned_in_one(monkeypatch, devices, budget_share):
     model, inputs, loss_fn = mlp(n_layers=4)
     budget = None

@@ -97,3 +97,24 @@ def test_a_count_is_replanned_unless_even_its_step_without_the_bubble_cannot_bea
     below = best_microbatches(request, "pp", {}, to_beat=(least - sync) / 2, every=True)
     assert [prog.config.microbatches for prog in below] == [4]
     assert below[0].search_records["not_replanned"]["microbatches"] == 2
+
+
+def test_a_planned_count_slower_than_its_estimate_hands_the_lead_to_the_next_estimate():
+    """GPT-2 (8 layers, width 2048) pipelined over 4 of (4, 2) on the H100 profile: the search plans 8 and 64
+    micro-batches first (64: one sample each), and from 8's plan estimates 64 fastest -- but 64 is planned, and slower.
+    Each planned count is ranked at its plan's step, and the search plans the count ranked first until it is a planned
+    one: here 32, kept under zero bubble. Before, 8's estimate of 64 stood in for 64's plan, 32 was never planned and
+    8 was kept (0.124 s against 0.113)."""
+    model, inputs, loss_fn = gpt2(batch=64, seq=1024, dim=2048, n_heads=16, n_layers=8, vocab_size=32000, device="meta")
+
+    def planned(**pipeline):
+        return autoshard.parallelize(model, (4, 2), inputs, loss_fn=loss_fn, axis_names=("pp", "tp"), profile="gpu",
+                                     pipeline=pipeline or None)
+
+    prog = planned()
+    at_64 = planned(microbatches=64, schedule="1F1B")
+    at_8 = planned(microbatches=8, schedule="ZBVZeroBubble", virtual_stages=2)  # what the search kept before
+    record = prog.plan.pipeline["microbatch_search"]
+    assert record["64"] == at_64.predicted_step_s  # its plan's step, not 8's estimate of it
+    assert min(record, key=record.get) == "32" == str(prog.plan.pipeline["microbatches"])
+    assert prog.predicted_step_s < at_8.predicted_step_s

@@ -4,8 +4,8 @@ time (the axis itself is pipeline_search's choice).
 The micro-batch count, when not given, is the multiple of p dividing the batch with the least predicted step time:
 planned at p or 2p (and at Megatron's count, one sample per data-parallel device, unless that first plan splits its
 micro-batch over exactly those devices), every other count estimated from those plans (`expected_steps`: a finer
-count without the recomputation the planned one needed, and with it), and the count each estimate ranks first
-re-planned when it is another. The predicted step of a pipeline is the 1F1B-family formula: sum of stage times
+count without the recomputation the planned one needed, and with it; a planned count ranked at its plan's step), and
+the count ranked first planned until a planned count ranks first (a plan slower than its estimate hands the lead on). The predicted step of a pipeline is the 1F1B-family formula: sum of stage times
 + (m - 1) x the slowest stage + the slowest stage's gradient sync; then the schedules of two stages per rank
 (`SEARCHED_SCHEDULES`) are weighed on each planned count's micro-batch program (`best_pipeline`, `best_schedule`).
 Each re-plan and schedule is skipped when its least step (without the bubble) cannot beat `to_beat`, the best step
@@ -214,11 +214,12 @@ def estimate_step(stages: list[dict], m0: int, m: int, config, bubble: bool = Tr
 def expected_steps(planned: dict, p: int, batch: int, recomputed: bool = False) -> dict:
     """{count: (expected step, the planned count it is estimated from, the expected step without the bubble)} over
     the counts each plan of `planned` ({count: its Program}) estimates (`_finer_counts` of its batch split), each the
-    least expected of them; a planned count's own is its predicted step. The step without the bubble is what no
-    schedule beats (`least_step`): the search weighs zero bubble after the count. A finer count keeps smaller
-    micro-batches in flight: what the memory ladder recomputed at the planned count it recomputes at most there, so
-    its estimate leaves the recomputation out (Llama 3 8B pipelined over 2 of 8 GPUs: at 4 micro-batches 20 layers
-    recomputed; 16 estimated with them at 2.01 s were not planned; planned, 1.69 s), unless `recomputed`.
+    least expected of them; a planned count's is its plan's predicted step, whatever another plan estimates. The step
+    without the bubble is what no schedule beats (`least_step`): the search weighs zero bubble after the count. A
+    finer count keeps smaller micro-batches in flight: what the memory ladder recomputed at the planned count it
+    recomputes at most there, so its estimate leaves the recomputation out (Llama 3 8B pipelined over 2 of 8 GPUs: at
+    4 micro-batches 20 layers recomputed; 16 estimated with them at 2.01 s were not planned; planned, 1.69 s), unless
+    `recomputed`.
 
     >>> from types import SimpleNamespace as Plan
     >>> from autoshard.cost.profiles import Link
@@ -241,21 +242,23 @@ def expected_steps(planned: dict, p: int, batch: int, recomputed: bool = False) 
         for m in sorted({m0, *_finer_counts(p, batch, _batch_ways(prog))}):
             # the estimates rank the counts; scaled to the plan's own predicted step they say what m would take
             rows = lighter if m > m0 and not recomputed else stages
-            if m == m0:
-                step, least = prog.predicted_step_s, prog.predicted_work_s
-            else:
-                step = estimate_step(rows, m0, m, config) * prog.predicted_step_s / own
-                least = estimate_step(rows, m0, m, config, bubble=False) * prog.predicted_step_s / own
+            if m in planned:  # a plan is known: no estimate from another plan stands in for it
+                continue
+            step = estimate_step(rows, m0, m, config) * prog.predicted_step_s / own
+            least = estimate_step(rows, m0, m, config, bubble=False) * prog.predicted_step_s / own
             if m not in expected or step < expected[m][0]:
                 expected[m] = (step, m0, least)
-    return expected
+        expected[m0] = (prog.predicted_step_s, m0, prog.predicted_work_s)
+    return dict(sorted(expected.items()))
 
 
 def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: float = float("inf"),
                       every: bool = False):
     """Plan at one or two micro-batch counts (`_first_counts`), estimate the others from each plan (`expected_steps`,
-    without and with the planned count's recomputation), re-plan the count each estimate ranks first when it is
-    another; the fastest planned count wins (`every`: every planned count's Program, fastest first). A re-plan is
+    without and with the planned count's recomputation), and plan the count ranked first until a planned count ranks
+    first (GPT-2 of width 2048 pipelined over 4 of (4, 2) on H100s: 64 micro-batches, estimated fastest from the plan
+    at 8, planned slower; the next estimate, 32, planned 9% faster than 8 under zero bubble); the fastest planned count
+    wins (`every`: every planned count's Program, fastest first). A re-plan is
     skipped when, even without its gradient sync (the only cost a plan for another count weighs differently: its share
     per micro-batch) and its bubble (zero bubble may remove it: `to_beat` is often a zero-bubble step), the estimate
     cannot beat `to_beat`, the best step found so far. Measured with the bubble kept in: Megatron's 3.6B GPT over 64
@@ -287,23 +290,29 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
             errors.append(exc)
     if not planned:
         raise errors[0]
-    expected = expected_steps(planned, p, batch)
     pruned = None
-    # The count expected fastest is planned; so is the one expected fastest with the planned count's recomputation
-    # kept (what the search re-planned before the estimates left it out), so that leaving it out never loses a plan.
-    for ranking in (expected, expected_steps(planned, p, batch, recomputed=True)):
-        best = min(ranking, key=lambda m: (ranking[m][0], m))
-        if best in planned:
-            continue
-        sync = max(row.get("sync_s", 0.0) for row in planned[ranking[best][1]].state.pipeline_stages)
-        # the bound may be a zero-bubble step: the count is weighed under zero bubble too (`best_pipeline`)
-        if ranking[best][2] - sync >= to_beat:
-            pruned = pruned or {"microbatches": best, "expected_step_s": ranking[best][0]}
-            continue
-        try:
-            planned[best] = parallelize_pipeline(request, axis, dict(opts, microbatches=best), replan)
-        except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep the planned counts
-            log.info("pipelining with %d micro-batches is not possible (%s)", best, exc)
+    tried = set(planned)  # planned, or refused
+    # The count expected fastest is planned, until a planned count ranks first (a plan slower than its estimate hands
+    # the lead to the next estimate); likewise ranked with the planned count's recomputation kept (what the search
+    # re-planned before the estimates left it out), so that leaving it out never loses a plan.
+    for recomputed in (False, True):
+        while True:
+            ranking = {m: row for m, row in expected_steps(planned, p, batch, recomputed).items()
+                       if m in planned or m not in tried}
+            best = min(ranking, key=lambda m: (ranking[m][0], m))
+            if best in planned:
+                break
+            tried.add(best)
+            sync = max(row.get("sync_s", 0.0) for row in planned[ranking[best][1]].state.pipeline_stages)
+            # the bound may be a zero-bubble step: the count is weighed under zero bubble too (`best_pipeline`)
+            if ranking[best][2] - sync >= to_beat:
+                pruned = pruned or {"microbatches": best, "expected_step_s": ranking[best][0]}
+                break
+            try:
+                planned[best] = parallelize_pipeline(request, axis, dict(opts, microbatches=best), replan)
+            except AutoshardError as exc:  # e.g. a micro-batch too small to shard on dp: keep the planned counts
+                log.info("pipelining with %d micro-batches is not possible (%s)", best, exc)
+    expected = expected_steps(planned, p, batch)
     ranked = sorted(planned.values(), key=lambda prog: (prog.predicted_step_s, prog.config.microbatches))
     for prog in ranked:  # each planned count may win under another schedule (`best_pipeline`)
         prog.record("microbatch_search", {str(m): expected[m][0] for m in sorted(expected)})
