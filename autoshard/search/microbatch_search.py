@@ -278,12 +278,13 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
     mesh = request.mesh
     p, batch = mesh.shape[mesh.axis(axis)], batch_size(inputs)
     request = request.replace(example_inputs=inputs)
-    planned, errors = {}, []
+    planned, errors, tried = {}, [], set()  # tried: planned, or refused (planning it again would refuse it again)
     replan = replan_bound(to_beat, "1F1B", 1)
     inner = inner_mesh(mesh, axis).shape
     for m in _first_counts(p, batch, inner):
         if planned and all(_splits_as_megatron(prog, inner) for prog in planned.values()):
             break  # the first plan splits its micro-batch as Megatron's count would be: it estimates that count
+        tried.add(m)
         try:
             planned[m] = parallelize_pipeline(request, axis, dict(opts, microbatches=m), replan)
         except AutoshardError as exc:  # e.g. micro-batches too large to fit: the finer count may
@@ -291,7 +292,6 @@ def best_microbatches(request: CompileRequest, axis: str, opts: dict, to_beat: f
     if not planned:
         raise errors[0]
     pruned = None
-    tried = set(planned)  # planned, or refused
     # The count expected fastest is planned, until a planned count ranks first (a plan slower than its estimate hands
     # the lead to the next estimate); likewise ranked with the planned count's recomputation kept (what the search
     # re-planned before the estimates left it out), so that leaving it out never loses a plan.
