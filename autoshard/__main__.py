@@ -194,7 +194,8 @@ def _run(args) -> int:
                            devices=devices, **options)
         if args.json:
             extra = {"fingerprint": prog.plan.fingerprint, "ilp": prog.state.ilp_stats,
-                     "ilp_stopped": [r.to_json() for r in prog.state.ilp_stopped], "axis_roles": prog.plan.axis_roles()}
+                     "ilp_stopped": [r.to_json() for r in prog.state.ilp_stopped], "axis_roles": prog.plan.axis_roles(),
+                     "step_s": prog.plan.step_s}  # the step (a pipeline's schedule, not one micro-batch)
             print(json.dumps(prog.plan.to_json() | extra, indent=1, sort_keys=True))
         else:
             if devices is not None:

@@ -139,7 +139,7 @@ def plan_choices(quick: bool, shapes=None, mesh=MESH, batch=BATCH, seq=SEQ, grou
                 prog = autoshard.parallelize(model, mesh, inputs, loss_fn=loss_fn, profile=profile, **options)
             seconds = time.perf_counter() - start
             p = prog.plan.predicted
-            step = prog.plan.pipeline["predicted_step_s"] if prog.plan.pipeline else p["step_time_s"]
+            step = prog.plan.step_s
             rows.append({"shape": shape, "run": run, "choice": experts_role(prog), "step_s": step,
                          "memory_gb": p["memory_bytes_per_rank"] / 1e9, "zero": str(prog.zero or "none"),
                          "recomputed": len(prog.state.recompute_regions or []), "planning_s": seconds,

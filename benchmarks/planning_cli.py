@@ -49,12 +49,11 @@ def run_cli(factory: str, args: list[str]) -> dict:
         raise RuntimeError(done.stderr[-3000:])
     plan = json.loads(done.stdout)
     search = plan.get("search", {})
-    pipeline = plan.get("pipeline") or {}
     # the mesh kept (devices=) or given: a pipelined plan's JSON holds its inner mesh
     mesh = search.get("chosen_mesh") or [int(n) for n in args[args.index("--mesh") + 1].split(",")]
     cpu_s = (after.children_user + after.children_system) - (cpu.children_user + cpu.children_system)
     return {"mesh": "x".join(str(n) for n in mesh), "wall_s": wall, "cpu_s": cpu_s,
-            "step_s": pipeline.get("predicted_step_s", plan["predicted"]["step_time_s"]), "memory_gib": plan["predicted"]["memory_bytes_per_rank"] / 2**30,
+            "step_s": plan["step_s"], "memory_gib": plan["predicted"]["memory_bytes_per_rank"] / 2**30,
             "pipeline": plan.get("pipeline", {}).get("axis") or "-", "candidates": len(search.get("candidates", [])) or 1,
             "recomputed": len(plan["hints"].get("recompute", [])), "zero": plan["hints"].get("zero") or "-",
             "parts": plan["predicted"]["memory"]}

@@ -16,7 +16,7 @@ from autoshard.cost.profiles import load_profile
 from autoshard.frontend.request import CompileOptions, CompileRequest
 from autoshard.passes.pass_lists import trace_for_plan
 from autoshard.search.mesh_search import candidate_shapes
-from autoshard.search.shape_result import describe_roles, predicted_step_s
+from autoshard.search.shape_result import describe_roles
 
 PP = "pp"  # the pipeline axis of a published mesh
 
@@ -60,7 +60,7 @@ def figures(prog) -> dict:
             "zero": repr(prog.zero) if getattr(prog, "zero", None) is not None else "none",
             "pipeline": (f"{pipeline['stages']} stages over {pipeline['axis']}, {pipeline['microbatches']} "
                          f"micro-batches, {pipeline['schedule']}") if pipeline else "none",
-            "recomputed": len(hints.get("recompute", [])), "step_s": predicted_step_s(prog),
+            "recomputed": len(hints.get("recompute", [])), "step_s": prog.plan.step_s,
             "memory_bytes": memory_bytes(prog), "chosen_plan": prog.plan.search.get("chosen_plan", ""),
             "overlapped_s": prog.plan.predicted.get("overlapped_step_s", prog.plan.predicted["step_time_s"])}
 

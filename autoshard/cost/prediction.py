@@ -114,7 +114,8 @@ _OPTIONAL = ("recompute_s", "memory", "overlapped_step_s")
 class Prediction(FieldsMapping):
     """A plan's predicted costs per step and rank: step time (compute + communication, not overlapped),
     communication bytes per mesh axis, memory (its total and parts), recompute time and the step as the
-    runtime overlaps it. Optional figures that are None are absent from the dict form.
+    runtime overlaps it. Optional figures that are None are absent from the dict form. A pipelined plan's times are
+    its micro-batch program's (one micro-batch): its step is `Plan.step_s`.
 
     >>> p.step_time_s, p["comm_bytes_per_step"], "memory" in p
     (2.0, {'dp': {'fwd': 0, 'bwd': 0, 'sync': 64}}, False)

@@ -135,6 +135,18 @@ class Plan:
         hints = state.hints.to_json() if hasattr(state.hints, "to_json") else {}
         return cls(mesh, rows, dict(sorted(state.grad_reduce.items())), hints, state.predicted.copy(), state)
 
+    @property
+    def step_s(self) -> float | None:
+        """The predicted time of one training step: a pipelined plan's schedule (`pipeline["predicted_step_s"]`: its
+        `predicted` prices one micro-batch's program), else `predicted.step_time_s`; None for a plan without costs.
+
+        >>> plan.step_s == plan.predicted.step_time_s  # no pipeline
+        True
+        """
+        if self.pipeline:
+            return self.pipeline["predicted_step_s"]
+        return None if self.predicted is None else self.predicted.step_time_s
+
     def save(self, path) -> None:
         """Write the plan as JSON (with its fingerprint) for `Plan.load` / `parallelize(..., plan=path)`.
 

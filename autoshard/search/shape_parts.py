@@ -38,7 +38,7 @@ from autoshard.search.pipeline_search import (
     step_to_beat,
 )
 from autoshard.search.planning_workers import picklable
-from autoshard.search.shape_result import ShapeResult, deferred_flat_step, figures_of, predicted_step_s
+from autoshard.search.shape_result import ShapeResult, deferred_flat_step, figures_of
 
 
 @dataclasses.dataclass
@@ -122,7 +122,7 @@ def plan_part(request: CompileRequest, pipeline, to_beat: float, task: tuple,
 def _part(shape: tuple, axis, rows: list, errors: list, prog, started: float) -> PartResult:
     if prog is None:  # nothing planned beats the bound (or fits)
         return PartResult(shape, axis, rows, errors, seconds=time.perf_counter() - started)
-    return PartResult(shape, axis, rows, errors, predicted_step_s(prog), prog.plan.to_json(), figures_of(prog),
+    return PartResult(shape, axis, rows, errors, prog.plan.step_s, prog.plan.to_json(), figures_of(prog),
                       dict(prog.plan.search) if axis is None else None, list(prog.state.ilp_stats),
                       list(prog.state.ilp_stopped), time.perf_counter() - started)
 

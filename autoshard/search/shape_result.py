@@ -5,7 +5,7 @@ step and the row `plan.search["mesh_candidates"]` shows, from a Program planned 
 >>> from autoshard.zoo import mlp
 >>> model, inputs, loss_fn = mlp(n_layers=2)
 >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, hints={"input:0": {"a0": "S(0)"}})
->>> predicted_step_s(prog) == prog.plan.predicted.step_time_s
+>>> shape_result((2,), prog, 0.0, keep_program=False).step == prog.plan.step_s
 True
 """
 from __future__ import annotations
@@ -18,21 +18,6 @@ from autoshard.ir import meta
 from autoshard.ir.errors import AutoshardError
 from autoshard.ir.placement import Shard
 from autoshard.report.accuracy import predicted_memory_bytes
-
-
-def predicted_step_s(prog) -> float:
-    """The step a Program is predicted to take: its pipeline's (1F1B-family formula over the stages) when it
-    pipelines, else its intra-op plan's.
-
-    >>> import autoshard
-    >>> from autoshard.zoo import mlp
-    >>> model, inputs, loss_fn = mlp(n_layers=2)
-    >>> prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",))
-    >>> predicted_step_s(prog) == prog.plan.predicted.step_time_s
-    True
-    """
-    pipeline = prog.plan.pipeline
-    return pipeline["predicted_step_s"] if pipeline else prog.plan.predicted.step_time_s
 
 
 @dataclasses.dataclass
@@ -65,7 +50,7 @@ def shape_result(shape: tuple, prog, started: float, keep_program: bool, flat_st
     plan = dict(prog.plan.to_json(), fingerprint=prog.plan.fingerprint)
     return ShapeResult(shape, {"mesh": list(shape), **figures_of(prog),
                                "seconds": round(time.perf_counter() - started, 3)},
-                       predicted_step_s(prog), plan, prog if keep_program else None, flat_step,
+                       prog.plan.step_s, plan, prog if keep_program else None, flat_step,
                        list(prog.state.ilp_stats), list(prog.state.ilp_stopped))
 
 
@@ -75,7 +60,7 @@ def figures_of(prog) -> dict:
     >>> sorted(figures_of(prog))
     ['memory_bytes_per_rank', 'plan', 'predicted_step_s']
     """
-    return {"predicted_step_s": predicted_step_s(prog), "memory_bytes_per_rank": predicted_memory_bytes(prog),
+    return {"predicted_step_s": prog.plan.step_s, "memory_bytes_per_rank": predicted_memory_bytes(prog),
             "plan": describe_roles(prog)}
 
 

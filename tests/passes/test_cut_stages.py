@@ -1,5 +1,6 @@
 """Tier 1: stage annotations (all notations), their errors, and the automatic cut against brute force."""
 import itertools
+import json
 
 import pytest
 import torch
@@ -209,6 +210,21 @@ def test_cli_plans_a_pipeline_and_prints_the_stage_table(capsys):
     assert code == 0
     assert "axis pp (pipeline): 2 stages on 2 ranks (1 per rank), GPipe, 4 micro-batches, cut balance=[4, 3]" in out
     assert "stage 1 (pp rank 1)" in out and "tied parameters summed over pp: ['wte.weight']" in out
+
+
+def test_a_pipelined_plans_step_is_its_schedules_not_one_micro_batchs(capsys):
+    """`plan.predicted` of a pipelined plan prices its micro-batch program; `plan.step_s` (and `plan --json`'s
+    "step_s") is the whole step: what a user compares plans by."""
+    from autoshard.__main__ import main
+    from autoshard.plan.plan import Plan
+    code = main(["plan", "autoshard.zoo:gpt2", "--mesh", "2,2", "--axis-names", "pp,dp", "--schedule", "1f1b",
+                 "--microbatches", "4", "--json"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    cli_extras = ("ilp", "ilp_stopped", "axis_roles", "step_s")  # what --json prints besides the plan file
+    plan = Plan.from_json({k: v for k, v in printed.items() if k not in cli_extras})
+    assert printed["step_s"] == plan.step_s == printed["pipeline"]["predicted_step_s"]
+    assert plan.step_s > 2 * plan.predicted.step_time_s  # four micro-batches and the fill and drain
 
 
 def test_planned_timeline_matches_the_bubble_formula():
