@@ -29,6 +29,7 @@ already there). Options (command line of `python -m benchmarks.architectures`, o
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import copy
 import json
@@ -226,7 +227,8 @@ def _head(family: str) -> str:
 
 
 def load_results() -> dict:
-    """benchmarks/architectures.json: {'transformers': version, 'families': {family: record}}."""
+    """benchmarks/architectures.json: {'transformers': the last run's version, 'families': {family: record (with the
+    transformers version it ran under)}}."""
     if JSON.exists():
         return json.loads(JSON.read_text())
     return {"transformers": None, "families": {}}
@@ -265,7 +267,7 @@ def sweep(names, jobs: int = 1, timeout: float = TIMEOUT, redo: bool = False, li
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(run_in_subprocess, name, timeout, threads): name for name in todo}
         for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            record = future.result()
+            record = dict(future.result(), transformers=transformers.__version__)
             results["families"][record["family"]] = record
             save_results(results)
             cells = " ".join(f"{c}={'ok' if status(record, c) == 'ok' else 'FAIL'}" for c in CELLS)
@@ -288,7 +290,9 @@ def summary(results: dict, names) -> tuple[str, list, list]:
     exportable = [n for n in done if status(families[n], "export") == "ok"]
     all_ok = [n for n in exportable if all(status(families[n], c) == "ok" for c in CELLS)]
     share = f"{100 * len(all_ok) / len(exportable):.0f}%" if exportable else "n/a"
-    text = [(f"transformers {results.get('transformers')}: {len(names)} families with a trainable head; "
+    versions = collections.Counter(families[n].get("transformers", "?") for n in done)  # a rerun may mix releases
+    run_under = ", ".join(f"{v} ({k} families)" if len(versions) > 1 else v for v, k in sorted(versions.items()))
+    text = [(f"transformers {run_under}: {len(names)} families with a trainable head; "
             f"**{len(done)} of {len(names)} run**" +
              (" (the rest not yet: the sweep resumes where it stopped)." if len(done) < len(names) else ".")),
             "",
