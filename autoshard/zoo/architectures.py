@@ -141,6 +141,38 @@ def tiny_config(config):
     return changes
 
 
+def per_layer_lists(config, changes: dict) -> dict:
+    """{field: small value} for `config`'s per-layer lists once `changes` shrinks its layer count from N to L: a list
+    of N entries (a type or a source layer per layer) keeps its first L, a rising list of layer indices those below
+    L. A config that validates its layers against each other (`layer_types`, the layers an indexer or a hybrid block
+    sits on) fails with its lists at full length, or with `tiny_config`'s per-stage rule applied to an index list.
+
+    >>> from types import SimpleNamespace as Config
+    >>> per_layer_lists(Config(num_hidden_layers=6, layer_types=["s", "s", "f", "s", "s", "f"], index_layers=[2, 5],
+    ...                        kv_source_layers=[0, 1, 2, 2, 4, 5]), {"num_hidden_layers": 2})
+    {'layer_types': ['s', 's'], 'index_layers': [], 'kv_source_layers': [0, 1]}
+    """
+    counts = [(name, getattr(config, name)) for name in _LAYER_COUNTS
+              if isinstance(getattr(config, name, None), int) and name in changes]
+    if not counts:
+        return {}
+    name, n = counts[0]
+    small = changes[name]
+    out = {}
+    for field, value in vars(config).items():
+        if field == name or not isinstance(value, (list, tuple)) or not value:
+            continue
+        if len(value) == n and all(isinstance(v, (str, int)) for v in value):
+            out[field] = type(value)(value[:small])
+        elif (re.search(r"layers$|layer_ids$", field) and all(isinstance(v, int) for v in value)
+              and list(value) == sorted(set(value)) and value[-1] < n):
+            out[field] = type(value)(v for v in value if v < small)
+    return out
+
+
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
 def _is_config(value) -> bool:
     return hasattr(value, "to_dict") and hasattr(value, "model_type") and not isinstance(value, type)
 
@@ -299,7 +331,8 @@ class BuildError(RuntimeError):
 def build(family: str):
     """(model, example_inputs, model_loss) of `family`: the tiny random model of its head (training mode) and
     the first candidate batch on which its forward returns a loss. A config the rules cannot shrink is built
-    again with only its layer counts and dropouts shrunk.
+    again with its per-layer lists cut to the small layer count (`per_layer_lists`), then with only its layer counts
+    and dropouts shrunk.
 
     >>> model, (ids, labels), _ = build("distilbert")
     >>> type(model).__name__, int((labels != -100).sum())  # masked LM: every other position
@@ -311,7 +344,8 @@ def build(family: str):
     config_cls = model_cls.config_class
     defaults = config_cls()
     changes = tiny_config(defaults)
-    attempts = [changes, {k: v for k, v in changes.items() if _DROPOUT.search(k) or re.search(r"layers$|depth", k)}]
+    attempts = [changes, {**changes, **per_layer_lists(defaults, changes)},
+                {k: v for k, v in changes.items() if _DROPOUT.search(k) or re.search(r"layers$|depth", k)}]
     errors = []
     for kwargs in attempts:
         try:
