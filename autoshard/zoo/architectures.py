@@ -173,6 +173,22 @@ def per_layer_lists(config, changes: dict) -> dict:
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
+def equal_heads(config, changes: dict) -> dict:
+    """{kv heads field: the small head count} where `config` has as many key/value heads as query heads and
+    `changes` shrinks them apart: multi-head latent attention (DeepSeek V2/V3, MiniCPM3) expands its latent into
+    one key and value per head, so its kv heads must stay the head count.
+
+    >>> from types import SimpleNamespace as Config
+    >>> equal_heads(Config(num_attention_heads=128, num_key_value_heads=128),
+    ...             {"num_attention_heads": 4, "num_key_value_heads": 2})
+    {'num_key_value_heads': 4}
+    """
+    heads, kv = "num_attention_heads", "num_key_value_heads"
+    if getattr(config, heads, None) == getattr(config, kv, None) and changes.get(kv) != changes.get(heads, -1):
+        return {kv: changes[heads]}
+    return {}
+
+
 def _is_config(value) -> bool:
     return hasattr(value, "to_dict") and hasattr(value, "model_type") and not isinstance(value, type)
 
@@ -331,8 +347,8 @@ class BuildError(RuntimeError):
 def build(family: str):
     """(model, example_inputs, model_loss) of `family`: the tiny random model of its head (training mode) and
     the first candidate batch on which its forward returns a loss. A config the rules cannot shrink is built
-    again with its per-layer lists cut to the small layer count (`per_layer_lists`), then with only its layer counts
-    and dropouts shrunk.
+    again with the sizes its config ties together kept tied (`per_layer_lists`, `equal_heads`), then with only its
+    layer counts and dropouts shrunk.
 
     >>> model, (ids, labels), _ = build("distilbert")
     >>> type(model).__name__, int((labels != -100).sum())  # masked LM: every other position
@@ -344,7 +360,7 @@ def build(family: str):
     config_cls = model_cls.config_class
     defaults = config_cls()
     changes = tiny_config(defaults)
-    attempts = [changes, {**changes, **per_layer_lists(defaults, changes)},
+    attempts = [changes, {**changes, **per_layer_lists(defaults, changes), **equal_heads(defaults, changes)},
                 {k: v for k, v in changes.items() if _DROPOUT.search(k) or re.search(r"layers$|depth", k)}]
     errors = []
     for kwargs in attempts:
