@@ -115,7 +115,7 @@ def tiny_config(config):
     changes = {}
     fields = [f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config) else list(vars(config))
     for name in fields:
-        value = getattr(config, name, None)
+        value = _read(config, name)
         if _is_config(value):
             changes[name] = type(value)(**tiny_config(value))
         elif isinstance(value, float) and not isinstance(value, bool) and _DROPOUT.search(name) and value > 0:
@@ -130,11 +130,11 @@ def tiny_config(config):
             changes[name] = 1.0  # EfficientNet-style width / depth multipliers
         elif (small := _small(name, value)) is not None:
             changes[name] = small
-    vocab = changes.get("vocab_size", getattr(config, "vocab_size", None))
+    vocab = changes.get("vocab_size", _read(config, "vocab_size"))
     if isinstance(vocab, int):
         moved = 0
         for name in fields:
-            value = getattr(config, name, None)
+            value = _read(config, name)
             if _TOKEN_ID.search(name) and isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
                 moved += 1
                 changes[name] = vocab - moved  # the last ids of the small vocabulary, one each
@@ -152,8 +152,8 @@ def per_layer_lists(config, changes: dict) -> dict:
     ...                        kv_source_layers=[0, 1, 2, 2, 4, 5]), {"num_hidden_layers": 2})
     {'layer_types': ['s', 's'], 'index_layers': [], 'kv_source_layers': [0, 1]}
     """
-    counts = [(name, getattr(config, name)) for name in _LAYER_COUNTS
-              if isinstance(getattr(config, name, None), int) and name in changes]
+    counts = [(name, _read(config, name)) for name in _LAYER_COUNTS
+              if isinstance(_read(config, name), int) and name in changes]
     if not counts:
         return {}
     name, n = counts[0]
@@ -173,6 +173,22 @@ def per_layer_lists(config, changes: dict) -> dict:
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
+def decoder_start(config) -> dict:
+    """{"decoder_start_token_id": the pad id} for an encoder-decoder config that names no decoder start token: the
+    model shifts its labels right behind it (T5's convention, which its released configs state; transformers 5's
+    T5Config no longer has the field, and T5, LongT5, Switch Transformers and Pop2Piano read it).
+
+    >>> from types import SimpleNamespace as Config
+    >>> decoder_start(Config(is_encoder_decoder=True, pad_token_id=0))
+    {'decoder_start_token_id': 0}
+    """
+    pad = _read(config, "pad_token_id")
+    if _read(config, "is_encoder_decoder") and _read(config, "decoder_start_token_id") is None \
+            and isinstance(pad, int):
+        return {"decoder_start_token_id": pad}
+    return {}
+
+
 def equal_heads(config, changes: dict) -> dict:
     """{kv heads field: the small head count} where `config` has as many key/value heads as query heads and
     `changes` shrinks them apart: multi-head latent attention (DeepSeek V2/V3, MiniCPM3) expands its latent into
@@ -184,9 +200,19 @@ def equal_heads(config, changes: dict) -> dict:
     {'num_key_value_heads': 4}
     """
     heads, kv = "num_attention_heads", "num_key_value_heads"
-    if getattr(config, heads, None) == getattr(config, kv, None) and changes.get(kv) != changes.get(heads, -1):
+    if isinstance(_read(config, heads), int) and _read(config, heads) == _read(config, kv) and heads in changes \
+            and changes.get(kv) != changes[heads]:
         return {kv: changes[heads]}
     return {}
+
+
+def _read(config, name: str):
+    """`config.name`, or None where the config refuses to give one value (Gemma 4 raises on a global read of a
+    field that varies per layer: the small value is then the per-layer configs' business)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 (transformers' per-layer access errors are not AttributeErrors)
+        return None
 
 
 def _is_config(value) -> bool:
@@ -347,8 +373,8 @@ class BuildError(RuntimeError):
 def build(family: str):
     """(model, example_inputs, model_loss) of `family`: the tiny random model of its head (training mode) and
     the first candidate batch on which its forward returns a loss. A config the rules cannot shrink is built
-    again with the sizes its config ties together kept tied (`per_layer_lists`, `equal_heads`), then with only its
-    layer counts and dropouts shrunk.
+    again with the fields its config ties together kept tied (`per_layer_lists`, `equal_heads`, `decoder_start`),
+    then with only its layer counts and dropouts shrunk.
 
     >>> model, (ids, labels), _ = build("distilbert")
     >>> type(model).__name__, int((labels != -100).sum())  # masked LM: every other position
@@ -360,7 +386,8 @@ def build(family: str):
     config_cls = model_cls.config_class
     defaults = config_cls()
     changes = tiny_config(defaults)
-    attempts = [changes, {**changes, **per_layer_lists(defaults, changes), **equal_heads(defaults, changes)},
+    tied = {**per_layer_lists(defaults, changes), **equal_heads(defaults, changes), **decoder_start(defaults)}
+    attempts = [changes, {**changes, **tied},
                 {k: v for k, v in changes.items() if _DROPOUT.search(k) or re.search(r"layers$|depth", k)}]
     errors = []
     for kwargs in attempts:
