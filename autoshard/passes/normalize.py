@@ -293,7 +293,8 @@ def _unflatten(graph, node):
 
 
 def _inline_grad_regions(gm: fx.GraphModule) -> bool:
-    """Inline `wrap_with_set_grad_enabled(flag, submod, *args)` (detach results made without grad) and
+    """Inline `wrap_with_set_grad_enabled(flag, submod, *args)` (detach results made without grad, unless a result is
+    an input unchanged: `_unchanged_input`) and
     `wrap_with_autocast(device, dtype, enabled, cache, submod, *args)` (`torch.autocast` in forward): the
     autocast region is traced again under autocast, which spells its casts out as `_to_copy` ops."""
     grad_hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
@@ -324,7 +325,8 @@ def _inline_grad_regions(gm: fx.GraphModule) -> bool:
                 copied.meta[meta.PATH] = node.meta.get(meta.PATH, meta.module_path(inner))
                 env[inner] = copied
             if not enabled:
-                results = [new_node(gm.graph, aten.detach.default, [r], like=node) for r in results]
+                results = [_unchanged_input(r, args) or new_node(gm.graph, aten.detach.default, [r], like=node)
+                           for r in results]
         for user in list(node.users):
             if user.target is operator.getitem:
                 user.replace_all_uses_with(results[user.args[1]])
@@ -334,6 +336,40 @@ def _inline_grad_regions(gm: fx.GraphModule) -> bool:
         delattr(gm, sub_node.target)
         changed = True
     return changed
+
+
+# Ops that return their input itself where they change nothing (`Tensor.to` to the dtype and device it has,
+# `contiguous` of a contiguous tensor): under no_grad too, so the result keeps the input's requires_grad.
+_RETURNS_INPUT = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.contiguous.default)
+
+
+def _unchanged_input(result, inputs) -> fx.Node | None:
+    """The region input `result` is in eager (a chain of no-op `_RETURNS_INPUT` ops from it), else None. A no_grad
+    region's results are detached, but eager hands such a result back as the very tensor that went in, still
+    requiring grad, and export reads the value's later uses from it (Dots3's sparse-attention indexer casts the
+    hidden states to its weight's dtype under no_grad; detached, the gate projection that reads them after the
+    indexer sent no gradient back: layer 0's gradients 12% off)."""
+    node = result
+    while isinstance(node, fx.Node) and node not in inputs and node.target in _RETURNS_INPUT:
+        source = node.args[0]
+        if _copies(node) or not _same_tensor_kind(val_of(node), val_of(source)):
+            return None
+        node = source
+    return node if isinstance(node, fx.Node) and node in inputs and node is not result else None
+
+
+def _copies(node: fx.Node) -> bool:
+    """Whether `node` (a `Tensor.to` overload) was asked to copy (its `copy` argument, by position or keyword)."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == "copy":
+            return bool(node.args[i] if i < len(node.args) else node.kwargs.get("copy", False))
+    return False
+
+
+def _same_tensor_kind(out, source) -> bool:
+    """Whether a `_RETURNS_INPUT` op made `out` from `source` without a copy (same dtype, device, layout, strides)."""
+    return (isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor) and out.dtype == source.dtype
+            and out.device == source.device and out.layout == source.layout and out.stride() == source.stride())
 
 
 _REWRITES = {

@@ -380,6 +380,36 @@ def test_grad_regions_are_inlined_and_detached():
     assert_same_values(before, after, (x,), grad=True)
 
 
+class NoOpCastUnderNoGrad(nn.Module):
+    """A no_grad block that casts a value to the dtype it has (Dots3's sparse-attention indexer:
+    `hidden_states.to(self.weights_proj.weight.dtype)`): eager returns the value itself, still requiring grad, and
+    export reads the value's later uses from the block's cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(6, 2)
+        self.c = nn.Linear(6, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            keep = self.c(h.to(self.c.weight.dtype)) > 0
+        return self.b(h) * keep
+
+
+def test_a_value_a_grad_region_returns_unchanged_keeps_its_gradient():
+    x = torch.randn(3, 4)
+    model = NoOpCastUnderNoGrad().double()
+    before, after = normalized(model, (x,))
+    assert "wrap_with_set_grad_enabled" in ops(before) and "wrap_with_set_grad_enabled" not in ops(after)
+    assert_same_values(before, after, (x,), grad=True)
+    _, _, grads = run(after, (x,), grad=True)
+    model.zero_grad()
+    model(x.double()).mean().backward()  # the trace's default loss: the output's mean
+    torch.testing.assert_close(grads["a.weight"], model.a.weight.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_rewrites_chain_through_new_nodes():
     """The default loss's mean reads the bias add that the linear rewrite made (it has a val by then)."""
     x = torch.randn(3, 6)
