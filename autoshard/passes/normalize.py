@@ -355,7 +355,7 @@ def _unchanged_input(result, inputs) -> fx.Node | None:
         if _copies(node) or not _same_tensor_kind(val_of(node), val_of(source)):
             return None
         node = source
-    return node if isinstance(node, fx.Node) and node in inputs and node is not result else None
+    return node if isinstance(node, fx.Node) and node in inputs else None
 
 
 def _copies(node: fx.Node) -> bool:
