@@ -206,6 +206,23 @@ def equal_heads(config, changes: dict) -> dict:
     return {}
 
 
+def head_dim(config, changes: dict) -> dict:
+    """{"head_dim": the small width over the small head count} for a config whose `head_dim` is None: Ministral and
+    Hunyuan read it as given (`getattr(config, "head_dim", width // heads)` finds None) where others derive it.
+
+    >>> from types import SimpleNamespace as Config
+    >>> head_dim(Config(head_dim=None, hidden_size=4096, num_attention_heads=32),
+    ...          {"hidden_size": 32, "num_attention_heads": 4})
+    {'head_dim': 8}
+    """
+    width = changes.get("hidden_size", _read(config, "hidden_size"))
+    heads = changes.get("num_attention_heads", _read(config, "num_attention_heads"))
+    if hasattr(config, "head_dim") and _read(config, "head_dim") is None and isinstance(width, int) \
+            and isinstance(heads, int) and heads > 0:
+        return {"head_dim": width // heads}
+    return {}
+
+
 def _read(config, name: str):
     """`config.name`, or None where the config refuses to give one value (Gemma 4 raises on a global read of a
     field that varies per layer: the small value is then the per-layer configs' business)."""
@@ -373,8 +390,8 @@ class BuildError(RuntimeError):
 def build(family: str):
     """(model, example_inputs, model_loss) of `family`: the tiny random model of its head (training mode) and
     the first candidate batch on which its forward returns a loss. A config the rules cannot shrink is built
-    again with the fields its config ties together kept tied (`per_layer_lists`, `equal_heads`, `decoder_start`),
-    then with only its layer counts and dropouts shrunk.
+    again with the fields its config ties together kept tied (`per_layer_lists`, `equal_heads`, `decoder_start`,
+    `head_dim`), then with only its layer counts and dropouts shrunk.
 
     >>> model, (ids, labels), _ = build("distilbert")
     >>> type(model).__name__, int((labels != -100).sum())  # masked LM: every other position
@@ -386,7 +403,8 @@ def build(family: str):
     config_cls = model_cls.config_class
     defaults = config_cls()
     changes = tiny_config(defaults)
-    tied = {**per_layer_lists(defaults, changes), **equal_heads(defaults, changes), **decoder_start(defaults)}
+    tied = {**per_layer_lists(defaults, changes), **equal_heads(defaults, changes), **decoder_start(defaults),
+            **head_dim(defaults, changes)}
     attempts = [changes, {**changes, **tied},
                 {k: v for k, v in changes.items() if _DROPOUT.search(k) or re.search(r"layers$|depth", k)}]
     errors = []
