@@ -223,6 +223,23 @@ def head_dim(config, changes: dict) -> dict:
     return {}
 
 
+def rotary_dim(config, changes: dict) -> dict:
+    """{"rotary_dim": the small head width} where a config rotates more dims than a small head has (GPT-J and
+    CodeGen rotate 64 of each head's dims; at width 32 over 4 heads a head has 8).
+
+    >>> from types import SimpleNamespace as Config
+    >>> rotary_dim(Config(rotary_dim=64, n_embd=4096, n_head=16), {"n_embd": 32, "n_head": 4})
+    {'rotary_dim': 8}
+    """
+    rotated = _read(config, "rotary_dim")
+    width = next((changes[k] for k in ("n_embd", "hidden_size") if k in changes), None)
+    heads = next((changes[k] for k in ("n_head", "num_attention_heads") if k in changes), None)
+    if isinstance(rotated, int) and isinstance(width, int) and isinstance(heads, int) and heads > 0 \
+            and rotated > width // heads:
+        return {"rotary_dim": width // heads}
+    return {}
+
+
 def _read(config, name: str):
     """`config.name`, or None where the config refuses to give one value (Gemma 4 raises on a global read of a
     field that varies per layer: the small value is then the per-layer configs' business)."""
@@ -391,7 +408,7 @@ def build(family: str):
     """(model, example_inputs, model_loss) of `family`: the tiny random model of its head (training mode) and
     the first candidate batch on which its forward returns a loss. A config the rules cannot shrink is built
     again with the fields its config ties together kept tied (`per_layer_lists`, `equal_heads`, `decoder_start`,
-    `head_dim`), then with only its layer counts and dropouts shrunk.
+    `head_dim`, `rotary_dim`), then with only its layer counts and dropouts shrunk.
 
     >>> model, (ids, labels), _ = build("distilbert")
     >>> type(model).__name__, int((labels != -100).sum())  # masked LM: every other position
@@ -404,7 +421,7 @@ def build(family: str):
     defaults = config_cls()
     changes = tiny_config(defaults)
     tied = {**per_layer_lists(defaults, changes), **equal_heads(defaults, changes), **decoder_start(defaults),
-            **head_dim(defaults, changes)}
+            **head_dim(defaults, changes), **rotary_dim(defaults, changes)}
     attempts = [changes, {**changes, **tied},
                 {k: v for k, v in changes.items() if _DROPOUT.search(k) or re.search(r"layers$|depth", k)}]
     errors = []
