@@ -152,11 +152,10 @@ def per_layer_lists(config, changes: dict) -> dict:
     ...                        kv_source_layers=[0, 1, 2, 2, 4, 5]), {"num_hidden_layers": 2})
     {'layer_types': ['s', 's'], 'index_layers': [], 'kv_source_layers': [0, 1]}
     """
-    counts = [(name, _read(config, name)) for name in _LAYER_COUNTS
-              if isinstance(_read(config, name), int) and name in changes]
-    if not counts:
+    name, n = next(((name, _read(config, name)) for name in _LAYER_COUNTS
+                    if name in changes and isinstance(_read(config, name), int)), (None, None))
+    if name is None:
         return {}
-    name, n = counts[0]
     small = changes[name]
     out = {}
     for field, value in vars(config).items():
@@ -215,11 +214,9 @@ def head_dim(config, changes: dict) -> dict:
     ...          {"hidden_size": 32, "num_attention_heads": 4})
     {'head_dim': 8}
     """
-    width = changes.get("hidden_size", _read(config, "hidden_size"))
-    heads = changes.get("num_attention_heads", _read(config, "num_attention_heads"))
-    if hasattr(config, "head_dim") and _read(config, "head_dim") is None and isinstance(width, int) \
-            and isinstance(heads, int) and heads > 0:
-        return {"head_dim": width // heads}
+    width = _small_head_width(config, changes)
+    if "head_dim" in vars(config) and _read(config, "head_dim") is None and width is not None:
+        return {"head_dim": width}
     return {}
 
 
@@ -231,13 +228,19 @@ def rotary_dim(config, changes: dict) -> dict:
     >>> rotary_dim(Config(rotary_dim=64, n_embd=4096, n_head=16), {"n_embd": 32, "n_head": 4})
     {'rotary_dim': 8}
     """
-    rotated = _read(config, "rotary_dim")
-    width = next((changes[k] for k in ("n_embd", "hidden_size") if k in changes), None)
-    heads = next((changes[k] for k in ("n_head", "num_attention_heads") if k in changes), None)
-    if isinstance(rotated, int) and isinstance(width, int) and isinstance(heads, int) and heads > 0 \
-            and rotated > width // heads:
-        return {"rotary_dim": width // heads}
+    rotated, width = _read(config, "rotary_dim"), _small_head_width(config, changes)
+    if isinstance(rotated, int) and width is not None and rotated > width:
+        return {"rotary_dim": width}
     return {}
+
+
+def _small_head_width(config, changes: dict) -> int | None:
+    """The small model's width over its head count (`changes` over `config`'s own, under either family of names)."""
+    def small(*names):  # a changed name first: `hidden_size` may read a config's `n_embd` unchanged
+        found = [changes[n] for n in names if n in changes] + [_read(config, n) for n in names]
+        return next((v for v in found if isinstance(v, int)), None)
+    width, heads = small("hidden_size", "n_embd"), small("num_attention_heads", "n_head")
+    return width // heads if width is not None and heads else None
 
 
 def _read(config, name: str):
