@@ -79,12 +79,11 @@ class CostBreakdown:
 
 def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one op whose work is divided `split` ways: its forward's work (FLOPs over
-    the matmul rate of its dtype, attention's rate for attention, for matmul-like ops; output bytes over the op's
-    own rate for the rest, `HardwareProfile.bandwidth`) plus the profile's fixed cost of the op
-    (`HardwareProfile.fixed_costs`), and of autograd recording it when its output has a gradient (`has_grad`);
-    backward then twice the work plus the fixed cost of its backward, else nothing. A view moves no data: it costs
-    the profile's fixed costs of a view; an item of a multi-output op (`operator.getitem`, Python indexing in the
-    rank program) costs nothing.
+    the matmul rate of its dtype, attention's rate for attention, for matmul-like ops; output bytes over the
+    memory bandwidth for the rest) plus the profile's fixed cost of the op (`HardwareProfile.fixed_costs`), and of
+    autograd recording it when its output has a gradient (`has_grad`); backward then twice the work plus the fixed
+    cost of its backward, else nothing. A view moves no data: it costs the profile's fixed costs of a view; an item of a multi-output op
+    (`operator.getitem`, Python indexing in the rank program) costs nothing.
 
     >>> compute_parts(linear, 1, HardwareProfile()) == (2 * 8 * 4 * 8 / 3e14, 2 * 2 * 8 * 4 * 8 / 3e14)
     True
@@ -105,7 +104,7 @@ def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[flo
         work = node_flops(node) / (profile.matmul_flops(val.dtype) if isinstance(val, torch.Tensor)
                                    else profile.peak_flops)
     else:
-        work = node_bytes(node) / profile.bandwidth(target)
+        work = node_bytes(node) / profile.memory_bandwidth
     if not has_grad:
         return work / split + fixed, 0.0
     return work / split + fixed + recorded, 2 * work / split + backward

@@ -227,7 +227,7 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     >>> fast = ComputeRates({"float32": 4e10}, 2e10, 8e9, 1e-5, 2e-5, optimizer_updates=((0.0, 1e-6, 4e10),)).to_json()
     >>> slow = ComputeRates({"float32": 2e10}, 3e10, 6e9, 3e-5, 1e-5, optimizer_updates=((0.0, 2e-6, 3e10),)).to_json()
     >>> slowest_rates([fast, slow])
-    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05, recorded_op_overhead_s=0.0, view_overhead_s=0.0, view_grad_overhead_s=0.0, op_overheads=(), op_bandwidths=(), split_backward_factor=1.0, optimizer_updates=((0.0, 2e-06, 30000000000.0),))
+    ComputeRates(matmul_flops={'float32': 20000000000.0}, attention_flops=20000000000.0, memory_bandwidth=6000000000.0, op_overhead_s=3e-05, grad_op_overhead_s=2e-05, recorded_op_overhead_s=0.0, view_overhead_s=0.0, view_grad_overhead_s=0.0, op_overheads=(), split_backward_factor=1.0, optimizer_updates=((0.0, 2e-06, 30000000000.0),))
     """
     names = [name for name, _ in per_rank[0]["dtype_flops"]]
     slowest = {key: max(r[key] for r in per_rank) for key in ("op_overhead_s", "grad_op_overhead_s",
@@ -236,9 +236,6 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     tables = [{name: costs for name, *costs in r["op_overheads"]} for r in per_rank]
     ops = sorted(set.intersection(*(set(table) for table in tables)))  # an op timed on every rank
     slowest["op_overheads"] = tuple((op, *(max(table[op][i] for table in tables) for i in range(3))) for op in ops)
-    rates = [dict(r.get("op_bandwidths", ())) for r in per_rank]
-    slowest["op_bandwidths"] = tuple((op, min(rate[op] for rate in rates))
-                                     for op in sorted(set.intersection(*(set(rate) for rate in rates))))
     slowest["split_backward_factor"] = max(r["split_backward_factor"] for r in per_rank)
     updates = [{row[0]: row[1:] for row in r.get("optimizer_updates", ())} for r in per_rank]
     slowest["optimizer_updates"] = tuple((f, max(u[f][0] for u in updates), min(u[f][1] for u in updates))
@@ -246,18 +243,6 @@ def slowest_rates(per_rank: list) -> ComputeRates:
     return ComputeRates({name: min(dict(r["dtype_flops"])[name] for r in per_rank) for name in names},
                         min(r["attention_flops"] for r in per_rank), min(r["memory_bandwidth"] for r in per_rank),
                         **slowest)
-
-
-def _per_op_rates(rows) -> str:
-    """The spread of the per-op rates, for calibrate's printout.
-
-    >>> _per_op_rates((("aten.add.Tensor", 2e10), ("aten.exp.default", 2e9)))
-    ' and 2.00-20.00 GB/s per op (2 ops timed)'
-    """
-    if not rows:
-        return ""
-    rates = [rate for _, rate in rows]
-    return f" and {min(rates) / 1e9:.2f}-{max(rates) / 1e9:.2f} GB/s per op ({len(rates)} ops timed)"
 
 
 def calibrate_command(args) -> int:
@@ -329,8 +314,7 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
     if not quiet:
         print(", ".join(f"matmul {name} {rate / 1e9:.1f} GFLOP/s" for name, rate in rates.matmul_flops.items())
               + f", attention {rates.attention_flops / 1e9:.1f} GFLOP/s, memory-bound ops "
-              f"{rates.memory_bandwidth / 1e9:.2f} GB/s (GELU){_per_op_rates(rates.op_bandwidths)}, "
-              f"{rates.op_overhead_s * 1e6:.1f} us per op forward (+ "
+              f"{rates.memory_bandwidth / 1e9:.2f} GB/s, {rates.op_overhead_s * 1e6:.1f} us per op forward (+ "
               f"{rates.recorded_op_overhead_s * 1e6:.1f} us when autograd records it) and "
               f"{rates.grad_op_overhead_s * 1e6:.1f} us backward, {rates.view_overhead_s * 1e6:.1f} us per view "
               f"forward and {rates.view_grad_overhead_s * 1e6:.1f} us backward, optimizer updates "
@@ -358,7 +342,7 @@ def calibrated_profile(mesh: Mesh, sizes=CALIBRATION_SIZES, dtypes=DTYPES, quiet
                            grad_op_overhead_s=rates.grad_op_overhead_s,
                            recorded_op_overhead_s=rates.recorded_op_overhead_s,
                            view_overhead_s=rates.view_overhead_s, view_grad_overhead_s=rates.view_grad_overhead_s,
-                           op_overheads=rates.op_overheads, op_bandwidths=rates.op_bandwidths, pipeline_action_s=action, pipeline_tensor_s=tensor,
+                           op_overheads=rates.op_overheads, pipeline_action_s=action, pipeline_tensor_s=tensor,
                            split_backward_factor=rates.split_backward_factor, comm_overlap=overlap,
                            host_cores=cores, rates_ranks=mesh.size,
                            collective_gap_s=gap, optimizer_updates=rates.optimizer_updates)

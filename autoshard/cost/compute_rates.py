@@ -7,9 +7,7 @@ attention, 3 x output bytes for the rest, plus a fixed cost per op):
 
 - matmuls (`torch.nn.functional.linear`) per dtype: seconds = overhead + 3 x 2mnk / rate;
 - attention (`scaled_dot_product_attention`): seconds = overhead + 3 x 4 b h s^2 d / rate;
-- memory-bound ops (GELU): seconds = overhead + 3 x output bytes / bandwidth (the bandwidth is kept), and on a CPU
-  each op of the fixed costs' probes below at its own rate (`op_overheads.op_bandwidths`: an add moves its bytes
-  ten times as fast as GELU computes its erf; an op not timed works at GELU's);
+- memory-bound ops (GELU): seconds = overhead + 3 x output bytes / bandwidth (the bandwidth is kept);
 - the optimizer's update (torch's SGD and AdamW, `optimizer_updates`): seconds = tensors x a cost per tensor +
   (3 + 2 state factor) x parameter bytes / bandwidth, timed on many small tensors and a few large ones (an update
   is not GELU: on this CPU SGD moves 38 GB/s where GELU's forward + backward moves 2.4);
@@ -40,7 +38,6 @@ import torch.nn.functional as F
 from autoshard.cost.kernel_timing import DEPTH, chain_step, leaf, median_seconds, timer
 from autoshard.cost.op_overheads import (
     median_fixed_costs,
-    op_bandwidths,
     op_overheads,
     split_backward_factor,
     view_overheads,
@@ -78,7 +75,6 @@ class ComputeRates:
     view_overhead_s: float = 0.0
     view_grad_overhead_s: float = 0.0
     op_overheads: tuple = ()
-    op_bandwidths: tuple = ()  # (ATen name, bytes/s): HardwareProfile.op_bandwidths
     split_backward_factor: float = 1.0
     optimizer_updates: tuple = ()  # (state factor, seconds per tensor, bytes/s): HardwareProfile.optimizer_updates
 
@@ -104,7 +100,6 @@ class ComputeRates:
         return dataclasses.replace(self, matmul_flops={k: v / factor for k, v in self.matmul_flops.items()},
                                    attention_flops=self.attention_flops / factor,
                                    memory_bandwidth=self.memory_bandwidth / factor,
-                                   op_bandwidths=tuple((name, rate / factor) for name, rate in self.op_bandwidths),
                                    optimizer_updates=tuple((f, t, rate / factor)
                                                            for f, t, rate in self.optimizer_updates))
 
@@ -117,7 +112,6 @@ class ComputeRates:
         fields = self.to_json()
         fields["dtype_flops"] = tuple((name, rate) for name, rate in fields["dtype_flops"])
         fields["op_overheads"] = self.op_overheads
-        fields["op_bandwidths"] = self.op_bandwidths
         fields["optimizer_updates"] = self.optimizer_updates
         peak = self.matmul_flops.get("float32", max(self.matmul_flops.values()))
         return HardwareProfile(peak_flops=peak, **fields)
@@ -126,7 +120,7 @@ class ComputeRates:
         """The rates as a JSON object (the HardwareProfile fields they become).
 
         >>> sorted(ComputeRates({"float32": 2e10}, 1e10, 5e9, 2e-5).to_json())[2:]
-        ['grad_op_overhead_s', 'memory_bandwidth', 'op_bandwidths', 'op_overhead_s', 'op_overheads', 'optimizer_updates', 'recorded_op_overhead_s', 'split_backward_factor', 'view_grad_overhead_s', 'view_overhead_s']
+        ['grad_op_overhead_s', 'memory_bandwidth', 'op_overhead_s', 'op_overheads', 'optimizer_updates', 'recorded_op_overhead_s', 'split_backward_factor', 'view_grad_overhead_s', 'view_overhead_s']
         """
         return {"dtype_flops": sorted([name, rate] for name, rate in self.matmul_flops.items()),
                 "attention_flops": self.attention_flops, "memory_bandwidth": self.memory_bandwidth,
@@ -134,7 +128,6 @@ class ComputeRates:
                 "recorded_op_overhead_s": self.recorded_op_overhead_s, "view_overhead_s": self.view_overhead_s,
                 "view_grad_overhead_s": self.view_grad_overhead_s,
                 "op_overheads": [list(row) for row in self.op_overheads],
-                "op_bandwidths": [list(row) for row in self.op_bandwidths],
                 "split_backward_factor": self.split_backward_factor,
                 "optimizer_updates": [list(row) for row in self.optimizer_updates]}
 
@@ -256,11 +249,8 @@ def measure_compute(device="cpu", dtypes=("float32", "float64"), repeats: int = 
     views = view_overheads(first, device, repeats)
     per_op = op_overheads(first, device, repeats)
     forward, recorded, backward = median_fixed_costs(per_op.values())
-    # a GPU's small probes time its launches, not its bandwidth (every op memory-bound there: GELU's rate for all)
-    per_op_rates = op_bandwidths(first, device, repeats) if device.type == "cpu" else {}
     rates = ComputeRates(matmul, attention, bandwidth, forward, backward, recorded, views[1], views[2],
                          tuple(sorted((name, *costs) for name, costs in per_op.items())),
-                         tuple(sorted(per_op_rates.items())),
                          split_backward_factor(first, device, max(repeats, STACK_REPEATS)))
     rates = rates.scaled(*sequence_scales(device, first, rates, max(repeats, STACK_REPEATS)))
     rates = rates.work_scaled(work_scale(device, first, rates))  # a model's kernels; an update is timed as it runs

@@ -1,8 +1,7 @@
 """The fixed costs of an op whatever its size, measured on the device at hand (`compute_rates.measure_compute`
 uses them): each of the ops graphs are mostly made of timed on small tensors as rank programs run them, forward
-without autograd, forward recorded by it, and backward (`op_overheads`); a view's (`view_overheads`); on a CPU, the
-rate at which each of those priced by its bytes does its work (`op_bandwidths`); and how much longer a zero-bubble
-schedule's split backward takes than the fused one (`split_backward_factor`).
+without autograd, forward recorded by it, and backward (`op_overheads`); a view's (`view_overheads`); and how much
+longer a zero-bubble schedule's split backward takes than the fused one (`split_backward_factor`).
 """
 from __future__ import annotations
 
@@ -50,16 +49,15 @@ def marginal_backward(backward_of) -> float:
 FIXED_REPEATS = 15  # a probe of DEPTH small ops takes ~0.1 ms on a CPU: repeats are cheap
 
 
-def _probes(dtype: torch.dtype, device: torch.device, rows: int = 4) -> dict:
+def _probes(dtype: torch.dtype, device: torch.device) -> dict:
     """ATen op name -> (op, args, kwargs, whether its output has a gradient) on small leaves: the ops transformer,
-    vision and audio graphs are mostly made of (what is not here pays the median). `rows`: the rows of the
-    activations and token ids (their other sizes fixed), so an op's bytes grow with it."""
-    x = (torch.rand(rows, 16, dtype=dtype, device=device) + 0.5).requires_grad_()
+    vision and audio graphs are mostly made of (what is not here pays the median)."""
+    x = (torch.rand(4, 16, dtype=dtype, device=device) + 0.5).requires_grad_()
     w = torch.randn(16, 16, dtype=dtype, device=device).requires_grad_()
     v = torch.rand(16, dtype=dtype, device=device).requires_grad_()
     q = torch.randn(1, 2, 8, 8, dtype=dtype, device=device).requires_grad_()
-    ids = torch.randint(0, 16, (rows, 8), device=device)
-    mask, labels = ids[:, :1] > 3, torch.randint(0, 16, (rows,), device=device)
+    ids = torch.randint(0, 16, (4, 8), device=device)
+    mask, labels = ids[:, :1] > 3, torch.randint(0, 16, (4,), device=device)
     image = torch.randn(1, 4, 8, 8, dtype=dtype, device=device).requires_grad_()
     kernel = torch.randn(4, 4, 3, 3, dtype=dtype, device=device).requires_grad_()
     aten = torch.ops.aten
@@ -159,63 +157,6 @@ def op_overheads(dtype: torch.dtype, device: torch.device, repeats: int) -> dict
         except (RuntimeError, NotImplementedError):  # e.g. no kernel for this dtype on this device
             continue
     return out
-
-
-# Timed again at this many rows (x of 8192 x 16: 512 KiB in float32, a small model's activations; in the caches as
-# they are between a model's ops) for each op's rate: an op's work over the small probe's is its bytes' cost.
-RATE_ROWS = 8192
-# Ops priced by FLOPs (autoshard/cost/flops.py), not by the bytes they write: no bandwidth of their own.
-_FLOP_PRICED = ("aten.linear.default", "aten.mm.default", "aten.conv2d.default",
-                "aten.scaled_dot_product_attention.default")
-
-
-def op_bandwidths(dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
-    """ATen op name -> bytes per second of its work, as the cost model prices it (forward + backward: 3 x its output
-    bytes, `axis_cost.compute_parts`): each probe with a gradient, its forward and backward timed at RATE_ROWS rows
-    and at the probes' 4, the difference over the bytes it adds. On a CPU the ops differ by their arithmetic more
-    than by the bytes they move: GELU's forward + backward (an erf per element and its derivative) ran at 1.7 GB/s
-    on 4 ranks here, an add's at 8-12; one rate for all priced Llama's replicated norms, rotary and residuals under
-    tensor parallelism at 2.4x their time. An op whose time did not grow (noise) is left out: it pays the profile's
-    rate.
-
-    >>> rates = op_bandwidths(torch.float32, torch.device("cpu"), 3)
-    >>> rates["aten.add.Tensor"] > 0, "aten.mm.default" in rates, "aten.ne.Scalar" in rates
-    (True, False, False)
-    """
-    timed, out = timer(device), {}
-    repeats = max(repeats, FIXED_REPEATS)
-    large, few = _probes(dtype, device, RATE_ROWS), _probes(dtype, device)
-    for name, probe in large.items():
-        if name in _FLOP_PRICED or not probe[3]:
-            continue
-        try:
-            seconds = _train_seconds(probe, timed, repeats) - _train_seconds(few[name], timed, repeats)
-        except (RuntimeError, NotImplementedError):  # e.g. no kernel for this dtype on this device
-            continue
-        added = _output_bytes(probe) - _output_bytes(few[name])
-        if added > 0 and seconds > 0:
-            out[name] = 3.0 * added / seconds
-    return out
-
-
-def _train_seconds(probe, timed, repeats: int) -> float:
-    """Seconds of one call's forward and backward in a graph of DEPTH calls (`_graph_of`), its seeds made once."""
-    op, args, kwargs, _ = probe
-    module, inputs = _graph_of(op, args, kwargs, DEPTH)
-
-    def trained():
-        return [o for o in module(*inputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-    seeds = [torch.ones_like(o) for o in trained()]
-    return median_seconds(lambda: torch.autograd.backward(trained(), seeds), timed, repeats) / DEPTH
-
-
-def _output_bytes(probe) -> int:
-    """The bytes a probe's op writes (`flops.node_bytes` of its node)."""
-    op, args, kwargs, _ = probe
-    with torch.no_grad():
-        outs = op(*args, **kwargs)
-    outs = outs if isinstance(outs, (tuple, list)) else [outs]
-    return sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
 
 
 def median_fixed_costs(rows) -> tuple[float, float, float]:

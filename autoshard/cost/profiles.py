@@ -171,10 +171,6 @@ class HardwareProfile:
     # Per op (ATen name): (forward, what recording adds, backward) seconds, for the ops calibrate times one by one;
     # the others pay the three figures above (the median of the timed ones).
     op_overheads: tuple = field(default=())
-    # Per op (ATen name): bytes per second of its work (forward + backward of 3 x its output bytes), for the ops
-    # calibrate timed at two sizes on a CPU (autoshard/cost/op_overheads.py `op_bandwidths`); the others, and every
-    # op on a GPU (memory-bound alike there), work at memory_bandwidth.
-    op_bandwidths: tuple = field(default=())
     # The seconds torch.distributed.pipelining's runtime spends on one action of a schedule (a stage's forward or
     # backward of one micro-batch) besides its compute and its messages' transfer.
     pipeline_action_s: float = 0.0
@@ -214,8 +210,7 @@ class HardwareProfile:
                 "attention_flops": self.attention_flops, "op_overhead_s": self.op_overhead_s,
                 "grad_op_overhead_s": self.grad_op_overhead_s, "recorded_op_overhead_s": self.recorded_op_overhead_s,
                 "view_overhead_s": self.view_overhead_s, "view_grad_overhead_s": self.view_grad_overhead_s,
-                "op_overheads": [list(row) for row in self.op_overheads],
-                "op_bandwidths": [list(row) for row in self.op_bandwidths], "pipeline_action_s": self.pipeline_action_s,
+                "op_overheads": [list(row) for row in self.op_overheads], "pipeline_action_s": self.pipeline_action_s,
                 "pipeline_tensor_s": self.pipeline_tensor_s,
                 "split_backward_factor": self.split_backward_factor, "comm_overlap": self.comm_overlap,
                 "host_cores": self.host_cores, "rates_ranks": self.rates_ranks,
@@ -243,8 +238,6 @@ class HardwareProfile:
             fields["dtype_flops"] = tuple((str(name), float(rate)) for name, rate in fields["dtype_flops"])
         if "op_overheads" in fields:
             fields["op_overheads"] = tuple((str(name), *map(float, costs)) for name, *costs in fields["op_overheads"])
-        if "op_bandwidths" in fields:
-            fields["op_bandwidths"] = tuple((str(name), float(rate)) for name, rate in fields["op_bandwidths"])
         if "optimizer_updates" in fields:
             fields["optimizer_updates"] = tuple(tuple(map(float, row)) for row in fields["optimizer_updates"])
         return cls(**fields)
@@ -290,27 +283,8 @@ class HardwareProfile:
                                          default)
         return found
 
-    def bandwidth(self, target) -> float:
-        """Bytes per second at which an op `target` (an OpOverload) priced by its bytes does its work: its row of
-        `op_bandwidths`, else memory_bandwidth.
-
-        >>> import torch
-        >>> profile = HardwareProfile(memory_bandwidth=2e9, op_bandwidths=(("aten.add.Tensor", 2e10),))
-        >>> profile.bandwidth(torch.ops.aten.add.Tensor), profile.bandwidth(torch.ops.aten.gelu.default)
-        (20000000000.0, 2000000000.0)
-        """
-        if not self.op_bandwidths:
-            return self.memory_bandwidth
-        cache = self.__dict__.get("_bandwidth_by_target")
-        if cache is None:  # by target, as fixed_costs
-            cache = self.__dict__["_bandwidth_by_target"] = dict(self.op_bandwidths)
-        found = cache.get(target)
-        if found is None:
-            found = cache[target] = cache.get(str(target), self.memory_bandwidth)
-        return found
-
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_fixed_by_target", "_bandwidth_by_target")}
+        return {k: v for k, v in self.__dict__.items() if k != "_fixed_by_target"}
 
     def matmul_flops(self, dtype) -> float:
         """FLOP/s of a matmul in `dtype` (a torch.dtype or its name): the calibrated rate, else `peak_flops`.

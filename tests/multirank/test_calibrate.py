@@ -10,7 +10,7 @@ import autoshard
 from autoshard.cost.axis_cost import compute_time
 from autoshard.cost.calibrate import compute_slowdown, host_cores
 from autoshard.cost.collective_time import IN_FLIGHT
-from autoshard.cost.flops import node_bytes, node_flops
+from autoshard.cost.flops import node_flops
 from autoshard.cost.profiles import load_profile
 from autoshard.zoo import mlp
 
@@ -48,12 +48,6 @@ def test_calibrate_writes_a_profile_parallelize_uses(tmp_path):
     assert {name: costs for name, *costs in profile.op_overheads}["aten.linear.default"]  # timed on its own
     expected = 3 * node_flops(linear) / rates["float64"] + sum(profile.fixed_costs(linear.target))
     assert abs(compute_time(linear, 1, profile) - expected) <= 1e-12 * expected
-    # an op priced by its bytes works at its own measured rate (an add's is not GELU's)
-    per_op = dict(profile.op_bandwidths)
-    assert "aten.add.Tensor" in per_op and "aten.linear.default" not in per_op and "GB/s per op" in run.stdout
-    add = next(n for n in prog.state.gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
-    expected = 3 * node_bytes(add) / per_op["aten.add.Tensor"] + sum(profile.fixed_costs(add.target))
-    assert abs(compute_time(add, 1, profile) - expected) <= 1e-12 * expected
 
 
 def _slowdown_task(rank, world):
