@@ -27,6 +27,7 @@ BENCHMARKS = [
     "architectures",     # 16. every transformers family with a head: export, verify dp=2 and (2,2) under a budget, plan (2,2,2)
     "planning_moe",      # 17. a Mixtral-8x22B-sized MoE on 256 H100s: devices= plan vs experts inside dp, planning time
     "prediction_accuracy",  # 18. after calibrate: predicted vs measured step per plan, and the planner's ranking (gloo)
+    "rank_waits",        # 19. per rank: each phase, the least any rank paid, the ranks waiting for each other (gloo)
 ]
 
 

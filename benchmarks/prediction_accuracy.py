@@ -121,7 +121,7 @@ def _train_task(rank, world, jobs):
     """Every job on this rank, measured in `ROUNDS` interleaved rounds (each job's steps once per round, the jobs in
     turn): per job, each round's StepClock phases (and bytes) over its measured steps."""
     torch.manual_seed(0)
-    prepared = [_prepared(job, rank) for job in jobs]
+    prepared = [prepared_step(job, rank) for job in jobs]
     steps = [_steps_per_round(make_step) for make_step, _ in prepared]
     out = [[] for _ in jobs]
     for _ in range(ROUNDS):
@@ -155,7 +155,7 @@ def _steps_per_round(make_step) -> int:
     return int(count.item())
 
 
-def _prepared(job, rank):
+def prepared_step(job, rank):
     """(clock -> one training step of `job`'s plan on this rank, its communicator)."""
     prog, inputs = _applied(job, HardwareProfile.from_json(job["profile"]))
     comm = communicator_for(prog.mesh)

@@ -11,6 +11,7 @@ from benchmarks import (
     planning_moe,
     planning_scale,
     prediction_accuracy,
+    rank_waits,
     runtime_overhead,
     tp_modes,
     zero_memory,
@@ -120,3 +121,13 @@ def test_moe_choices_smallest():
     choices = moe.plan_choices(True, shapes=tiny, mesh=(2, 2), batch=4, seq=16, group=16)
     assert [r["run"] for r in choices] == ["automatic", "automatic, pipeline=False"]
     assert len(moe.report([], choices)[1]) == 2
+
+
+@GLOO_BENCHMARKS
+def test_rank_waits_smallest():
+    (row,) = rank_waits.measure(quick=True)
+    assert len(row["ranks"]) == 2 and all(r["alone_s"] > 0 for r in row["ranks"])
+    parts = rank_waits.decomposed(row)
+    assert parts["busy_s"] > 0 and parts["waiting_s"] >= 0  # medians per phase: their sum need not stay under the step
+    body = rank_waits.report([row])
+    assert "llama (zoo)" in body and "data parallel" in body and "all-reduce alone" in body
