@@ -306,9 +306,19 @@ class _AllWorks:
 
 
 def _ordered_sum(parts):
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total = total + part
+    """parts[0] + parts[1] + ... in that order, into one new tensor: the first sum allocates it and the others add
+    into it (each intermediate sum a fresh tensor of the bucket's size had cost its pages' faults: on this VM ~3 us
+    a 4 KiB page, a 10 MB gradient bucket's sync 9 ms more). Bitwise the same as the chain of `+`.
+
+    >>> parts = [torch.tensor([1.0, 2.0]), torch.tensor([1e-8, 0.5]), torch.tensor([3.0, 0.25])]
+    >>> torch.equal(_ordered_sum(parts), (parts[0] + parts[1]) + parts[2]), _ordered_sum(parts[:1]) is parts[0]
+    (True, False)
+    """
+    if len(parts) == 1:
+        return parts[0].clone()
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total.add_(part)
     return total
 
 
