@@ -9,8 +9,8 @@ The footprint is what the planner budgets; a rank's allocator peaks elsewhere. W
 - the gradient sync: the runtime's buckets (autoshard/runtime/grad_sync.py, the same layout) are flattened copies
   of the gradients. With `overlap` (from the second step on) a bucket starts when backward completes its
   gradients and stays in flight until `sync_grads`. Gloo's exact reduction (`exact=True`) all-gathers every
-  rank's bucket (k copies) and sums them in a fixed order (a clone, then one addition at a time: two more bucket
-  sizes at once); NCCL's all-reduce (`exact=False`) reduces the flat bucket in place;
+  rank's bucket (k copies) and sums them in a fixed order into one new tensor (one more bucket size,
+  `communicator._ordered_sum`); NCCL's all-reduce (`exact=False`) reduces the flat bucket in place;
 - the optimizer: torch.optim.Adam's temporaries (the single-tensor path torch takes on a CPU: the square root
   and the quotient of one parameter; the foreach path on GPUs: the square roots of all parameters at once);
   SGD's updates are in place;
@@ -25,9 +25,8 @@ The footprint is what the planner budgets; a rank's allocator peaks elsewhere. W
   where its full gradient (in the master's dtype) appears. A layer's gradients wait for the layer's end and then
   travel as one reduce-scatter (`cost/zero_cost.reduce_scatter_groups`): their rows (a copy of the gradients)
   and, on the exact path, every rank's rows gathered; with `overlap` a group starts when backward leaves its
-  layer and the oldest beyond REDUCE_SCATTERS_IN_FLIGHT is waited for, its sum made (a clone and one addition
-  at a time: two group sizes more) and only this rank's shard kept; without, every group waits with its full
-  gradients until `sync_grads` starts them. The optimizer steps the shards (sharded parameters are their own
+  layer and the oldest beyond REDUCE_SCATTERS_IN_FLIGHT is waited for, its sum made (one group size more) and
+  only this rank's shard kept; without, every group waits with its full gradients until `sync_grads` starts them. The optimizer steps the shards (sharded parameters are their own
   masters). A parameter with another use than its gathers is reduce-scattered at once in backward, alone;
 - a pipeline (each pp rank; by default the peak is the fullest's): its schedule holds the rank's gradients and its
   micro-batches' activations in flight (`cost/pipeline_schedule.rank_memory`, both counted whole: a bound), then
@@ -230,7 +229,7 @@ class _ScatterWalk:
         self.shards += nbytes // self.k
 
     def _sum(self, nbytes: int) -> int:
-        return 2 * nbytes if self.exact else 0  # the exact path's ordered sum: a clone and one addition
+        return nbytes if self.exact else 0  # the exact path's ordered sum: one new tensor
 
     def start(self, alive: int) -> None:
         """Close the waiting group: started now with overlap (the rows copied while the gradients live), else kept."""
@@ -359,12 +358,12 @@ def _started_bytes(bucket: dict, exact: bool) -> int:
 
 def _sync_peak(layout: list, alive: int, exact: bool, overlap: bool) -> int:
     """The most bytes alive while `sync_grads` reduces the buckets in order (`alive`: gradients and the buckets in
-    flight when it begins). Exact: a bucket's sum holds two more bucket sizes; once written, its gradients are
+    flight when it begins). Exact: a bucket's sum holds one more bucket size; once written, its gradients are
     views of the sum and its flat copy and gathered parts are freed."""
     most = alive
     for bucket in layout:
         started = 0 if overlap else _started_bytes(bucket, exact)
-        most = max(most, alive + started + (2 * bucket["bytes"] if exact else 0))
+        most = max(most, alive + started + (bucket["bytes"] if exact else 0))
         if overlap:
             alive -= _started_bytes(bucket, exact)
         if bucket["scatter"]:  # the full gradients go, this rank's chunks stay
