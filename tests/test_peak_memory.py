@@ -18,13 +18,13 @@ def test_a_pipelines_peak_is_each_pp_ranks_and_by_default_the_fullest():
 
 def test_zero3s_peak_holds_its_reduce_scatter_buffers():
     """ZeRO-3's peak (gathered copies saved as shards, per-layer reduce-scatters): without overlap every layer's
-    full gradient waits for sync_grads, so the peak is there (with overlap, in backward: which is higher depends on
-    the sizes); gloo's exact path gathers every rank's rows."""
+    full gradient waits for sync_grads, so the peak is there and higher, over the footprint (with overlap it can
+    stay under it: the footprint counts every activation and gradient at once); gloo's exact path gathers every
+    rank's rows."""
     model, inputs, loss_fn = gpt2(n_layers=4)
     prog = autoshard.parallelize(model, (2,), inputs, loss_fn=loss_fn, axis_names=("dp",),
                                  hints={"input:0": {"dp": "S(0)"}}, zero=3)
     overlapped, after = predicted_peak(prog, exact=True), predicted_peak(prog, exact=True, overlap=False)
     assert overlapped["phase"] == "backward" and after["phase"] == "gradient sync"
-    assert after["bytes"] > prog.plan.predicted["memory_bytes_per_rank"]  # every rank's rows beside every gradient
-    assert after["phases"]["gradient sync"] > overlapped["phases"]["gradient sync"]  # every full gradient waits
+    assert after["bytes"] > overlapped["bytes"] and after["bytes"] > prog.plan.predicted["memory_bytes_per_rank"]
     assert predicted_peak(prog, exact=False)["bytes"] < overlapped["bytes"]
