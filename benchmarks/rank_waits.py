@@ -116,8 +116,8 @@ def report(rows) -> str:
             f"{WARMUP}, each phase's median per rank); predicted under the profile calibrated just before with as many "
             "ranks. 'phases' least sum': each phase's least over the ranks, summed (the step with no rank waiting); "
             "'waiting': the step less that sum. A pipeline's forward column holds its whole schedule.\n\n"
-            + table(headers, out) + "\n\nReproduce: `python -m benchmarks --only rank_waits` (about 5 minutes on 2 "
-            "cores).\n")
+            + table(headers, out)
+            + "\n\nReproduce: `python -m benchmarks --only rank_waits` (about 4 minutes on 2 cores).\n")
 
 
 def main(quick: bool = False) -> None:

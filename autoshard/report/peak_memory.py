@@ -26,8 +26,9 @@ The footprint is what the planner budgets; a rank's allocator peaks elsewhere. W
   travel as one reduce-scatter (`cost/zero_cost.reduce_scatter_groups`): their rows (a copy of the gradients)
   and, on the exact path, every rank's rows gathered; with `overlap` a group starts when backward leaves its
   layer and the oldest beyond REDUCE_SCATTERS_IN_FLIGHT is waited for, its sum made (one group size more) and
-  only this rank's shard kept; without, every group waits with its full gradients until `sync_grads` starts them. The optimizer steps the shards (sharded parameters are their own
-  masters). A parameter with another use than its gathers is reduce-scattered at once in backward, alone;
+  only this rank's shard kept; without, every group waits with its full gradients until `sync_grads` starts
+  them. The optimizer steps the shards (sharded parameters are their own masters). A parameter with another use
+  than its gathers is reduce-scattered at once in backward, alone;
 - a pipeline (each pp rank; by default the peak is the fullest's): its schedule holds the rank's gradients and its
   micro-batches' activations in flight (`cost/pipeline_schedule.rank_memory`, both counted whole: a bound), then
   the optimizer its gradients and Adam's temporaries over the rank's parameters.
