@@ -50,7 +50,7 @@ def _rank_task(rank, world, jobs):
         clock.mark("forward")
         alone = None
         if job["plan"] == "data parallel":
-            bucket, times = torch.ones(job["grad_bytes"] // 4), []
+            bucket, times = torch.ones(job["grad_elements"]), []  # float32, as the plans train
             for _ in range(ALONE):
                 dist.barrier()
                 started = time.perf_counter()
@@ -76,7 +76,7 @@ def measure(quick: bool = False) -> list[dict]:
                     if not plan_name.startswith(wanted):
                         continue
                     job = plan_case(name, world, plan_name, axes, options, profile, folder)
-                    job["grad_bytes"] = sum(p.numel() * p.element_size() for p in MODELS[name]()[0].parameters())
+                    job["grad_elements"] = sum(p.numel() for p in MODELS[name]()[0].parameters())
                     jobs.append(job)
             measured = run_distributed(_rank_task, world, jobs, total_s=1800)
             for i, job in enumerate(jobs):
