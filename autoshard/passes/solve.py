@@ -55,7 +55,7 @@ from autoshard.passes.contract import compiler_pass
 from autoshard.passes.ilp_costs import SCALE, ilp_costs
 from autoshard.passes.memory_fit import MemorySavers, fit_memory, planned_dropped
 from autoshard.passes.zero import planned_zero
-from autoshard.solver.errors import MemoryBudgetError
+from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.ilp import solve_ilp
 from autoshard.solver.layers import layer_key
 from autoshard.solver.problem import IlpProblem
@@ -112,7 +112,7 @@ def _solve(state, shared: _SharedParts | None = None) -> None:
     choices: dict = {n: [] for n in nodes}
     if joint is not None:
         picked = _solve_axes(nodes, tuple(range(mesh.ndim)), joint, choices, state, models, semi_auto, split,
-                             shared=shared)
+                             shared=shared, start=lambda: _axis_by_axis(nodes, state, models, semi_auto, split, shared))
         for node in nodes:
             choices[node] = [picked[node][a] for a in range(mesh.ndim)]
     else:
@@ -151,6 +151,19 @@ def _solve_sequential(nodes, state, models, semi_auto, split, shared: _SharedPar
     raise AssertionError("unreachable")
 
 
+def _axis_by_axis(nodes, state, models, semi_auto, split, shared) -> dict | None:
+    """The plan of the axes solved one after another (each node's strategy per axis), or None when that finds none
+    within the budget or the time limit: the joint ILP's first incumbent when its search must branch (a binding
+    budget), so that however early its time limit stops it, its plan is no worse than this one."""
+    stats = state.ilp_stats
+    try:
+        return _solve_sequential(nodes, state, models, semi_auto, split, shared)
+    except (MemoryBudgetError, IlpTimeLimitError):
+        return None
+    finally:
+        state.ilp_stats = stats
+
+
 def _joint_combos(nodes, mesh, copies):
     """Every node's feasible strategy combinations over all axes, or None when the joint ILP would be
     too large (then axes are solved one after another). The size is the whole model's (a folded trace's
@@ -186,11 +199,26 @@ def _zero_memory_scale(node, combo, prior, state, models) -> float:
 
 
 def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, split, optimism: float = 1.0,
-                shared: _SharedParts | None = None):
-    """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before."""
+                shared: _SharedParts | None = None, start=None):
+    """One ILP deciding `axes` for every node; `choices` holds the strategies of axes decided before. `start`,
+    when given, finds a plan another way (each node's strategy per axis, or None) for the ILP's search to start from."""
     problem, classes, class_of = _build_problem(nodes, axes, combos, choices, state, models, semi_auto, split,
                                                 optimism, shared)
-    result = solve_ilp(problem)
+
+    def candidates() -> list[int] | None:  # `start`'s plan as each class's candidate index
+        found = start()
+        if found is None:
+            return None
+        picked = []
+        for members in classes:
+            wanted = {tuple(found[n][a] for a in axes) for n in members}
+            index = next((i for i, combo in enumerate(combos[members[0]])
+                          if len(wanted) == 1 and tuple(combo[a] for a in axes) in wanted), None)
+            if index is None:  # tied copies that plan apart, or a combination the ILP lacks
+                return None
+            picked.append(index)
+        return picked
+    result = solve_ilp(problem, start=candidates if start is not None else None)
     state.ilp_stats.append({"axes": [state.mesh.names[a] for a in axes], "nodes": len(nodes), "classes": len(classes),
                             "variables": result.variables, "constraints": result.constraints,
                             "objective_s": result.objective / SCALE})

@@ -26,7 +26,7 @@ rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
@@ -59,6 +59,8 @@ class IlpModel:
     n_choice: int
     n_rows: int
     memory_row: tuple[list[int], list[float]] | None
+    layout: _Columns | None = None  # where the edge and charge columns start (`columns_of`)
+    charges: list = field(default_factory=list)  # the memory charges the budget row holds
 
     @property
     def n_var(self) -> int:
@@ -76,6 +78,37 @@ class IlpModel:
         [1, 1]
         """
         return [max(range(n), key=lambda s: values[self.start[c] + s]) for c, n in enumerate(self.problem.sizes)]
+
+    def columns_of(self, choice: list[int]) -> list[float]:
+        """Every column's value at one candidate per class (a MIP start HiGHS need not complete): the choice columns,
+        each joint edge's chosen pair, and each charge's variable at the least value its rows allow (a refund's at
+        the most).
+
+        >>> model.columns_of([1, 1])
+        [0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+        """
+        problem, layout = self.problem, self.layout
+        values = [0.0] * self.n_var
+        for c, s in enumerate(choice):
+            values[self.start[c] + s] = 1.0
+        for (c, d), e0 in layout.joint_start.items():
+            values[e0 + choice[c] * problem.sizes[d] + choice[d]] = 1.0
+
+        def held(terms) -> list[float]:
+            out = []
+            for c, d, pairs in terms:
+                index, constant = _pair_indicator(problem.sizes, self.start, layout.joint_start, c, d, pairs)
+                out.append(sum(values[i] for i in index) + constant)
+            return out
+        for i, (_, groups) in enumerate(problem.shared):
+            values[layout.shared_start + i] = min(1.0, max((sum(values[self.start[c] + s] for c, s in group)
+                                                            for group in groups), default=0.0))
+        for i, (cost, terms) in enumerate(problem.conjunctions):
+            indicators = held(terms)
+            values[layout.conjunction_start + i] = min(1.0, sum(indicators) if cost < 0 else max(indicators, default=0.0))
+        for i, (_, terms) in enumerate(self.charges):
+            values[layout.charge_start + i] = min(1.0, max(held(terms), default=0.0))
+        return values
 
 
 def build_model(problem: IlpProblem, options: dict) -> IlpModel:
@@ -112,7 +145,7 @@ def build_model(problem: IlpProblem, options: dict) -> IlpModel:
     n_rows = rows.count
     rows.flush(h)
     return IlpModel(problem, h, folded.costs, folded.allowed, columns.start, columns.objective, columns.upper,
-                    columns.n_choice, n_rows, memory_row)
+                    columns.n_choice, n_rows, memory_row, columns, charges)
 
 
 @dataclass

@@ -144,7 +144,8 @@ def describe_stopped(stopped: list[IlpResult]) -> str:
     solves = f"{len(stopped)} solve{'s' if len(stopped) > 1 else ''}"
     if searches:
         gap = max(r.gap for r in searches)
-        what = f"the plan is the best found, its predicted step within {gap:.2%} of the best bound"
+        what = f"the plan is the best found, its predicted step within {gap:.2%} of the best bound" \
+            if math.isfinite(gap) else "the plan is the best found (no bound on the optimum was reached in time)"
     else:
         what = "the plan is optimal, but its choice among equally good plans was not finished"
     return (f"the sharding ILP stopped early in {solves} (time limit {limits} s; past a quarter of it, a plan within "
