@@ -1,4 +1,4 @@
-"""The plans people write by hand, as hints and options `parallelize` takes: DDP, FSDP, FSDP x TP, TP x SP
+"""The plans people write by hand, as hints and options `parallelize` takes: DDP, FSDP, DDP x TP (Megatron), FSDP x TP, TP x SP
 (Megatron-SP), FSDP x TP x PP, TP x CP and EP inside dp. Each is built for a model from its roles
 (autoshard/catalogue/roles.py) and a mesh's axes, so the same plan is written for the zoo's models and for
 transformers' families; the planner's search compares its own plan with every one that applies
@@ -27,7 +27,7 @@ from autoshard.catalogue.roles import ModelRoles, model_roles
 from autoshard.frontend.trace import trace
 from autoshard.ir.mesh import Mesh
 
-CATALOGUE = ("ddp", "fsdp", "fsdp_tp", "tp_sp", "fsdp_tp_pp", "tp_cp", "ep_dp")
+CATALOGUE = ("ddp", "fsdp", "dp_tp", "fsdp_tp", "tp_sp", "fsdp_tp_pp", "tp_cp", "ep_dp")
 
 
 class NotApplicable(ValueError):
@@ -142,6 +142,22 @@ def fsdp(roles: ModelRoles, mesh: Mesh, batch: int, n_inputs: int = 1, axes: tup
     shard = _zero_axis(mesh, axes)
     kind = "FSDP (ZeRO-3)" if len(axes) == 1 else f"HSDP: ZeRO-3 over {shard}, replicated over the rest of"
     return HandPlan("fsdp", f"{kind} {' x '.join(axes)}", mesh, plan.hints, zero={shard: 3})
+
+
+def dp_tp(roles: ModelRoles, mesh: Mesh, batch: int, n_inputs: int = 1, tp: str = "tp",
+          axes: tuple | None = None) -> HandPlan:
+    """Megatron tensor parallel over `tp`, data parallel (DDP) over the batch axes: Megatron-LM's original layout,
+    parameters replicated over the batch axes (the memory ladder adds ZeRO where the budget needs it, as Megatron's
+    distributed optimizer does).
+
+    >>> plan = dp_tp(roles, mesh, batch=8)
+    >>> plan.hints["layers.*.attn.q.weight"], plan.hints["input:0"], "zero" in plan.options
+    ({'tp': 'S(0)'}, {'dp': 'S(0)'}, False)
+    """
+    tp = _axis(mesh, tp, "tensor parallelism")
+    axes = tuple(axes or [a for a, n in zip(mesh.names, mesh.shape) if n > 1 and a != tp])
+    hints = {**_batch_hints(mesh, axes, batch, n_inputs), **_megatron_hints(roles, mesh, tp)}
+    return HandPlan("dp_tp", f"DDP over {' x '.join(axes)} x Megatron TP over {tp}", mesh, hints)
 
 
 def fsdp_tp(roles: ModelRoles, mesh: Mesh, batch: int, n_inputs: int = 1, tp: str = "tp",

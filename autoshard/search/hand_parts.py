@@ -20,7 +20,7 @@ then can it be the plan returned (building a Plan of Llama 3 70B takes a second)
 ...     result = shape_result((2, 2), plan_with_hand_plans(request.replace(mesh=autoshard.Mesh((2, 2)))), 0.0, False)
 >>> tasks = hand_tasks(request, result, result.step)
 >>> [task[1] for task in tasks]
-['ddp', 'fsdp', 'fsdp_tp', 'tp_sp']
+['ddp', 'fsdp', 'dp_tp', 'fsdp_tp', 'tp_sp']
 >>> comparison = compared_hand_plans(result, [plan_hand_part(request, False, task) for task in tasks])
 >>> [row["name"] for row in comparison.record][:2], comparison.chosen
 (['automatic', 'ddp'], 'automatic')
@@ -101,7 +101,7 @@ def hand_tasks(request: CompileRequest, result: ShapeResult, to_beat: float) -> 
 def plan_hand_part(request: CompileRequest, keep_program: bool, task: tuple) -> HandPart:
     """One task of `hand_tasks` planned (a worker's task: the Program stays behind unless `keep_program`).
 
-    >>> part = plan_hand_part(request, False, tasks[2])
+    >>> part = plan_hand_part(request, False, tasks[3])
     >>> part.name, [row["name"] for row in part.rows], part.chosen
     ('fsdp_tp', ['fsdp_tp'], 'fsdp_tp')
     """

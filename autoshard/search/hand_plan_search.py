@@ -6,8 +6,10 @@ When a hand plan cannot win, it is not planned. The ILP over every mesh axis at 
 placements a hand plan pins (its prices are predict's: a data-parallel plan's gradient sync included, priced on
 the bucket that plan syncs, `collective_time.grad_sync_time`; a full bucket's share at the fitted line once made
 the zoo GPT-2's automatic plan 10% slower than data parallelism on a calibrated profile), so a hand plan wins only
-through what that ILP does not weigh: ZeRO-3 (chosen by the memory budget, not by the objective), or the greedy
-order of a solve axis by axis. So the hand plans are
+through what that ILP does not weigh: ZeRO-3 (chosen by the memory budget, not by the objective), the greedy
+order of a solve axis by axis, or a budget-bound joint ILP its time limit stopped (the zoo Llama on (2, 4) under
+the Megatron plan's memory: 80k columns, the search at 0.356 ms after 17 s and 0.308 ms after 150 s, where DDP x
+Megatron TP predicts 0.302 ms). So the hand plans are
 planned when the ILP solved the axes one after another, when the plan needed a memory saver, or when its
 memory is more than half the budget (the budget may have kept the ILP from its unbounded optimum); a hand plan
 whose parameters alone cannot fit the budget is refused without planning. Every candidate, planned or not, is
@@ -19,7 +21,7 @@ recorded in `plan.search["hand_plans"]` with its predicted step and memory or wh
 >>> prog = autoshard.parallelize(model, (2, 2), inputs, loss_fn=loss_fn, axis_names=("dp", "tp"),
 ...                              memory_budget=1.2e6)  # the plan takes 0.71 MB: the budget may bind
 >>> [(c["name"], c["predicted_step_s"] >= prog.plan.predicted.step_time_s) for c in prog.plan.search["hand_plans"]]
-[('automatic', True), ('ddp', True), ('fsdp', True), ('fsdp_tp', True), ('tp_sp', True)]
+[('automatic', True), ('ddp', True), ('fsdp', True), ('dp_tp', True), ('fsdp_tp', True), ('tp_sp', True)]
 """
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ def hand_candidates(request: CompileRequest, recompute_automatic: bool) -> list:
 
     >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("dp", "tp")), inputs, loss_fn=loss_fn)
     >>> [name for name, _, _ in hand_candidates(request, recompute_automatic=True)]
-    ['automatic + recomputation', 'ddp', 'fsdp', 'fsdp_tp', 'tp_sp']
+    ['automatic + recomputation', 'ddp', 'fsdp', 'dp_tp', 'fsdp_tp', 'tp_sp']
     """
     first = [(AUTO_RECOMPUTE, None, "")] if recompute_automatic else []
     return first + applicable_hand_plans(request)
@@ -236,7 +238,7 @@ def applicable_hand_plans(request: CompileRequest) -> list:
     >>> from autoshard.frontend.request import CompileRequest
     >>> request = CompileRequest(model, autoshard.Mesh((2, 2), ("dp", "tp")), inputs, loss_fn=loss_fn)
     >>> [(name, plan is not None) for name, plan, _ in applicable_hand_plans(request)]
-    [('ddp', True), ('fsdp', True), ('fsdp_tp', True), ('tp_sp', True)]
+    [('ddp', True), ('fsdp', True), ('dp_tp', True), ('fsdp_tp', True), ('tp_sp', True)]
     """
     mesh = request.mesh
     traced, fold = trace_for_plan(request, None, request.options)
@@ -246,6 +248,7 @@ def applicable_hand_plans(request: CompileRequest) -> list:
     tp = "tp" if "tp" in mesh.names else next(a for a, n in reversed(list(zip(mesh.names, mesh.shape))) if n > 1)
     builders = {"ddp": lambda: catalogue.ddp(roles, mesh, batch, len(inputs)),
                 "fsdp": lambda: catalogue.fsdp(roles, mesh, batch, len(inputs)),
+                "dp_tp": lambda: catalogue.dp_tp(roles, mesh, batch, len(inputs), tp=tp),
                 "fsdp_tp": lambda: catalogue.fsdp_tp(roles, mesh, batch, len(inputs), tp=tp),
                 "tp_sp": lambda: catalogue.tp_sp(roles, mesh, batch, len(inputs), tp=tp)}
     if roles.experts:

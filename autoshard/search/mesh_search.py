@@ -5,8 +5,10 @@ Each candidate is an unnamed mesh, so everything else is the compiler's usual se
 its role (data, tensor, sequence, expert parallelism; a degree may span several axes, e.g. data parallelism over
 two), the pipeline search decides whether one axis pipelines and with how many micro-batches, and the memory
 ladder adds ZeRO and recomputation where the budget needs them. The hand-plan catalogue (FSDP x TP, Megatron-SP,
-EP inside dp, ...) is compared with the automatic plan on the kept shape and on every shape whose flat automatic
-plan comes within `HAND_PLAN_REACH` of the best step (not on every shape: it took a third of the search's time).
+EP inside dp, ...) is compared with the automatic plan on every shape whose flat automatic plan comes within
+`HAND_PLAN_REACH` of the best step, the kept one first (not on every shape: it took a third of the search's time; nor
+on the kept shape when its pipeline is far faster than its flat plans can be: `plan.search["hand_plans_not_compared"]`
+says so).
 The first `FIRST_SHAPES` shapes are planned first; the others' pipeline searches then skip a re-plan or a schedule
 that cannot beat the best step among those (`step_to_beat`: on Llama 3 8B over 64 devices 48.9 -> 37.7 s of
 planning work, the same plan), and their rows say so (`bounded_by_s`). Every candidate's figures are kept
@@ -198,6 +200,8 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh, pipe
         result.row.update(_row_figures(hand))
         if hand.step < best.step:  # the shape's warnings, then its hand plan's (told once each)
             best, best_caught = hand, caught[result.shape] + comparison.caught
+    if kept not in reach and kept.flat_step is not None:
+        kept.plan["search"] = _hand_plans_out_of_reach(kept)
     rows = [result.row for result in results]
     prog = best.program if best.program is not None else _applied(request, best, compile_on_mesh)
     tell(best_caught)
@@ -210,8 +214,11 @@ def plan_on_devices(request: CompileRequest, devices: int, compile_on_mesh, pipe
 
 def _kept_and_reach(results: list) -> tuple:
     """(the shape kept: the fastest predicted step, the first on a tie; the shapes the hand plans are compared on:
-    the kept one and each whose flat automatic plan is within HAND_PLAN_REACH of its step, the kept one first). When
-    no shape fits, the refusal with the smallest footprint is raised."""
+    each whose flat automatic plan is within HAND_PLAN_REACH of the kept step, the kept one first). The kept shape
+    itself is out of reach when its step is a pipeline's far below its flat plan's: a flat hand plan would have to
+    beat that flat plan by more than they ever have (Llama 3 8B over 64 devices: its pipeline 0.667 s, its flat plan
+    1.10 s; four hand compiles, 5.6 CPU s of 52, were planned for nothing). When no shape fits, the refusal with the
+    smallest footprint is raised."""
     fitting = [result for result in results if result.error is None]
     if not fitting:
         errors = [result.error for result in results]
@@ -219,7 +226,7 @@ def _kept_and_reach(results: list) -> tuple:
         raise min(memory, key=lambda e: e.minimum) if len(memory) == len(errors) else errors[0]
     kept = min(fitting, key=lambda result: result.step)
     reach = [result for result in fitting if result.flat_step is not None
-             and (result is kept or result.flat_step <= HAND_PLAN_REACH * kept.step)]
+             and result.flat_step <= HAND_PLAN_REACH * kept.step]
     return kept, sorted(reach, key=lambda result: result is not kept)
 
 
@@ -418,6 +425,19 @@ def _hand_tasks(request: CompileRequest, result: ShapeResult, listed: dict | Non
 
 def _row_figures(result: ShapeResult) -> dict:
     return {k: result.row[k] for k in ("predicted_step_s", "memory_bytes_per_rank", "plan")}
+
+
+def _hand_plans_out_of_reach(result: ShapeResult) -> dict:
+    """The search record of a kept shape whose hand plans were not compared (`_kept_and_reach`), saying why.
+
+    >>> record = {"hand_plans_deferred": {}, "why": "pipelined over axis 'a0'"}
+    >>> _hand_plans_out_of_reach(ShapeResult((8, 8), {}, 0.667, {"search": record}, None, 1.1))["hand_plans_not_compared"]
+    'the flat automatic plan on this mesh predicts 1.1 s, above 1.25 x the kept step 0.667 s'
+    """
+    search = {k: v for k, v in result.plan["search"].items() if k != "hand_plans_deferred"}
+    return {**search, "hand_plans_not_compared": f"the flat automatic plan on this mesh predicts "
+                                    f"{result.flat_step:.3g} s, above {HAND_PLAN_REACH} x the kept step "
+                                    f"{result.step:.3g} s"}
 
 
 def _with_hand_plans(result: ShapeResult, comparison: HandComparison, hand_search: dict | None = None) -> dict:
