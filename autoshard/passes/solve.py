@@ -45,6 +45,7 @@ from autoshard.cost.pipeline_schedule import activation_share, param_share
 from autoshard.cost.saved_tensors import kept_split
 from autoshard.cost.zero_cost import memory_scale
 from autoshard.ir import meta
+from autoshard.ir.errors import AutoshardError
 from autoshard.ir.placement import Replicate, Shard
 from autoshard.passes.choice import (
     joint_candidates,
@@ -55,7 +56,7 @@ from autoshard.passes.contract import compiler_pass
 from autoshard.passes.ilp_costs import SCALE, ilp_costs
 from autoshard.passes.memory_fit import MemorySavers, fit_memory, planned_dropped
 from autoshard.passes.zero import planned_zero
-from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
+from autoshard.solver.errors import MemoryBudgetError
 from autoshard.solver.ilp import solve_ilp
 from autoshard.solver.layers import layer_key
 from autoshard.solver.problem import IlpProblem
@@ -153,12 +154,13 @@ def _solve_sequential(nodes, state, models, semi_auto, split, shared: _SharedPar
 
 def _axis_by_axis(nodes, state, models, semi_auto, split, shared) -> dict | None:
     """The plan of the axes solved one after another (each node's strategy per axis), or None when that finds none
-    within the budget or the time limit: the joint ILP's first incumbent when its search must branch (a binding
-    budget), so that however early its time limit stops it, its plan is no worse than this one."""
+    (the budget, the time limit, or a hint an earlier axis cannot leave room for): the joint ILP's first incumbent
+    when its search must branch (a binding budget), so that however early its time limit stops it, its plan is no
+    worse than this one."""
     stats = state.ilp_stats
     try:
         return _solve_sequential(nodes, state, models, semi_auto, split, shared)
-    except (MemoryBudgetError, IlpTimeLimitError):
+    except AutoshardError:  # no start: the joint search stands alone, as it does when it needs none
         return None
     finally:
         state.ilp_stats = stats
