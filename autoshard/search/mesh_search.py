@@ -218,7 +218,13 @@ def _kept_and_reach(results: list) -> tuple:
     itself is out of reach when its step is a pipeline's far below its flat plan's: a flat hand plan would have to
     beat that flat plan by more than they ever have (Llama 3 8B over 64 devices: its pipeline 0.667 s, its flat plan
     1.10 s; four hand compiles, 5.6 CPU s of 52, were planned for nothing). When no shape fits, the refusal with the
-    smallest footprint is raised."""
+    smallest footprint is raised.
+
+    >>> piped, flat = ShapeResult((8, 8), {}, 0.667, flat_step=1.10), ShapeResult((16, 4), {}, 0.8, flat_step=0.8)
+    >>> kept, reach = _kept_and_reach([piped, flat])
+    >>> kept.shape, [result.shape for result in reach]  # 0.8 <= 1.25 x 0.667; 1.10 is not
+    ((8, 8), [(16, 4)])
+    """
     fitting = [result for result in results if result.error is None]
     if not fitting:
         errors = [result.error for result in results]

@@ -20,7 +20,6 @@ import math
 import time
 from collections.abc import Callable
 
-
 from autoshard.solver.errors import IlpTimeLimitError, MemoryBudgetError
 from autoshard.solver.lp_bounds import fix_to_zero, memory_floor, plan_read_off
 from autoshard.solver.model import IlpModel, build_model
