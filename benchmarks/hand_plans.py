@@ -82,6 +82,7 @@ def _hand_plans(model, inputs, loss_fn, mesh: autoshard.Mesh):
         flat, builders = mesh, {}
     builders.update({"ddp": lambda: catalogue.ddp(roles, flat, batch, n),
                      "fsdp": lambda: catalogue.fsdp(roles, flat, batch, n),
+                     "dp_tp": lambda: catalogue.dp_tp(roles, flat, batch, n),
                      "fsdp_tp": lambda: catalogue.fsdp_tp(roles, flat, batch, n),
                      "tp_sp": lambda: catalogue.tp_sp(roles, flat, batch, n),
                      "tp_cp": lambda: catalogue.tp_cp(roles, autoshard.Mesh(flat.shape, ("cp",) + flat.names[1:]),

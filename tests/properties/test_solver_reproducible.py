@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 from fuzzing import fuzz_settings
 from hypothesis import given
@@ -98,19 +99,35 @@ def test_a_budgeted_solve_breaks_its_ties_whatever_the_presolve():
     """A Llama-3-70B solve under its memory budget (one of 44 in planning it over 512 devices, its problem saved):
     HiGHS declared the optimum handed over as the tie-breaking solve's incumbent optimal when its presolve ran,
     where a tied plan ranks first (tie order 181.2 against 172.1); both presolve settings find that plan."""
-    saved = json.loads(gzip.decompress((DATA / "ilp_tie_from_incumbent.json.gz").read_bytes()))
-    problem = IlpProblem(saved["sizes"], saved["costs"], {(c, d): m for c, d, m in saved["edges"]}, saved["memory"],
-                         saved["budget"], [(cost, [[tuple(pick) for pick in group] for group in groups])
-                                           for cost, groups in saved["shared"]],
-                         conjunctions=[(cost, _terms(terms)) for cost, terms in saved["conjunctions"]],
-                         edge_memory={(c, d): m for c, d, m in saved["edge_memory"]},
-                         memory_charges=[(nbytes, _terms(terms)) for nbytes, terms in saved["memory_charges"]])
+    problem = _saved_problem("ilp_tie_from_incumbent.json.gz")
     choices = []
     for options in ({}, {"presolve": "off"}):
         with highs_options(**options):
             choices.append(solve_ilp(problem).choice)
     assert choices[0] == choices[1]
     assert round(sum(tie_order(problem)[c][s] for c, s in enumerate(choices[0])), 3) == 172.121
+
+
+def test_a_solve_started_from_a_plan_ties_on_the_plans_own_objective():
+    """Llama 3 70B's FSDP x TP on (8, 8, 8), the budget-bound rung (its problem saved): started from the plan read off
+    its relaxation, HiGHS reported an objective 0.6% below its own columns', the tie row built on that refused the
+    optimum, and the rung was refused (the memory ladder recomputed 46 layers for an 8% slower plan). The optimum
+    and its tie-break stand whatever HiGHS reports."""
+    problem = _saved_problem("ilp_objective_from_incumbent.json.gz")
+    result = solve_ilp(problem)
+    assert result.stopped == "" and problem.evaluate_memory(result.choice) <= problem.budget
+    assert result.objective == pytest.approx(2890122.5937, rel=1e-9)
+
+
+def _saved_problem(name: str) -> IlpProblem:
+    """A saved sharding ILP (tests/data, gzipped JSON of IlpProblem's fields)."""
+    saved = json.loads(gzip.decompress((DATA / name).read_bytes()))
+    return IlpProblem(saved["sizes"], saved["costs"], {(c, d): m for c, d, m in saved["edges"]}, saved["memory"],
+                      saved["budget"], [(cost, [[tuple(pick) for pick in group] for group in groups])
+                                        for cost, groups in saved["shared"]],
+                      conjunctions=[(cost, _terms(terms)) for cost, terms in saved["conjunctions"]],
+                      edge_memory={(c, d): m for c, d, m in saved["edge_memory"]},
+                      memory_charges=[(nbytes, _terms(terms)) for nbytes, terms in saved["memory_charges"]])
 
 
 def _terms(terms) -> list:
