@@ -82,8 +82,8 @@ def compute_parts(node, split: int, profile, has_grad: bool = True) -> tuple[flo
     the matmul rate of its dtype, attention's rate for attention, for matmul-like ops; output bytes over the
     memory bandwidth for the rest) plus the profile's fixed cost of the op (`HardwareProfile.fixed_costs`), and of
     autograd recording it when its output has a gradient (`has_grad`); backward then twice the work plus the fixed
-    cost of its backward, else nothing. A view moves no data: it costs the profile's fixed costs of a view; an item of a multi-output op
-    (`operator.getitem`, Python indexing in the rank program) costs nothing.
+    cost of its backward, else nothing. A view moves no data: it costs the profile's fixed costs of a view; an item
+    of a multi-output op (`operator.getitem`, Python indexing in the rank program) costs nothing.
 
     >>> compute_parts(linear, 1, HardwareProfile()) == (2 * 8 * 4 * 8 / 3e14, 2 * 2 * 8 * 4 * 8 / 3e14)
     True

@@ -214,9 +214,11 @@ def _solve_axes(nodes, axes, combos, choices, state, models, semi_auto, split, o
         picked = []
         for members in classes:
             wanted = {tuple(found[n][a] for a in axes) for n in members}
-            index = next((i for i, combo in enumerate(combos[members[0]])
-                          if len(wanted) == 1 and tuple(combo[a] for a in axes) in wanted), None)
-            if index is None:  # tied copies that plan apart, or a combination the ILP lacks
+            if len(wanted) > 1:  # tied copies that plan apart
+                return None
+            index = next((i for i, combo in enumerate(combos[members[0]]) if tuple(combo[a] for a in axes) in wanted),
+                         None)
+            if index is None:  # a combination the ILP lacks
                 return None
             picked.append(index)
         return picked

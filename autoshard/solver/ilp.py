@@ -113,11 +113,12 @@ def _solve(problem: IlpProblem, options: dict, clock: SolveClock, start=None) ->
         _set_incumbent(model, [read_off, start() if start is not None else None])
         finished = run_highs(h, problem, clock, enough=GOOD_ENOUGH_GAP)
         values = h.getSolution().col_value
+    optimum = model.choice(values)
+    if not integral:
         # The plan's own objective, not HiGHS's report: started from a handed incumbent, HiGHS (1.16) reports one
         # 0.6% below its columns' (Llama 3 70B's FSDP x TP on (8, 8, 8)), and the tie row built on it then refused
         # the optimum itself: a rung refused, the ladder recomputing 46 layers for an 8% slower plan
-        objective = problem.evaluate(model.choice(values))
-    optimum = model.choice(values)
+        objective = problem.evaluate(optimum)
     if not finished:  # the best plan found; no time is left to choose among ties
         return _result(model, clock, optimum, "search", _gap(objective, h.getInfo().mip_dual_bound, relaxed))
     # where the first relaxation was fractional (a binding budget) the tie-breaking one is too: not tried

@@ -105,7 +105,8 @@ class IlpModel:
                                                             for group in groups), default=0.0))
         for i, (cost, terms) in enumerate(problem.conjunctions):
             indicators = held(terms)
-            values[layout.conjunction_start + i] = min(1.0, sum(indicators) if cost < 0 else max(indicators, default=0.0))
+            held_once = sum(indicators) if cost < 0 else max(indicators, default=0.0)  # a refund: at the most
+            values[layout.conjunction_start + i] = min(1.0, held_once)
         for i, (_, terms) in enumerate(self.charges):
             values[layout.charge_start + i] = min(1.0, max(held(terms), default=0.0))
         return values
