@@ -29,6 +29,7 @@ from autoshard.solver.session import current_session, highs_overrides, problem_d
 from autoshard.solver.tie_break import break_ties, tie_bound
 from autoshard.solver.time_limit import (
     GOOD_ENOUGH_GAP,
+    MIP_SEARCH_MAX_COLUMNS,
     SolveClock,
     default_time_limit,
     run_highs,
@@ -43,7 +44,8 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None,
     candidate per class, or None) some cheaper way; it is called only when the MIP must search, and the better of
     its plan and the one read off the relaxation is the search's first incumbent: a search the time limit stops
     returns a plan at least that good (a budget-bound joint ILP of 80k columns found none in 17 s, or one 12x
-    slower than the axis-by-axis plan).
+    slower than the axis-by-axis plan). Under the default time limit a MIP over more than `MIP_SEARCH_MAX_COLUMNS`
+    columns is not searched: that plan is the answer (`IlpResult.stopped` "size").
 
     A memory budget the cheapest choice exceeds forces the other one:
 
@@ -68,10 +70,11 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None,
         if isinstance(outcome, Exception):
             raise outcome
     else:
-        limit = options.pop("time_limit", None) or (session.time_limit if session is not None else None) \
-            or default_time_limit(problem)
+        given = options.pop("time_limit", None) or (session.time_limit if session is not None else None)
+        limit = given or default_time_limit(problem)
         try:
-            outcome = _solve(problem, options, SolveClock(time.perf_counter(), float(limit)), start)
+            outcome = _solve(problem, options, SolveClock(time.perf_counter(), float(limit)), start,
+                             search_any_size=given is not None)
         except (MemoryBudgetError, IlpTimeLimitError) as error:
             if key is not None:
                 session.solved[key] = error
@@ -83,8 +86,10 @@ def solve_ilp(problem: IlpProblem, options: dict | None = None,
     return outcome
 
 
-def _solve(problem: IlpProblem, options: dict, clock: SolveClock, start=None) -> IlpResult:
-    """solve_ilp's work: the optimum, then the canonical plan among the ties, within the clock's limit."""
+def _solve(problem: IlpProblem, options: dict, clock: SolveClock, start=None,
+           search_any_size: bool = False) -> IlpResult:
+    """solve_ilp's work: the optimum, then the canonical plan among the ties, within the clock's limit (a MIP over
+    more than MIP_SEARCH_MAX_COLUMNS searched only when `search_any_size`: the time limit was given)."""
     if problem.budget is not None and problem.memory and sum(min(per) for per in problem.memory) > problem.budget:
         raise MemoryBudgetError(problem)  # even the smallest candidate of every class is too big: no need to solve
     model = build_model(problem, options)
@@ -96,8 +101,9 @@ def _solve(problem: IlpProblem, options: dict, clock: SolveClock, start=None) ->
         raise MemoryBudgetError(problem)
     h = model.highs
     # The LP relaxation runs without presolve: on these 0/1 assignment problems it spent longer than it saved (zoo and
-    # transformers models: solver time 18.9 s -> 10.5 s over 22 plans, plans byte-identical, when those ran the MIP).
-    h.setOptionValue("presolve", options.get("presolve", "off"))
+    # transformers models: solver time 18.9 s -> 10.5 s over 22 plans, plans byte-identical, when those ran the MIP);
+    # past MIP_SEARCH_MAX_COLUMNS it pays (the zoo Llama's 80k-column joint ILP on (2, 2): 7.0 -> 5.2 s).
+    h.setOptionValue("presolve", options.get("presolve", "on" if model.n_var > MIP_SEARCH_MAX_COLUMNS else "off"))
     relaxed = solve_relaxation(model, clock)
     # The MIP and the tie-breaking solves are presolved: it drops the columns fixed to 0 (Llama 3 70B's 104 solves:
     # 48 -> 43 s presolved, 39-42 s with the columns fixed below; the same plans).
@@ -107,10 +113,13 @@ def _solve(problem: IlpProblem, options: dict, clock: SolveClock, start=None) ->
         finished, objective, values = True, relaxed.objective, relaxed.values
     else:
         read_off = _fix_beyond_a_plan(model, relaxed) if relaxed is not None else None
+        first = _best_plan(model, [read_off, start() if start is not None else None])
+        if first is not None and model.n_var > MIP_SEARCH_MAX_COLUMNS and not search_any_size:
+            return _result(model, clock, first, "size", _gap(problem.evaluate(first), -math.inf, relaxed))
         # Afresh: after the relaxation's basis the MIP took 0.7-0.9 s where it takes 0.4 (two of the 70B's
         # budget-bound solves), and HiGHS skips presolve.
         h.clearSolver()
-        _set_incumbent(model, [read_off, start() if start is not None else None])
+        _set_incumbent(model, first)
         finished = run_highs(h, problem, clock, enough=GOOD_ENOUGH_GAP)
         values = h.getSolution().col_value
     optimum = model.choice(values)
@@ -149,27 +158,38 @@ def _fix_beyond_a_plan(model: IlpModel, relaxed: Relaxation) -> list[int] | None
     return choice
 
 
-def _set_incumbent(model: IlpModel, plans: list) -> None:
-    """Hand the MIP the cheapest of `plans` (one candidate per class each, or None) that is a plan (within the
-    budget, no forbidden pair) as its first incumbent, every column set (HiGHS completes a partial start by a
-    sub-MIP, which a short time limit stops before it holds a plan). The MIP then ends with a plan at least that
-    good, however early its time limit stops it.
+def _best_plan(model: IlpModel, plans: list) -> list[int] | None:
+    """The cheapest of `plans` (one candidate per class each, or None) that is a plan (within the budget, no
+    forbidden pair), the first on a tie; None when none is.
 
     >>> from autoshard.solver.model import build_model
     >>> model = build_model(IlpProblem(sizes=[2, 2], costs=[[1.0, 3.0], [0.0, 0.0]], memory=[[100.0, 10.0], [1.0, 1.0]],
     ...                                budget=50.0), {})
-    >>> _set_incumbent(model, [None, [0, 0], [1, 1]])  # [0, 0] breaks the budget: the columns of [1, 1] are set
-    >>> model.highs.getSolution().col_value
-    [0.0, 1.0, 0.0, 1.0]
+    >>> _best_plan(model, [None, [0, 0], [1, 1]])  # [0, 0] breaks the budget
+    [1, 1]
     """
     problem = model.problem
     plans = [p for p in plans if p is not None and len(p) == problem.n_classes
              and all(model.allowed[c][s] for c, s in enumerate(p)) and math.isfinite(problem.evaluate(p))
              and (problem.budget is None or problem.evaluate_memory(p) <= problem.budget)]
-    if not plans:
+    return min(plans, key=problem.evaluate) if plans else None
+
+
+def _set_incumbent(model: IlpModel, plan: list[int] | None) -> None:
+    """Hand the MIP `plan` (one candidate per class, from `_best_plan`; None: nothing) as its first incumbent, every
+    column set (HiGHS completes a partial start by a sub-MIP, which a short time limit stops before it holds a plan).
+    The MIP then ends with a plan at least that good, however early its time limit stops it.
+
+    >>> from autoshard.solver.model import build_model
+    >>> model = build_model(IlpProblem(sizes=[2, 2], costs=[[1.0, 3.0], [0.0, 0.0]]), {})
+    >>> _set_incumbent(model, [1, 1])
+    >>> model.highs.getSolution().col_value
+    [0.0, 1.0, 0.0, 1.0]
+    """
+    if plan is None:
         return
     start = model.highs.getSolution()
-    start.col_value = model.columns_of(min(plans, key=problem.evaluate))
+    start.col_value = model.columns_of(plan)
     model.highs.setSolution(start)
 
 

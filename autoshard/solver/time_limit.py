@@ -34,6 +34,13 @@ TIME_LIMIT_MAX_S = 60.0
 SOFT_LIMIT_SHARE = 0.25
 SOFT_LIMIT_MIN_S = 5.0
 GOOD_ENOUGH_GAP = 0.02
+# Under the default time limit, a MIP over more columns than this (a binding memory budget: its relaxation is
+# fractional) is not searched: its start plan is the answer. At that size HiGHS does not finish in the limit and ends
+# where it started (2 cores): the zoo Llama on (2, 2) under the Megatron plan's memory, a joint ILP of 80,366 columns,
+# spent its 17.6 s limit (6.9 s of it the relaxation) and returned the axis-by-axis plan it was handed; a catalogue
+# plan's joint ILP of 58,500 columns stopped at its 5 s soft limit on its start plan. The zoo GPT-2's of 29,837 columns
+# finds a plan 36% cheaper than its start in 12.9 s, and is searched. A planning call's ilp_time_limit searches any size.
+MIP_SEARCH_MAX_COLUMNS = 50_000
 
 
 def default_time_limit(problem: IlpProblem) -> float:
@@ -134,20 +141,39 @@ def run_highs(h, problem: IlpProblem, clock: SolveClock, mip: bool = True, enoug
 
 
 def describe_stopped(stopped: list[IlpResult]) -> str:
-    """What the plan's summary and the warning say of the solves (IlpResults) the time limit stopped.
+    """What the plan's summary and the warning say of the solves (IlpResults) the time limit stopped, or whose search
+    was not run at their size (`MIP_SEARCH_MAX_COLUMNS`).
 
     >>> print(describe_stopped([IlpResult([0], 1.0, 8, 6, "search", 0.0125, 10.02, 10.0)]))
     the sharding ILP stopped early in 1 solve (time limit 10 s; past a quarter of it, a plan within 2% of the best bound ends the search): the plan is the best found, its predicted step within 1.25% of the best bound; raise ilp_time_limit= (--ilp-time-limit) to search longer
+    >>> print(describe_stopped([IlpResult([0], 1.0, 80366, 23964, "size", 0.137, 7.1, 17.6)]))
+    the sharding ILP did not search 1 solve (80366 columns under a binding memory budget: more than 50000 do not finish in the default time limit): the plan is its start (the axes solved one after another, or the one read off the LP relaxation), its predicted step within 13.70% of the best bound; set ilp_time_limit= (--ilp-time-limit) to search it
     """
-    searches = [r for r in stopped if r.stopped == "search"]
-    limits = "/".join(f"{limit:.3g}" for limit in sorted({round(r.time_limit, 1) for r in stopped}))
-    solves = f"{len(stopped)} solve{'s' if len(stopped) > 1 else ''}"
-    if searches:
-        gap = max(r.gap for r in searches)
-        what = f"the plan is the best found, its predicted step within {gap:.2%} of the best bound" \
-            if math.isfinite(gap) else "the plan is the best found (no bound on the optimum was reached in time)"
-    else:
-        what = "the plan is optimal, but its choice among equally good plans was not finished"
-    return (f"the sharding ILP stopped early in {solves} (time limit {limits} s; past a quarter of it, a plan within "
-            f"{GOOD_ENOUGH_GAP:.0%} of the best bound ends the search): {what}; raise ilp_time_limit= "
-            "(--ilp-time-limit) to search longer")
+    parts = []
+    timed = [r for r in stopped if r.stopped != "size"]
+    if timed:
+        searches = [r for r in timed if r.stopped == "search"]
+        limits = "/".join(f"{limit:.3g}" for limit in sorted({round(r.time_limit, 1) for r in timed}))
+        if searches:
+            gap = max(r.gap for r in searches)
+            what = f"the plan is the best found, its predicted step within {gap:.2%} of the best bound" \
+                if math.isfinite(gap) else "the plan is the best found (no bound on the optimum was reached in time)"
+        else:
+            what = "the plan is optimal, but its choice among equally good plans was not finished"
+        parts.append(f"the sharding ILP stopped early in {_solves(timed)} (time limit {limits} s; past a quarter of it, "
+                     f"a plan within {GOOD_ENOUGH_GAP:.0%} of the best bound ends the search): {what}; raise "
+                     "ilp_time_limit= (--ilp-time-limit) to search longer")
+    unsearched = [r for r in stopped if r.stopped == "size"]
+    if unsearched:
+        gap = max(r.gap for r in unsearched)
+        columns = "/".join(str(n) for n in sorted({r.variables for r in unsearched}))
+        within = f", its predicted step within {gap:.2%} of the best bound" if math.isfinite(gap) else ""
+        parts.append(f"the sharding ILP did not search {_solves(unsearched)} ({columns} columns under a binding memory "
+                     f"budget: more than {MIP_SEARCH_MAX_COLUMNS} do not finish in the default time limit): the plan is "
+                     f"its start (the axes solved one after another, or the one read off the LP relaxation){within}; "
+                     "set ilp_time_limit= (--ilp-time-limit) to search it")
+    return "; ".join(parts)
+
+
+def _solves(results: list) -> str:
+    return f"{len(results)} solve{'s' if len(results) > 1 else ''}"

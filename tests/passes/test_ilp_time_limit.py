@@ -80,6 +80,25 @@ def test_a_start_plan_is_the_searchs_first_incumbent():
     assert solve_ilp(unbounded, start=start).choice == [0, 1] and not called
 
 
+def test_a_budget_bound_mip_over_the_size_limit_is_not_searched(monkeypatch):
+    """Over MIP_SEARCH_MAX_COLUMNS (lowered here to this problem's size) a fractional relaxation's MIP is not searched
+    under the default time limit: the start plan is the answer, said as stopped "size" with the relaxation's gap;
+    a time limit the call gives searches it (the zoo Llama on (2, 2) under the Megatron plan's memory: its 80k-column
+    joint ILP spent its 17.6 s limit and returned the plan it started from)."""
+    import autoshard.solver.ilp as ilp_module
+    problem = _problem()
+    smallest = [min(range(4), key=lambda s: per[s]) for per in problem.memory]
+    monkeypatch.setattr(ilp_module, "MIP_SEARCH_MAX_COLUMNS", 100)
+    kept = solve_ilp(problem, start=lambda: smallest)
+    searched = solve_ilp(problem, {"time_limit": 60.0}, start=lambda: smallest)
+    assert kept.stopped == "size" and kept.objective <= problem.evaluate(smallest) and 0 < kept.gap < 1
+    assert searched.stopped == "" and searched.objective < kept.objective
+    with solver_session(time_limit=60.0):  # parallelize(ilp_time_limit=...) opens this session
+        assert solve_ilp(problem, start=lambda: smallest).stopped == ""
+    from autoshard.solver.time_limit import describe_stopped
+    assert "did not search 1 solve" in describe_stopped([kept])
+
+
 def test_a_joint_ilp_stopped_early_keeps_the_axis_by_axis_plan(monkeypatch):
     """A joint ILP (every axis at once) whose search stops at once, as a time limit far too short for it would (the
     axis-by-axis solves it starts from keep their own limit), keeps the plan of the axes solved one after another
