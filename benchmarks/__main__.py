@@ -28,6 +28,7 @@ BENCHMARKS = [
     "planning_moe",      # 17. a Mixtral-8x22B-sized MoE on 256 H100s: devices= plan vs experts inside dp, planning time
     "prediction_accuracy",  # 18. after calibrate: predicted vs measured step per plan, and the planner's ranking (gloo)
     "rank_waits",        # 19. per rank: each phase, the least any rank paid, the ranks waiting for each other (gloo)
+    "planning_budgeted",  # 20. small models under a binding memory budget: planning time, large searches not run vs run
 ]
 
 
