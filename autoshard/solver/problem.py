@@ -95,7 +95,9 @@ class IlpProblem:
 class IlpResult:
     """The chosen candidate per class, the objective, the ILP's size, and whether its time limit stopped it:
     `stopped` is "" (solved exactly), "search" (the best plan found, `gap` its relative distance to the best
-    bound) or "ties" (optimal, the canonical choice among equally good plans not finished).
+    bound), "size" (a search too large for the default time limit not run: its start plan, `gap` as for "search";
+    autoshard/solver/time_limit.py MIP_SEARCH_MAX_COLUMNS) or "ties" (optimal, the canonical choice among equally
+    good plans not finished).
 
     >>> from autoshard.solver.ilp import solve_ilp
     >>> result = solve_ilp(problem)
