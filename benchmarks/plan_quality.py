@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 import autoshard
+from autoshard.ir.collective_table import TABLE
 from autoshard.runtime.launch import run_distributed
 from autoshard.zoo import gpt2, llama
 from autoshard.zoo.hints import plan_hints
@@ -31,19 +32,14 @@ MESHES = [((2,), ("tp",)), ((4,), ("tp",)), ((8,), ("tp",)), ((2, 2), ("dp", "tp
 QUICK_MESHES = [((2,), ("tp",))]
 TORCH_PLANS = ("torch Megatron (parallelize_module)", "DDP", "FSDP2 (fully_shard)")
 
-# Forward and backward collective kinds of each planned collective (the duality rule's backward).
-_PLANNED_KINDS = {"all_reduce": ("all_reduce", None), "grad_all_reduce": (None, "all_reduce"),
-                  "all_gather": ("all_gather", None), "chunk": (None, "all_gather"),
-                  "reduce_scatter": ("reduce_scatter", "all_gather"), "all_to_all": ("all_to_all", "all_to_all")}
-
-
 def predicted_bytes(plan) -> tuple[int, float]:
     """(logical bytes per step in the runtime's convention, ring wire bytes one rank sends) of a plan."""
     mesh = plan.mesh
     logical, wire = 0, 0.0
     for row in plan.collectives():
         k = mesh.shape[mesh.axis(row.axis)]
-        fwd_kind, bwd_kind = _PLANNED_KINDS[row.collective]
+        collective = TABLE[row.collective]  # the ring collective each direction runs (the duality rule's backward)
+        fwd_kind, bwd_kind = collective.forward, collective.backward
         logical += row.bytes_fwd + row.bytes_bwd
         wire += row.bytes_fwd * ring_factor(fwd_kind or "", k) + row.bytes_bwd * ring_factor(bwd_kind or "", k)
     for axis, per_phase in plan.predicted["comm_bytes_per_step"].items():
