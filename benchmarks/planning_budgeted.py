@@ -1,9 +1,8 @@
 """Benchmark 20, planning a small model under a binding memory budget: the zoo GPT-2 and Llama on (2, 2) and (2, 4)
 under the Megatron plan's predicted memory (the budget memory_accuracy's automatic rows plan under), planned as
 `parallelize` does by default and again with the sharding ILP's search run at every size under the same default time
-limits (autoshard/solver/time_limit.py MIP_SEARCH_MAX_COLUMNS raised past every ILP),
-side by side in one run: planning seconds, the plan's predicted step, and the solves whose search was not run or was
-stopped.
+limits (autoshard/solver/time_limit.py MIP_SEARCH_MAX_COLUMNS raised past every ILP), side by side in one run:
+planning seconds, the plan's predicted step, and the solves whose search was not run or was stopped.
 
 Target (issue 31, planning time): a budget-bound joint ILP too large to search in its time limit costs its
 relaxation, not its limit, and the plan is no worse than the searched one.
