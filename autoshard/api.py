@@ -91,8 +91,8 @@ def parallelize(model, mesh=None, example_inputs=None, hints=None, loss_fn=None,
     `prog.plan.search["why_mesh"]` says what it compared).
     `ilp_time_limit` bounds the seconds each sharding ILP searches (default: scaled to its size,
     autoshard/solver/time_limit.py); a search it stops gives the best plan found, which the plan's summary and a warning
-    say, with its optimality gap. Without it, a budget-bound search over more than 50,000 variables is not run (its
-    start plan is kept, and said so); with it, every search runs.
+    say, with its optimality gap. Without it, a budget-bound search over more than `MIP_SEARCH_MAX_COLUMNS` (the
+    same file) is not run (its start plan is kept, and said so); with it, every search runs.
 
     >>> [(r.collective, r.axis, r.path) for r in tp.plan.collectives()]  # tp: see the module docstring
     [('all_reduce', 'tp', 'layers.1')]

@@ -18,8 +18,7 @@ import autoshard
 import autoshard.solver.ilp
 from autoshard.zoo.hints import plan_hints
 
-from .memory_accuracy import FACTORIES
-from .plan_quality import SHAPES
+from .plan_quality import FACTORIES, SHAPES
 from .report import table, write_csv, write_section
 
 MESHES = ((2, 2), (2, 4))
